@@ -1,0 +1,82 @@
+"""Actions the controller sends to executors, and the results executors send back.
+
+An action may start only inside [earliest, latest]; an executor refuses one it cannot start in
+time (TOO_EARLY / TOO_LATE) without doing any work. Every result carries measured timings.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+from daemon.repository import ModelSpec
+from daemon.request import InferenceRequest
+
+
+class ActionKind(IntEnum):
+    LOAD = 1
+    INFER = 2
+    UNLOAD = 3
+
+
+class ResultStatus(IntEnum):
+    OK = 0
+    CANCELLED = 1
+    TOO_EARLY = 2
+    TOO_LATE = 3
+    FAILED = 4
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(slots=True, eq=False)
+class Action:
+    kind: ActionKind
+    model: ModelSpec
+    device: str
+    earliest: float
+    latest: float
+    expected_duration: float = 0.0
+    batch_size: int = 0  # INFER: the batch size run; the requests' samples fill its first slots
+    requests: list[InferenceRequest] = field(default_factory=list)
+    id: int = field(default_factory=lambda: next(_ids))
+    issued_at: float = 0.0
+    expected_start: float = 0.0
+
+    @property
+    def samples(self) -> int:
+        return sum(r.samples for r in self.requests)
+
+    def __lt__(self, other: Action) -> bool:  # executor queues are ordered by earliest start
+        return (self.earliest, self.id) < (other.earliest, other.id)
+
+    def __repr__(self) -> str:
+        extra = f" b={self.batch_size} n={self.samples}" if self.kind == ActionKind.INFER else ""
+        return (f"<{self.kind.name} #{self.id} {self.model.key} on {self.device}{extra} "
+                f"[{self.earliest:.6f}, {self.latest:.6f}]>")
+
+
+@dataclass(slots=True, eq=False)
+class Result:
+    action: Action
+    status: ResultStatus
+    received: float  # when the executor took the action
+    begin: float  # when it started (or was refused)
+    end: float
+    duration: float = 0.0  # device time of the work itself (CUDA events on GPUs)
+    outputs: tuple[np.ndarray, ...] | None = None  # INFER: one array per output, batch rows first
+    error: str = ""
+    weight_bytes: int = 0  # LOAD / UNLOAD: bytes placed or freed
+
+    @property
+    def ok(self) -> bool:
+        return self.status == ResultStatus.OK
+
+    @property
+    def lateness(self) -> float:
+        """How long after `earliest` the action started (negative never happens)."""
+        return self.begin - self.action.earliest

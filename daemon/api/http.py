@@ -1,0 +1,329 @@
+"""The HTTP frontend: KServe v2 / Open Inference Protocol with Triton's extensions, on aiohttp.
+
+It works unmodified with `tritonclient[http]`: JSON tensors and the binary tensor data
+extension both ways, errors as `{"error": "..."}` (tritonclient reads that key), no
+Content-Type required of the client. Routes match Triton's (the version is numeric).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from daemon import __version__
+from daemon.api.codec import WireTensor, assemble_inputs, check_shape, select_outputs, tensor_bytes
+from daemon.errors import (
+    BadRequest,
+    EscapementError,
+    NotImplementedByServer,
+    PayloadTooLarge,
+    message_of,
+    retry_after_of,
+    status_of,
+)
+from daemon.repository import ModelSpec
+from daemon.request import InferenceRequest
+
+if TYPE_CHECKING:
+    from daemon.server import Daemon
+
+log = logging.getLogger("escapement.http")
+
+HEADER_LEN = "Inference-Header-Content-Length"
+EXTENSIONS = ["binary_tensor_data", "model_repository", "schedule_policy", "model_configuration", "parameters"]
+_NUMPY = orjson.OPT_SERIALIZE_NUMPY
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(obj, option=_NUMPY), status=status, content_type="application/json",
+                        headers=headers)
+
+
+def error_response(exc: BaseException) -> web.Response:
+    status = status_of(exc)
+    headers = None
+    retry = retry_after_of(exc)
+    if retry is not None:
+        headers = {"Retry-After": str(max(1, round(retry)))}
+    return json_response({"error": message_of(exc)}, status, headers)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except EscapementError as e:
+        if e.status >= 500 and e.status != 503:
+            log.error("%s %s: %s", request.method, request.path, e.message)
+        return error_response(e)
+    except web.HTTPRequestEntityTooLarge as e:
+        return error_response(PayloadTooLarge(f"request body over the limit of {e.max_size} bytes "
+                                              "(server.max_body_bytes)"))
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        reason = {404: "Not Found", 405: "Method Not Allowed"}.get(e.status, e.reason)
+        return json_response({"error": reason}, e.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:
+        log.exception("%s %s failed", request.method, request.path)
+        return error_response(e)
+
+
+def _parse_json(raw: bytes | memoryview, what: str) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise BadRequest(f"malformed JSON in {what}: {e}") from None
+
+
+class HttpFrontend:
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.app = web.Application(client_max_size=daemon.settings.server.max_body_bytes,
+                                   middlewares=[errors_middleware], handler_args={"max_field_size": 16384})
+        r = self.app.router
+        r.add_get("/v2", self.server_metadata)
+        r.add_get("/v2/health/live", self.live)
+        r.add_get("/v2/health/ready", self.ready)
+        for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version:[0-9]+}"):
+            r.add_get(base, self.model_metadata)
+            r.add_get(base + "/ready", self.model_ready)
+            r.add_get(base + "/config", self.model_config)
+            r.add_post(base + "/infer", self.infer)
+        r.add_post("/v2/repository/index", self.repository_index)
+        r.add_post("/v2/repository/{repo}/index", self.named_repository)
+        self.runner: web.AppRunner | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self, host: str, port: int) -> int:
+        self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
+                                    handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port, backlog=1024, reuse_address=True)
+        await site.start()
+        server = site._server  # the bound port, when 0 asked the kernel for one
+        sockets = getattr(server, "sockets", None) or []
+        return int(sockets[0].getsockname()[1]) if sockets else port
+
+    async def stop_listening(self) -> None:
+        if self.runner is not None:
+            for site in list(self.runner.sites):
+                await site.stop()
+
+    async def close(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    # ---------------------------------------------------------------- server
+
+    async def server_metadata(self, request: web.Request) -> web.Response:
+        return json_response({"name": "escapement", "version": __version__, "extensions": EXTENSIONS})
+
+    async def live(self, request: web.Request) -> web.Response:
+        return json_response({"live": True})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        ok = self.daemon.is_ready()
+        return json_response({"ready": ok}, 200 if ok else 503)
+
+    # ---------------------------------------------------------------- models
+
+    def _entry(self, request: web.Request) -> Any:
+        return self.daemon.registry.entry(request.match_info["model"], request.match_info.get("version"))
+
+    async def model_metadata(self, request: web.Request) -> web.Response:
+        entry = self._entry(request)
+        spec: ModelSpec = entry.spec
+        if "version" in request.match_info:
+            versions = [str(spec.version)]
+        else:
+            versions = [str(v) for v in sorted(self.daemon.registry.versions(spec.name))]
+        return json_response({
+            "name": spec.name, "versions": versions, "platform": spec.platform,
+            "inputs": [t.as_json() for t in spec.inputs], "outputs": [t.as_json() for t in spec.outputs],
+        })
+
+    async def model_ready(self, request: web.Request) -> web.Response:
+        entry = self._entry(request)
+        if entry.state.value != "READY":
+            return json_response({"error": f"model {entry.spec.name} version {entry.spec.version} is not ready "
+                                           f"({entry.state.value})"}, 400)
+        return json_response({"name": entry.spec.name, "ready": True})
+
+    async def model_config(self, request: web.Request) -> web.Response:
+        return json_response(model_config_json(self._entry(request).spec))
+
+    async def repository_index(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        ready_only = False
+        if body.strip():
+            obj = _parse_json(body, "the request body")
+            if not isinstance(obj, dict):
+                raise BadRequest("the index request body must be a JSON object")
+            ready_only = bool(obj.get("ready", False))
+        return json_response(self.daemon.registry.index(ready_only))
+
+    async def named_repository(self, request: web.Request) -> web.Response:
+        raise NotImplementedByServer("'repository_name' specification is not supported")
+
+    # ---------------------------------------------------------------- inference
+
+    async def infer(self, request: web.Request) -> web.Response:
+        daemon = self.daemon
+        spec = daemon.registry.resolve(request.match_info["model"], request.match_info.get("version"))
+        body = await request.read()
+        header_len = request.headers.get(HEADER_LEN)
+        if header_len is not None:
+            try:
+                n = int(header_len)
+            except ValueError:
+                raise BadRequest(f"{HEADER_LEN} must be an integer, got {header_len!r}") from None
+            if not 0 <= n <= len(body):
+                raise BadRequest(f"{HEADER_LEN} {n} is outside the body of {len(body)} bytes")
+            view = memoryview(body)
+            if n == 0:
+                return await self._raw_binary(request, spec, view)
+            obj, binary = _parse_json(view[:n], "the inference header"), view[n:]
+        else:
+            obj, binary = _parse_json(body, "the request body"), memoryview(b"")
+        if not isinstance(obj, dict):
+            raise BadRequest("the inference request must be a JSON object")
+        tensors = self._wire_inputs(obj.get("inputs"), binary)
+        arrays, samples = assemble_inputs(spec, tensors)
+        outputs = self._wanted_outputs(spec, obj)
+        params = obj.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise BadRequest("parameters must be a JSON object")
+        req_id = obj.get("id")
+        if req_id is not None and not isinstance(req_id, str):
+            raise BadRequest("id must be a string")
+        req = daemon.new_request(spec, arrays, samples, params.get("timeout"), params.get("priority"),
+                                 req_id or "")
+        await daemon.run_request(req)
+        return self._response(spec, req, outputs)
+
+    async def _raw_binary(self, request: web.Request, spec: ModelSpec, body: memoryview) -> web.Response:
+        """Inference-Header-Content-Length: 0: the body is the one input's bytes, batch 1."""
+        if len(spec.inputs) != 1:
+            raise BadRequest(f"a raw binary request needs a model with one input; {spec.name} has "
+                             f"{len(spec.inputs)}")
+        s = spec.inputs[0]
+        tensor = WireTensor(s.name, s.datatype.name, [1, *s.sample_shape], raw=body)
+        arrays, samples = assemble_inputs(spec, [tensor])
+        req = self.daemon.new_request(spec, arrays, samples, None, None, "")
+        await self.daemon.run_request(req)
+        return self._response(spec, req, [(i, True) for i in range(len(spec.outputs))])
+
+    @staticmethod
+    def _wire_inputs(raw_inputs: Any, binary: memoryview) -> list[WireTensor]:
+        if not isinstance(raw_inputs, list) or not raw_inputs:
+            raise BadRequest("inputs must be a non-empty list")
+        tensors: list[WireTensor] = []
+        offset = 0
+        for i, t in enumerate(raw_inputs):
+            if not isinstance(t, dict):
+                raise BadRequest(f"inputs[{i}] must be an object")
+            name, datatype = t.get("name"), t.get("datatype")
+            if not isinstance(name, str) or not isinstance(datatype, str):
+                raise BadRequest(f"inputs[{i}] needs a string name and datatype")
+            shape = check_shape(t.get("shape"), name)
+            p = t.get("parameters") or {}
+            if not isinstance(p, dict):
+                raise BadRequest(f"input {name}: parameters must be an object")
+            if "shared_memory_region" in p:
+                raise NotImplementedByServer("shared-memory tensors are not supported")
+            size = p.get("binary_data_size")
+            if size is not None:
+                if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                    raise BadRequest(f"input {name}: binary_data_size must be a non-negative integer")
+                if offset + size > len(binary):
+                    raise BadRequest(f"input {name}: binary_data_size {size} runs past the end of the body "
+                                     f"({len(binary) - offset} bytes left)")
+                tensors.append(WireTensor(name, datatype, shape, raw=binary[offset : offset + size]))
+                offset += size
+            else:
+                tensors.append(WireTensor(name, datatype, shape, data=t.get("data")))
+        if offset != len(binary):
+            raise BadRequest(f"{len(binary) - offset} bytes of binary data follow the inputs unused")
+        return tensors
+
+    @staticmethod
+    def _wanted_outputs(spec: ModelSpec, obj: dict[str, Any]) -> list[tuple[int, bool]]:
+        params = obj.get("parameters") or {}
+        binary_all = bool(params.get("binary_data_output", False)) if isinstance(params, dict) else False
+        raw = obj.get("outputs")
+        if raw is None:
+            return [(i, binary_all) for i in range(len(spec.outputs))]
+        if not isinstance(raw, list):
+            raise BadRequest("outputs must be a list")
+        names: list[str] = []
+        flags: list[bool] = []
+        for i, o in enumerate(raw):
+            if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+                raise BadRequest(f"outputs[{i}] must be an object with a name")
+            p = o.get("parameters") or {}
+            if not isinstance(p, dict):
+                raise BadRequest(f"output {o['name']}: parameters must be an object")
+            if p.get("classification"):
+                raise NotImplementedByServer("the classification extension is not supported")
+            names.append(o["name"])
+            flags.append(bool(p.get("binary_data", binary_all)))
+        idx = select_outputs(spec, names)
+        return list(zip(idx, flags, strict=True))
+
+    @staticmethod
+    def _response(spec: ModelSpec, req: InferenceRequest, outputs: list[tuple[int, bool]]) -> web.Response:
+        assert req.outputs is not None
+        out_json: list[dict[str, Any]] = []
+        chunks: list[bytes] = []
+        for i, binary in outputs:
+            o = spec.outputs[i]
+            arr = req.outputs[i]
+            item: dict[str, Any] = {"name": o.name, "datatype": o.datatype.name, "shape": list(arr.shape)}
+            if binary:
+                b = tensor_bytes(arr)
+                item["parameters"] = {"binary_data_size": len(b)}
+                chunks.append(b)
+            else:
+                item["data"] = arr.ravel() if arr.flags.c_contiguous else arr.flatten()
+            out_json.append(item)
+        resp: dict[str, Any] = {"model_name": spec.name, "model_version": str(spec.version), "outputs": out_json}
+        if req.client_id:
+            resp["id"] = req.client_id
+        if req.reconstructed:
+            resp["parameters"] = {"reconstructed": True}
+        header = orjson.dumps(resp, option=_NUMPY)
+        if not chunks:
+            return web.Response(body=header, content_type="application/json")
+        return web.Response(body=b"".join([header, *chunks]), content_type="application/octet-stream",
+                            headers={HEADER_LEN: str(len(header))})
+
+
+def model_config_json(spec: ModelSpec) -> dict[str, Any]:
+    """The model's configuration in the shape of Triton's ModelConfig JSON, plus our own fields."""
+    def io(t: Any) -> dict[str, Any]:
+        return {"name": t.name, "data_type": f"TYPE_{t.datatype.name}", "dims": list(t.sample_shape)}
+
+    return {
+        "name": spec.name,
+        "platform": spec.platform,
+        "backend": "pytorch",
+        "version_policy": {"all": {}},
+        "max_batch_size": spec.max_batch_size,
+        "input": [io(t) for t in spec.inputs],
+        "output": [io(t) for t in spec.outputs],
+        "dynamic_batching": {"preferred_batch_size": list(spec.batch_sizes)},
+        "parameters": {"slo_ms": {"string_value": f"{spec.slo_s * 1000:g}"}},
+        "escapement": {"slo_ms": spec.slo_s * 1000, "batch_sizes": list(spec.batch_sizes),
+                       "description": spec.description, "metadata": spec.metadata},
+    }

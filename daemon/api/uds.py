@@ -1,0 +1,253 @@
+"""The unix-socket frontend: length-prefixed msgpack frames, many requests in flight per connection.
+
+A frame is a 4-byte big-endian length followed by that many bytes of one msgpack map. Every
+request carries an `id` that its response echoes; responses come back in completion order,
+not request order. Statuses are the HTTP ones. The format is documented in
+docs/socket-protocol.md.
+
+A malformed frame (bad msgpack, not a map, bad fields) gets an error response and the
+connection goes on, since framing is intact; a frame whose length is over the limit cannot be
+skipped safely, so it gets an error response and the connection is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from daemon.api.codec import WireTensor, assemble_inputs, check_shape, select_outputs, tensor_bytes
+from daemon.api.http import model_config_json
+from daemon.errors import BadRequest, EscapementError, PayloadTooLarge, message_of, retry_after_of, status_of
+from daemon.request import InferenceRequest
+
+if TYPE_CHECKING:
+    from daemon.server import Daemon
+
+log = logging.getLogger("escapement.socket")
+
+LENGTH = struct.Struct(">I")
+HIGH_WATER = 4 * 2**20  # bytes of unsent responses after which the connection stops reading
+
+
+def pack_frame(obj: dict[str, Any]) -> bytes:
+    payload = msgpack.packb(obj, use_bin_type=True)
+    return LENGTH.pack(len(payload)) + payload
+
+
+def error_frame(req_id: Any, exc: BaseException) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": req_id, "status": status_of(exc), "error": message_of(exc)}
+    retry = retry_after_of(exc)
+    if retry is not None:
+        out["retry_after_s"] = retry
+    return out
+
+
+class SocketConnection(asyncio.Protocol):
+    def __init__(self, frontend: SocketFrontend) -> None:
+        self.frontend = frontend
+        self.daemon = frontend.daemon
+        self.max_frame = frontend.daemon.settings.server.max_body_bytes
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._inflight: dict[int, InferenceRequest] = {}  # internal request id -> request
+        self._closed = False
+        self._paused = False
+
+    # ---------------------------------------------------------------- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not subclasses
+        transport.set_write_buffer_limits(high=HIGH_WATER)
+        self.frontend.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self.frontend.connections.discard(self)
+        for req in list(self._inflight.values()):
+            self.daemon.controller.cancel(req)
+        self._inflight.clear()
+
+    def pause_writing(self) -> None:  # the client is not reading: stop taking its requests
+        if self.transport is not None and not self._paused:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and self._paused:
+            self._paused = False
+            self.transport.resume_reading()
+            self._drain_frames()
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        self._drain_frames()
+
+    # ---------------------------------------------------------------- frames
+
+    def _drain_frames(self) -> None:
+        buf = self._buf
+        while len(buf) >= 4 and not self._closed and not self._paused:
+            (n,) = LENGTH.unpack_from(buf)
+            if n > self.max_frame:
+                self.send(error_frame(None, PayloadTooLarge(
+                    f"frame of {n} bytes is over the limit of {self.max_frame} (server.max_body_bytes); "
+                    "closing the connection")))
+                self.close()
+                return
+            if len(buf) < 4 + n:
+                return
+            frame = bytes(buf[4 : 4 + n])
+            del buf[: 4 + n]
+            self._handle(frame)
+
+    def send(self, obj: dict[str, Any]) -> None:
+        if self.transport is not None and not self._closed:
+            self.transport.write(pack_frame(obj))
+
+    def close(self) -> None:
+        self._closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def _handle(self, frame: bytes) -> None:
+        req_id: Any = None
+        try:
+            try:
+                msg = msgpack.unpackb(frame, raw=False)
+            except Exception as e:  # msgpack raises several types for bad bytes
+                raise BadRequest(f"malformed msgpack frame: {type(e).__name__}: {e}") from None
+            if not isinstance(msg, dict):
+                raise BadRequest(f"a frame must hold a map, not {type(msg).__name__}")
+            req_id = msg.get("id")
+            if req_id is not None and (isinstance(req_id, bool) or not isinstance(req_id, int | str)):
+                req_id = None
+                raise BadRequest("id must be an integer or a string")
+            op = msg.get("op", "infer")
+            if op == "infer":
+                self._infer(req_id, msg)
+            else:
+                self.send({"id": req_id, "status": 200, **self._control(op, msg)})
+        except EscapementError as e:
+            self.send(error_frame(req_id, e))
+        except Exception as e:  # never let one frame kill the connection's other requests
+            log.exception("socket frame failed")
+            self.send(error_frame(req_id, e))
+
+    def _control(self, op: Any, msg: dict[str, Any]) -> dict[str, Any]:
+        reg = self.daemon.registry
+        if op == "live":
+            return {"live": True}
+        if op == "ready":
+            return {"ready": self.daemon.is_ready()}
+        if op == "index":
+            return {"models": reg.index(bool(msg.get("ready", False)))}
+        name = msg.get("model")
+        if op in ("metadata", "model_ready", "config"):
+            if not isinstance(name, str):
+                raise BadRequest(f"op {op} needs a model name")
+            entry = reg.entry(name, _version(msg))
+            spec = entry.spec
+            if op == "model_ready":
+                return {"ready": entry.state.value == "READY", "state": entry.state.value}
+            if op == "config":
+                return {"config": model_config_json(spec)}
+            return {"name": spec.name, "versions": [str(v) for v in sorted(reg.versions(spec.name))],
+                    "platform": spec.platform, "inputs": [t.as_json() for t in spec.inputs],
+                    "outputs": [t.as_json() for t in spec.outputs]}
+        raise BadRequest(f"unknown op {op!r}; ops are infer, live, ready, index, metadata, model_ready, config")
+
+    # ---------------------------------------------------------------- inference
+
+    def _infer(self, req_id: Any, msg: dict[str, Any]) -> None:
+        name = msg.get("model")
+        if not isinstance(name, str):
+            raise BadRequest("infer needs a model name")
+        spec = self.daemon.registry.resolve(name, _version(msg))
+        raw_inputs = msg.get("inputs")
+        if not isinstance(raw_inputs, list) or not raw_inputs:
+            raise BadRequest("inputs must be a non-empty list")
+        tensors: list[WireTensor] = []
+        for i, t in enumerate(raw_inputs):
+            if not isinstance(t, dict):
+                raise BadRequest(f"inputs[{i}] must be a map")
+            tname, dt, data = t.get("name"), t.get("datatype"), t.get("data")
+            if not isinstance(tname, str) or not isinstance(dt, str):
+                raise BadRequest(f"inputs[{i}] needs a string name and datatype")
+            shape = check_shape(t.get("shape"), tname)
+            if not isinstance(data, bytes):
+                raise BadRequest(f"input {tname}: data must be raw bytes (msgpack bin)")
+            tensors.append(WireTensor(tname, dt, shape, raw=data))
+        arrays, samples = assemble_inputs(spec, tensors)
+        wanted = msg.get("outputs")
+        if wanted is not None and (not isinstance(wanted, list) or not all(isinstance(w, str) for w in wanted)):
+            raise BadRequest("outputs must be a list of names")
+        out_idx = select_outputs(spec, wanted)
+        req = self.daemon.new_request(spec, arrays, samples, msg.get("timeout_us"), msg.get("priority"), "")
+        req.context = (req_id, out_idx)
+        req.on_finish = self._finished
+        self.daemon.controller.submit(req)
+        self._inflight[req.id] = req
+
+    def _finished(self, req: InferenceRequest) -> None:
+        self._inflight.pop(req.id, None)
+        if self._closed:
+            return
+        req_id, out_idx = req.context
+        if not req.ok:
+            if req.error is not None:
+                self.send(error_frame(req_id, req.error))
+            return
+        assert req.outputs is not None
+        spec = req.model
+        outputs = [{"name": spec.outputs[i].name, "datatype": spec.outputs[i].datatype.name,
+                    "shape": list(req.outputs[i].shape), "data": tensor_bytes(req.outputs[i])} for i in out_idx]
+        self.send({"id": req_id, "status": 200, "model": spec.name, "version": str(spec.version),
+                   "outputs": outputs, "reconstructed": req.reconstructed})
+
+
+def _version(msg: dict[str, Any]) -> str | int | None:
+    v = msg.get("version")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int | str)):
+        raise BadRequest("version must be an integer or a string of digits")
+    return v
+
+
+class SocketFrontend:
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.server: asyncio.AbstractServer | None = None
+        self.connections: set[SocketConnection] = set()
+        self.path: Path | None = None
+
+    async def start(self, path: str) -> None:
+        p = Path(path)
+        if len(os.fsencode(p.absolute())) >= 108:
+            raise OSError(f"socket path {p} is too long for a unix socket (108 bytes)")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if p.is_socket():
+            p.unlink()  # a stale socket from a daemon that did not exit cleanly
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_unix_server(lambda: SocketConnection(self), str(p), backlog=1024)
+        os.chmod(p, int(self.daemon.settings.server.socket_mode, 8))
+        self.path = p
+
+    async def stop_listening(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    async def close(self) -> None:
+        for c in list(self.connections):
+            c.close()
+        if self.server is not None:
+            await self.server.wait_closed()
+            self.server = None

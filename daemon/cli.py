@@ -1,0 +1,218 @@
+"""`escapement serve | infer | models | demo | config`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from typing import Any
+
+import numpy as np
+
+from daemon import __version__
+from daemon.errors import ConfigError
+
+DEFAULT_SOCKET = "run/escapement.sock"
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from daemon.config import load_settings, with_overrides
+
+    s = load_settings(args.config)
+    return with_overrides(s, http=args.http, socket=args.socket, models=args.models, devices=args.device,
+                          policy=getattr(args, "policy", None), log_level=getattr(args, "log_level", None))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from daemon import log as daemon_log
+    from daemon.server import Daemon
+
+    settings = _settings(args)
+    daemon_log.setup(settings.server.log_level)
+    daemon = Daemon(settings)
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(daemon.serve())
+    except ConfigError as e:
+        logging.getLogger("escapement.server").error("cannot start: %s", e)
+        return 2
+    except OSError as e:
+        logging.getLogger("escapement.server").error("cannot start: %s", e)
+        return 1
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from daemon import demo
+    from daemon import log as daemon_log
+
+    daemon_log.setup("info")
+    logging.getLogger("escapement.demo").setLevel(logging.INFO)
+    built = demo.build(args.out, force=args.force, only=args.only)
+    print(f"demo models in {args.out}: {len(built)} built, {len(demo.MODELS) - len(built)} already there"
+          if not args.only else f"built {built}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from daemon.config import describe
+
+    s = _settings(args)
+    for key, _default, doc in describe():
+        section, name = key.split(".", 1)
+        value = getattr(getattr(s, section), name)
+        print(f"{key} = {json.dumps(list(value) if isinstance(value, tuple) else value)}  # {doc}")
+    return 0
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from daemon.client import HttpClient, SocketClient
+
+    if args.http:
+        return HttpClient(args.http)
+    return SocketClient(args.socket or DEFAULT_SOCKET)
+
+
+def _digits_inputs(meta: dict[str, Any], n: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    from daemon.demo import digits_split
+
+    _, _, x, y = digits_split()
+    shape = meta["inputs"][0]["shape"][1:]
+    if int(np.prod(shape)) != 64:
+        raise SystemExit(f"--digits needs a model taking 64 values per sample, not {shape}")
+    return {meta["inputs"][0]["name"]: x[:n].reshape(n, *shape).astype(np.float32)}, y[:n]
+
+
+def _random_inputs(meta: dict[str, Any], n: int) -> dict[str, np.ndarray]:
+    from daemon.datatypes import BY_NAME
+
+    rng = np.random.default_rng(0)
+    out = {}
+    for t in meta["inputs"]:
+        dt = BY_NAME[t["datatype"]].numpy
+        shape = (n, *t["shape"][1:])
+        out[t["name"]] = (rng.standard_normal(shape) if dt.kind == "f" else rng.integers(0, 2, shape)).astype(dt)
+    return out
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    from daemon.client import HttpClient, InferenceServerError
+
+    labels = None
+    with _client(args) as c:
+        try:
+            if args.input:
+                inputs = {}
+                for item in args.input:
+                    name, _, path = item.partition("=")
+                    if not path:
+                        raise SystemExit(f"--input wants NAME=FILE.npy, got {item!r}")
+                    inputs[name] = np.load(path)
+            else:
+                path = f"/v2/models/{args.model}" + (f"/versions/{args.version}" if args.version else "")
+                meta = c.get_json(path) if isinstance(c, HttpClient) else c.metadata(args.model, args.version)
+                if args.digits:
+                    inputs, labels = _digits_inputs(meta, args.digits)
+                else:
+                    inputs = _random_inputs(meta, args.batch)
+            timeout = int(args.timeout_ms * 1000) if args.timeout_ms is not None else None
+            r = c.infer(args.model, inputs, version=args.version, timeout_us=timeout)
+        except InferenceServerError as e:
+            print(f"error {e.status}: {e.message}", file=sys.stderr)
+            return 1
+        except (ConnectionError, FileNotFoundError, OSError) as e:
+            print(f"cannot reach the daemon: {e}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps({"model": r.model, "version": r.version, "reconstructed": r.reconstructed,
+                          "outputs": {k: v.tolist() for k, v in r.outputs.items()}}))
+        return 0
+    print(f"model {r.model} version {r.version}" + (" (reconstructed)" if r.reconstructed else ""))
+    for name, arr in r.outputs.items():
+        print(f"{name}: shape {list(arr.shape)} {arr.dtype}")
+        if arr.ndim == 2:
+            pred = arr.argmax(axis=1)
+            print(f"  argmax: {pred.tolist()}")
+            if labels is not None:
+                print(f"  labels: {labels.tolist()}  ({int((pred == labels).sum())}/{len(labels)} correct)")
+        with np.printoptions(precision=4, suppress=True, threshold=40):
+            print("  " + str(arr).replace("\n", "\n  "))
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from daemon.client import InferenceServerError
+
+    try:
+        with _client(args) as c:
+            index = c.index()
+    except (InferenceServerError, OSError) as e:
+        print(f"cannot list models: {e}", file=sys.stderr)
+        return 1
+    for m in index:
+        reason = f"  ({m['reason']})" if m.get("reason") else ""
+        print(f"{m['name']:<24} {m.get('version', '-'):>4}  {m['state']}{reason}")
+    return 0
+
+
+def _add_server_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config file (default: the embedded config/escapement.toml)")
+    p.add_argument("--http", metavar="HOST:PORT", help="HTTP listener; '' disables it")
+    p.add_argument("--socket", metavar="PATH", help="unix socket path; '' disables it")
+    p.add_argument("--models", metavar="DIR", help="model repository")
+    p.add_argument("--device", action="append", metavar="NAME",
+                   help="device (repeat, or comma-separate): auto, cpu:0, cuda:0, ...")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="escapement", description=__doc__)
+    ap.add_argument("--version", action="version", version=f"escapement {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("serve", help="run the daemon in the foreground")
+    _add_server_flags(p)
+    p.add_argument("--policy", help="scheduling policy (controller.policy)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("config", help="print the effective settings with their documentation")
+    _add_server_flags(p)
+    p.set_defaults(fn=cmd_config)
+
+    p = sub.add_parser("demo", help="build the demo model repository (offline)")
+    p.add_argument("--out", default="models", help="repository directory (default: models)")
+    p.add_argument("--force", action="store_true", help="rebuild models that are already there")
+    p.add_argument("--only", action="append", help="build only this model (repeatable)")
+    p.set_defaults(fn=cmd_demo)
+
+    for name, fn, text in (("infer", cmd_infer, "run one inference"), ("models", cmd_models, "list models")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--socket", help=f"unix socket of the daemon (default: {DEFAULT_SOCKET})")
+        p.add_argument("--http", metavar="HOST:PORT", help="use HTTP instead of the socket")
+        if name == "infer":
+            p.add_argument("model")
+            p.add_argument("--version")
+            p.add_argument("--input", action="append", metavar="NAME=FILE.npy", help="an input from a .npy file")
+            p.add_argument("--digits", type=int, metavar="N", help="send N held-out digits (digits models)")
+            p.add_argument("--batch", type=int, default=1, help="batch of random inputs (default 1)")
+            p.add_argument("--timeout-ms", type=float, help="deadline for this request")
+            p.add_argument("--json", action="store_true", help="print the result as JSON")
+        p.set_defaults(fn=fn)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except ConfigError as e:
+        print(f"escapement: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

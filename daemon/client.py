@@ -1,0 +1,370 @@
+"""Python clients for both frontends, sync and asyncio.
+
+    with SocketClient("run/escapement.sock") as c:
+        r = c.infer("digits_mlp", {"INPUT__0": x})      # x: np.ndarray [batch, 64] float32
+        r.outputs["OUTPUT__0"]
+
+`AsyncSocketClient` keeps many requests in flight on one connection, matched by id.
+`HttpClient` / `AsyncHttpClient` speak KServe v2 with binary tensors. Errors raise
+`InferenceServerError` with the daemon's status and message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import itertools
+import socket
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import orjson
+
+from daemon.datatypes import BY_NAME, BY_NUMPY
+
+LENGTH = struct.Struct(">I")
+HEADER_LEN = "Inference-Header-Content-Length"
+
+
+class InferenceServerError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+@dataclass(slots=True)
+class InferResult:
+    model: str
+    version: str
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    reconstructed: bool = False
+
+
+def _datatype(arr: np.ndarray) -> str:
+    dt = BY_NUMPY.get(arr.dtype.newbyteorder("=") if arr.dtype.byteorder == ">" else arr.dtype)
+    if dt is None:
+        raise TypeError(f"no wire datatype for numpy dtype {arr.dtype}")
+    return dt.name
+
+
+def _le_bytes(arr: np.ndarray) -> bytes:
+    a = np.ascontiguousarray(arr)
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return a.tobytes()
+
+
+def infer_message(model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None,
+                  version: str | int | None = None, timeout_us: int | None = None,
+                  priority: int | None = None) -> dict[str, Any]:
+    """The msgpack map of an infer request (without its id)."""
+    msg: dict[str, Any] = {
+        "op": "infer", "model": model,
+        "inputs": [{"name": n, "datatype": _datatype(a), "shape": list(a.shape), "data": _le_bytes(a)}
+                   for n, a in inputs.items()],
+    }
+    if outputs is not None:
+        msg["outputs"] = list(outputs)
+    if version is not None:
+        msg["version"] = str(version)
+    if timeout_us is not None:
+        msg["timeout_us"] = int(timeout_us)
+    if priority is not None:
+        msg["priority"] = int(priority)
+    return msg
+
+
+def decode_answer(msg: Any) -> dict[str, Any]:
+    if not isinstance(msg, dict) or "status" not in msg:
+        raise InferenceServerError(0, f"malformed answer from the daemon: {msg!r:.200}")
+    if msg["status"] != 200:
+        raise InferenceServerError(int(msg["status"]), str(msg.get("error", "")))
+    return msg
+
+
+def infer_result(msg: dict[str, Any]) -> InferResult:
+    outs = {}
+    for o in msg.get("outputs", []):
+        dt = BY_NAME[o["datatype"]].numpy
+        outs[o["name"]] = np.frombuffer(o["data"], dtype=dt).reshape(o["shape"])
+    return InferResult(msg.get("model", ""), msg.get("version", ""), outs, bool(msg.get("reconstructed")))
+
+
+def _frame(obj: dict[str, Any]) -> bytes:
+    payload = msgpack.packb(obj, use_bin_type=True)
+    return LENGTH.pack(len(payload)) + payload
+
+
+class SocketClient:
+    """A blocking client over the unix socket; one request at a time."""
+
+    def __init__(self, path: str, timeout: float | None = 60.0) -> None:
+        self.path = path
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+        self._ids = itertools.count(1)
+
+    def __enter__(self) -> SocketClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _conn(self) -> socket.socket:
+        if self._sock is None:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(self.timeout)
+            s.connect(self.path)
+            self._sock = s
+        return self._sock
+
+    def _read_exact(self, n: int) -> bytes:
+        sock = self._conn()
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = sock.recv(n - len(buf))
+            if not chunk:
+                self.close()
+                raise ConnectionError("the daemon closed the connection")
+            buf += chunk
+        return bytes(buf)
+
+    def call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        req_id = next(self._ids)
+        self._conn().sendall(_frame({**msg, "id": req_id}))
+        while True:
+            (n,) = LENGTH.unpack(self._read_exact(4))
+            answer = msgpack.unpackb(self._read_exact(n), raw=False)
+            if answer.get("id") in (req_id, None):
+                return decode_answer(answer)
+
+    def infer(self, model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None,
+              version: str | int | None = None, timeout_us: int | None = None,
+              priority: int | None = None) -> InferResult:
+        return infer_result(self.call(infer_message(model, inputs, outputs, version, timeout_us, priority)))
+
+    def live(self) -> bool:
+        return bool(self.call({"op": "live"})["live"])
+
+    def ready(self) -> bool:
+        return bool(self.call({"op": "ready"})["ready"])
+
+    def index(self) -> list[dict[str, str]]:
+        return list(self.call({"op": "index"})["models"])
+
+    def metadata(self, model: str, version: str | int | None = None) -> dict[str, Any]:
+        return self.call({"op": "metadata", "model": model, **({"version": str(version)} if version else {})})
+
+
+class AsyncSocketClient:
+    """An asyncio client with many requests in flight on one connection."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._ids = itertools.count(1)
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> AsyncSocketClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        self._reader, self._writer = await asyncio.open_unix_connection(self.path, limit=2**26)
+        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(Exception):
+                await self._writer.wait_closed()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._fail_all(ConnectionError("client closed"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for f in self._pending.values():
+            if not f.done():
+                f.set_exception(exc)
+        self._pending.clear()
+
+    async def _read_loop(self) -> None:
+        assert self._reader is not None
+        try:
+            while True:
+                (n,) = LENGTH.unpack(await self._reader.readexactly(4))
+                answer = msgpack.unpackb(await self._reader.readexactly(n), raw=False)
+                fut = self._pending.pop(answer.get("id"), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(answer)
+                elif answer.get("id") is None:  # a connection-level error: fail everyone
+                    self._fail_all(InferenceServerError(answer.get("status", 0), answer.get("error", "")))
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            self._fail_all(ConnectionError(f"the daemon closed the connection: {e}"))
+
+    async def call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if self._writer is None:
+            await self.connect()
+        assert self._writer is not None
+        req_id = next(self._ids)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[req_id] = fut
+        self._writer.write(_frame({**msg, "id": req_id}))
+        try:
+            return decode_answer(await fut)
+        finally:
+            self._pending.pop(req_id, None)
+
+    async def infer(self, model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None,
+                    version: str | int | None = None, timeout_us: int | None = None,
+                    priority: int | None = None) -> InferResult:
+        return infer_result(await self.call(infer_message(model, inputs, outputs, version, timeout_us, priority)))
+
+    async def ready(self) -> bool:
+        return bool((await self.call({"op": "ready"}))["ready"])
+
+
+# -------------------------------------------------------------------- HTTP (KServe v2, binary tensors)
+
+
+def http_infer_body(inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None,
+                    timeout_us: int | None = None, priority: int | None = None) -> tuple[bytes, int]:
+    """A KServe v2 binary body: JSON header + tensor bytes; returns (body, header length)."""
+    chunks = [_le_bytes(a) for a in inputs.values()]
+    header: dict[str, Any] = {"inputs": [
+        {"name": n, "datatype": _datatype(a), "shape": list(a.shape), "parameters": {"binary_data_size": len(c)}}
+        for (n, a), c in zip(inputs.items(), chunks, strict=True)]}
+    if outputs is not None:
+        header["outputs"] = [{"name": o, "parameters": {"binary_data": True}} for o in outputs]
+    params: dict[str, Any] = {} if outputs is not None else {"binary_data_output": True}
+    if timeout_us is not None:
+        params["timeout"] = int(timeout_us)
+    if priority:
+        params["priority"] = int(priority)
+    if params:
+        header["parameters"] = params
+    h = orjson.dumps(header)
+    return b"".join([h, *chunks]), len(h)
+
+
+def http_infer_result(body: bytes, header_len: str | None) -> InferResult:
+    n = int(header_len) if header_len is not None else len(body)
+    obj = orjson.loads(body[:n])
+    outs: dict[str, np.ndarray] = {}
+    offset = n
+    for o in obj.get("outputs", []):
+        dt = BY_NAME[o["datatype"]].numpy
+        size = (o.get("parameters") or {}).get("binary_data_size")
+        if size is not None:
+            outs[o["name"]] = np.frombuffer(body, dtype=dt, count=size // dt.itemsize, offset=offset).reshape(o["shape"])
+            offset += size
+        else:
+            outs[o["name"]] = np.array(o["data"], dtype=dt).reshape(o["shape"])
+    return InferResult(obj.get("model_name", ""), obj.get("model_version", ""), outs,
+                       bool((obj.get("parameters") or {}).get("reconstructed")))
+
+
+def _http_error(status: int, body: bytes) -> InferenceServerError:
+    try:
+        msg = orjson.loads(body).get("error", "")
+    except (orjson.JSONDecodeError, AttributeError):
+        msg = body.decode("utf-8", "replace")
+    return InferenceServerError(status, msg)
+
+
+def _infer_path(model: str, version: str | int | None) -> str:
+    return f"/v2/models/{model}" + (f"/versions/{version}" if version is not None else "") + "/infer"
+
+
+class HttpClient:
+    """A blocking KServe v2 client (binary tensors) on one keep-alive connection."""
+
+    def __init__(self, address: str = "127.0.0.1:8000", timeout: float = 60.0) -> None:
+        host, _, port = address.removeprefix("http://").rstrip("/").rpartition(":")
+        self._conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+
+    def __enter__(self) -> HttpClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def request(self, method: str, path: str, body: bytes | None = None,
+                headers: dict[str, str] | None = None) -> tuple[int, bytes, http.client.HTTPResponse]:
+        self._conn.request(method, path, body=body, headers=headers or {})
+        resp = self._conn.getresponse()
+        data = resp.read()
+        return resp.status, data, resp
+
+    def infer(self, model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None,
+              version: str | int | None = None, timeout_us: int | None = None,
+              priority: int | None = None) -> InferResult:
+        body, hlen = http_infer_body(inputs, outputs, timeout_us, priority)
+        status, data, resp = self.request("POST", _infer_path(model, version), body, {HEADER_LEN: str(hlen)})
+        if status != 200:
+            raise _http_error(status, data)
+        return http_infer_result(data, resp.getheader(HEADER_LEN))
+
+    def get_json(self, path: str) -> Any:
+        status, data, _ = self.request("GET", path)
+        if status != 200:
+            raise _http_error(status, data)
+        return orjson.loads(data)
+
+    def index(self) -> list[dict[str, str]]:
+        status, data, _ = self.request("POST", "/v2/repository/index", b"")
+        if status != 200:
+            raise _http_error(status, data)
+        return list(orjson.loads(data))
+
+
+class AsyncHttpClient:
+    """An asyncio KServe v2 client (binary tensors) over an aiohttp session."""
+
+    def __init__(self, address: str = "127.0.0.1:8000", connections: int = 100) -> None:
+        import aiohttp
+
+        self.base = "http://" + address.removeprefix("http://").rstrip("/")
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections),
+                                              auto_decompress=False)
+
+    async def __aenter__(self) -> AsyncHttpClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def infer(self, model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None,
+                    version: str | int | None = None, timeout_us: int | None = None,
+                    priority: int | None = None) -> InferResult:
+        body, hlen = http_infer_body(inputs, outputs, timeout_us, priority)
+        async with self._session.post(self.base + _infer_path(model, version), data=body,
+                                      headers={HEADER_LEN: str(hlen)}) as resp:
+            data = await resp.read()
+            if resp.status != 200:
+                raise _http_error(resp.status, data)
+            return http_infer_result(data, resp.headers.get(HEADER_LEN))

@@ -1,0 +1,295 @@
+"""Settings: TOML into frozen, typed, documented dataclasses.
+
+Every field has a default and a `doc`; the embedded default file (`config/escapement.toml`,
+installed as `daemon/default_config.toml`) states the same values. An unknown key, a value of
+the wrong type or an out-of-range value raises `ConfigError` naming the key and the value.
+Relative paths are resolved against the working directory of the daemon.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from daemon.errors import ConfigError
+
+LogLevel = Literal["debug", "info", "warning", "error"]
+PolicyName = Literal["dynamic"]
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_size(value: int | str, key: str) -> int:
+    """Bytes from an int or a string such as "512MiB" or "2GB"."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size in bytes or a string like '512MiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE_RE.match(value)
+        if not m:
+            raise ConfigError(f"{key}: cannot read {value!r} as a size; write bytes or e.g. '512MiB', '2GB'")
+        n = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()])
+    if n < 0:
+        raise ConfigError(f"{key}: a size cannot be negative, got {value!r}")
+    return n
+
+
+def doc(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
+    """A field with its documentation kept beside it."""
+    if "default_factory" in kw:
+        return field(metadata={"doc": text}, **kw)
+    return field(default=default, metadata={"doc": text}, **kw)
+
+
+def _need(cond: bool, key: str, value: Any, why: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key} = {value!r}: {why}")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """Listeners and request limits."""
+
+    http: str = doc("HOST:PORT of the HTTP (KServe v2) listener; empty disables it.", "127.0.0.1:8000")
+    socket: str = doc("Path of the msgpack unix socket; empty disables it.", "run/escapement.sock")
+    socket_mode: str = doc("Permissions of the unix socket file, in octal.", "0660")
+    max_body_bytes: int = doc("Largest HTTP body or socket frame accepted (bytes or '64MiB').", 64 * 2**20)
+    max_connections: int = doc("Most concurrent client connections per listener.", 1024)
+    drain_timeout_s: float = doc("On shutdown, how long accepted requests may take to finish.", 10.0)
+    log_level: LogLevel = doc("Log level: debug, info, warning or error.", "info")
+
+    def __post_init__(self) -> None:
+        if self.http:
+            parse_hostport(self.http, "server.http")
+        _need(re.fullmatch(r"0?[0-7]{3}", self.socket_mode) is not None, "server.socket_mode",
+              self.socket_mode, "expected an octal mode such as '0660'")
+        _need(self.max_body_bytes >= 1024, "server.max_body_bytes", self.max_body_bytes,
+              "must be at least 1024")
+        _need(self.max_connections >= 1, "server.max_connections", self.max_connections, "must be >= 1")
+        _need(self.drain_timeout_s >= 0, "server.drain_timeout_s", self.drain_timeout_s, "must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSettings:
+    """The model repository."""
+
+    repository: str = doc("Directory holding <model>/config.toml and <model>/<version>/model.pt2|ts.",
+                          "models")
+    default_slo_ms: float = doc("SLO for models whose config gives none.", 100.0)
+
+    def __post_init__(self) -> None:
+        _need(self.default_slo_ms > 0, "models.default_slo_ms", self.default_slo_ms, "must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeSettings:
+    """Devices and executors."""
+
+    devices: tuple[str, ...] = doc(
+        "Devices to run on: 'auto' (every CUDA device, else cpu:0), or names like cuda:0, cpu:1.",
+        ("auto",))
+    cpu_threads: int = doc("Intra-op torch threads per cpu device.", 1)
+    weight_budget: int = doc("Bytes of model weights each device may hold (or '1GiB'); 0 = "
+                             "the whole device on CUDA, 1GiB on CPU.", 0)
+    gil_switch_interval_us: int = doc(
+        "Python's GIL switch interval. The default 5000 µs lets busy frontend code delay an "
+        "executor thread by milliseconds; a shorter interval keeps action starts on time.", 500)
+
+    def __post_init__(self) -> None:
+        _need(len(self.devices) > 0, "runtime.devices", self.devices, "list at least one device")
+        for d in self.devices:
+            _need(d == "auto" or re.fullmatch(r"(cpu|cuda):\d+", d) is not None, "runtime.devices", d,
+                  "expected 'auto' or a name like cpu:0, cuda:0")
+        _need(len(set(self.devices)) == len(self.devices), "runtime.devices", self.devices,
+              "a device is listed twice")
+        _need(1 <= self.cpu_threads <= 256, "runtime.cpu_threads", self.cpu_threads, "must be in 1..256")
+        _need(50 <= self.gil_switch_interval_us <= 100_000, "runtime.gil_switch_interval_us",
+              self.gil_switch_interval_us, "must be in 50..100000")
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerSettings:
+    """The controller and its scheduling policy."""
+
+    policy: PolicyName = doc("Scheduling policy: 'dynamic' (Triton-style dynamic batching).", "dynamic")
+    max_queue_delay_ms: float = doc("dynamic: how long a batch may wait to fill before it runs.", 0.0)
+    max_pending: int = doc("Most requests queued in the daemon at once; more are refused with 503.",
+                           10_000)
+    max_pending_per_model: int = doc("Most requests queued for one model; more are refused with 503.",
+                                     2_000)
+
+    def __post_init__(self) -> None:
+        _need(self.max_queue_delay_ms >= 0, "controller.max_queue_delay_ms", self.max_queue_delay_ms,
+              "must be >= 0")
+        _need(self.max_pending >= 1, "controller.max_pending", self.max_pending, "must be >= 1")
+        _need(self.max_pending_per_model >= 1, "controller.max_pending_per_model",
+              self.max_pending_per_model, "must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything the daemon reads at start-up."""
+
+    server: ServerSettings = doc("Listeners and limits.", default_factory=ServerSettings)
+    models: ModelSettings = doc("The model repository.", default_factory=ModelSettings)
+    runtime: RuntimeSettings = doc("Devices and executors.", default_factory=RuntimeSettings)
+    controller: ControllerSettings = doc("Scheduling.", default_factory=ControllerSettings)
+
+
+def parse_hostport(value: str, key: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{key} = {value!r}: expected HOST:PORT, e.g. 127.0.0.1:8000")
+    return host.strip("[]"), int(port)
+
+
+# ---------------------------------------------------------------- reading TOML into dataclasses
+
+_SIZE_FIELDS = {("server", "max_body_bytes"), ("runtime", "weight_budget")}
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table, got {value!r}")
+        return _build(tp, value, key)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            choices = ", ".join(repr(a) for a in typing.get_args(tp))
+            raise ConfigError(f"{key} = {value!r}: expected one of {choices}")
+        return value
+    if origin is tuple:
+        (item_tp, _ellipsis) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} = {value!r}: expected a list")
+        return tuple(_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _convert(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key} = {value!r}: expected {tp}")
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key} = {value!r}: expected a number")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} = {value!r}: expected an integer")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} = {value!r}: expected true or false")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} = {value!r}: expected a string")
+        return value
+    raise ConfigError(f"{key}: unsupported setting type {tp}")  # a bug in this module, not the file
+
+
+def _build(cls: Any, table: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in table:
+        if k not in names:
+            where = f"[{prefix}]" if prefix else "the top level"
+            raise ConfigError(f"unknown setting {prefix + '.' if prefix else ''}{k!s} in {where}; "
+                              f"known: {', '.join(sorted(names))}")
+    kwargs: dict[str, Any] = {}
+    for k, v in table.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if (prefix, k) in _SIZE_FIELDS:
+            kwargs[k] = parse_size(v, key)
+        else:
+            kwargs[k] = _convert(v, hints[k], key)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - guarded by the key check above
+        raise ConfigError(f"[{prefix}]: {e}") from e
+
+
+def settings_from_dict(data: dict[str, Any]) -> Settings:
+    return typing.cast(Settings, _build(Settings, data, ""))
+
+
+def default_config_text() -> str:
+    return resources.files("daemon").joinpath("default_config.toml").read_text(encoding="utf-8")
+
+
+def load_settings(path: str | Path | None = None) -> Settings:
+    """Settings from a TOML file, or from the embedded default when `path` is None."""
+    if path is None:
+        text, name = default_config_text(), "<embedded default>"
+    else:
+        try:
+            text, name = Path(path).read_text(encoding="utf-8"), str(path)
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{name}: not valid TOML: {e}") from e
+    try:
+        return settings_from_dict(data)
+    except ConfigError as e:
+        raise ConfigError(f"{name}: {e}") from e
+
+
+def with_overrides(
+    settings: Settings,
+    *,
+    http: str | None = None,
+    socket: str | None = None,
+    models: str | None = None,
+    devices: list[str] | None = None,
+    policy: str | None = None,
+    log_level: str | None = None,
+) -> Settings:
+    """Apply command-line flags over the file's settings, validating them the same way."""
+    server = dataclasses.asdict(settings.server)
+    runtime = dataclasses.asdict(settings.runtime)
+    model_s = dataclasses.asdict(settings.models)
+    ctrl = dataclasses.asdict(settings.controller)
+    if http is not None:
+        server["http"] = http
+    if socket is not None:
+        server["socket"] = socket
+    if log_level is not None:
+        server["log_level"] = log_level
+    if models is not None:
+        model_s["repository"] = models
+    if devices is not None:
+        runtime["devices"] = [d.strip() for item in devices for d in item.split(",") if d.strip()]
+    if policy is not None:
+        ctrl["policy"] = policy
+    runtime["devices"] = list(runtime["devices"])
+    return settings_from_dict({"server": server, "runtime": runtime, "models": model_s, "controller": ctrl})
+
+
+def describe(cls: Any = Settings, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(key, default, doc) for every setting; used by tests and `escapement config`."""
+    out: list[tuple[str, Any, str]] = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type.endswith("Settings")):
+            sub = typing.get_type_hints(cls)[f.name]
+            out.extend(describe(sub, key))
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else None
+            out.append((key, default, f.metadata.get("doc", "")))
+    return out

@@ -1,0 +1,1 @@
+"""The controller: the brain. Pure decision logic (core, policies) apart from asyncio glue (service)."""

@@ -1,0 +1,124 @@
+"""The `dynamic` policy: Triton / Clipper-style dynamic batching, kept as the baseline.
+
+- A device runs one batch at a time (like one Triton model instance). When it is free, the
+  model on it whose oldest request has waited longest gets a batch of as many queued samples
+  as fit in `max_batch_size`, once the batch is full or `max_queue_delay` has passed.
+- Requests that cannot finish by their deadline at that point are answered at once with a
+  deadline error rather than run late.
+- A model with queued requests that is on no device is loaded on demand, onto the device with
+  the most free weight memory, unloading least-recently-used models nobody is waiting for
+  first when the budget is full.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from daemon.controller.core import LATEST_GRACE, DeviceState, ModelEntry
+from daemon.errors import Unavailable
+from daemon.request import InferenceRequest
+
+if TYPE_CHECKING:
+    from daemon.controller.core import Scheduler
+
+
+class DynamicBatchingPolicy:
+    name = "dynamic"
+
+    def __init__(self, max_queue_delay: float = 0.0) -> None:
+        self.max_queue_delay = max_queue_delay
+        self._wake: float | None = None
+
+    def next_wakeup(self, state: Scheduler, now: float) -> float | None:
+        return self._wake
+
+    def schedule(self, state: Scheduler, now: float) -> None:
+        self._wake = None
+        for entry in state.models.values():
+            if entry.queue.requests and not any(d.memory.state(entry.spec.key) is not None
+                                                for d in state.devices.values()):
+                self._place(state, entry, now)
+        for dev in state.devices.values():
+            while dev.infer_inflight == 0:
+                entry = self._pick(state, dev, now)
+                if entry is None or not self._dispatch(state, dev, entry, now):
+                    break
+
+    # ---------------------------------------------------------------- batches
+
+    def _pick(self, state: Scheduler, dev: DeviceState, now: float) -> ModelEntry | None:
+        best: ModelEntry | None = None
+        best_arrival = float("inf")
+        for key in dev.memory.ready_models():
+            entry = state.models.get(key)
+            head = entry.queue.head() if entry is not None else None
+            if entry is None or head is None:
+                continue
+            full = entry.queue.samples >= entry.spec.max_batch_size
+            due = head.arrival + self.max_queue_delay
+            if not full and now < due:
+                self._wake = due if self._wake is None else min(self._wake, due)
+                continue
+            if head.arrival < best_arrival:
+                best, best_arrival = entry, head.arrival
+        return best
+
+    def _dispatch(self, state: Scheduler, dev: DeviceState, entry: ModelEntry, now: float) -> bool:
+        spec, q = entry.spec, entry.queue
+        taken: list[InferenceRequest] = []
+        samples = 0
+        while (h := q.head()) is not None and samples + h.samples <= spec.max_batch_size:
+            taken.append(q.pop())
+            samples += h.samples
+        if not taken:
+            return False
+        while True:  # drop what cannot finish in time; the batch may then shrink
+            b = spec.batch_size_for(samples)
+            est = state.estimate(spec.key, b, dev.kind)
+            keep = [r for r in taken if now + est <= r.deadline]
+            for r in taken:
+                if now + est > r.deadline:
+                    state.fail_request(r, state.deadline_error(r, now), now)
+            if len(keep) == len(taken):
+                break
+            taken, samples = keep, sum(r.samples for r in keep)
+            if not taken:
+                return True  # the device is still free: look for more work
+        latest = max(min(r.deadline for r in taken) - est, now + LATEST_GRACE)
+        state.issue_infer(spec, dev, taken, b, now, earliest=now, latest=latest, expected=est)
+        return True
+
+    # ---------------------------------------------------------------- loads
+
+    def _place(self, state: Scheduler, entry: ModelEntry, now: float) -> None:
+        key, nbytes = entry.spec.key, entry.weight_bytes
+        fits = [d for d in state.devices.values() if d.memory.budget >= nbytes]
+        if not fits:
+            err = Unavailable(f"model {entry.spec.name} needs {nbytes} bytes of weights, more than any "
+                              "device's weight budget")
+            while entry.queue.head() is not None:
+                state.fail_request(entry.queue.pop(), err, now)
+            return
+        free = [d for d in fits if d.memory.free >= nbytes]
+        if free:
+            dev = min(free, key=lambda d: (d.infer_inflight + d.load_inflight, -d.memory.free))
+            state.issue_load(entry.spec, dev, now)
+            return
+
+        def wanted(k: str) -> bool:
+            e = state.models.get(k)
+            return e is not None and e.queue.requests > 0
+
+        options = []
+        for d in fits:
+            victims = d.memory.victims(nbytes, evictable=lambda k, d=d: d.busy[k] == 0, wanted=wanted)
+            if victims is not None:
+                options.append((sum(wanted(k) for k in victims), len(victims), d.name, d, victims))
+        if not options:
+            return  # everything is busy; try again when a result frees something
+        *_, dev, victims = min(options, key=lambda o: o[:3])
+        for k in victims:
+            victim = state.models[k].spec if k in state.models else None
+            if victim is not None:
+                state.issue_unload(victim, dev, now)
+        state.issue_load(entry.spec, dev, now)

@@ -1,0 +1,96 @@
+"""Latency estimates: a sliding window per (model, batch size, device kind), read at a high
+percentile, so predictions are conservative and follow the device as it drifts."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+DEFAULT_WINDOW = 10
+DEFAULT_PERCENTILE = 0.99
+
+
+class SlidingWindow:
+    __slots__ = ("_samples", "_cache")
+
+    def __init__(self, size: int = DEFAULT_WINDOW) -> None:
+        self._samples: deque[float] = deque(maxlen=size)
+        self._cache: dict[float, float] = {}
+
+    def add(self, x: float) -> None:
+        self._samples.append(x)
+        self._cache.clear()
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def percentile(self, q: float) -> float:
+        """The interpolated q-quantile; with 10 samples, q=0.99 is nearly the max."""
+        hit = self._cache.get(q)
+        if hit is not None:
+            return hit
+        s = sorted(self._samples)
+        pos = q * (len(s) - 1)
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(s) - 1)
+        value = s[lo] + (s[hi] - s[lo]) * (pos - lo)
+        self._cache[q] = value
+        return value
+
+
+class Estimator:
+    """INFER and LOAD duration estimates in seconds. Unknown until seeded or observed."""
+
+    def __init__(self, window: int = DEFAULT_WINDOW, percentile: float = DEFAULT_PERCENTILE) -> None:
+        self.window = window
+        self.percentile = percentile
+        self._infer: dict[tuple[str, int, str], SlidingWindow] = {}
+        self._load: dict[tuple[str, str], SlidingWindow] = {}
+        self._seeds: dict[tuple[str, int, str], float] = {}
+
+    def seed_infer(self, model: str, kind: str, timings: dict[int, float], batch_sizes: tuple[int, ...]) -> None:
+        """Seed every batch size from a few measured ones, interpolating linearly in between."""
+        known = sorted(timings.items())
+        if not known:
+            return
+        for b in batch_sizes:
+            lower = [(k, v) for k, v in known if k <= b]
+            upper = [(k, v) for k, v in known if k >= b]
+            if lower and upper:
+                (k0, v0), (k1, v1) = lower[-1], upper[0]
+                v = v0 if k1 == k0 else v0 + (v1 - v0) * (b - k0) / (k1 - k0)
+            elif lower:  # beyond the largest measured size: scale by samples
+                k0, v0 = lower[-1]
+                v = v0 * b / k0
+            else:
+                v = upper[0][1]
+            self._seeds[(model, b, kind)] = v
+
+    def observe_infer(self, model: str, batch: int, kind: str, seconds: float) -> None:
+        w = self._infer.get((model, batch, kind))
+        if w is None:
+            w = self._infer[(model, batch, kind)] = SlidingWindow(self.window)
+        w.add(seconds)
+
+    def observe_load(self, model: str, kind: str, seconds: float) -> None:
+        w = self._load.get((model, kind))
+        if w is None:
+            w = self._load[(model, kind)] = SlidingWindow(self.window)
+        w.add(seconds)
+
+    def infer(self, model: str, batch: int, kind: str) -> float | None:
+        w = self._infer.get((model, batch, kind))
+        if w is not None and len(w):
+            return w.percentile(self.percentile)
+        return self._seeds.get((model, batch, kind))
+
+    def load(self, model: str, kind: str) -> float | None:
+        w = self._load.get((model, kind))
+        return w.percentile(self.percentile) if w is not None and len(w) else None
+
+    def forget(self, model: str) -> None:
+        for d in (self._infer, self._seeds):
+            for k in [k for k in d if k[0] == model]:
+                del d[k]
+        for k in [k for k in self._load if k[0] == model]:
+            del self._load[k]

@@ -1,0 +1,32 @@
+"""The policy interface: a policy reads the scheduler's state and issues actions through it.
+
+A policy is plain synchronous code: `schedule(state, now)` is called after every change
+(a request arrived, a result came back, a wake-up time passed) and issues LOAD, INFER and
+UNLOAD actions with the scheduler's `issue_*` helpers; `next_wakeup` says when it next wants
+to be called even if nothing else happens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from daemon.config import ControllerSettings
+
+if TYPE_CHECKING:
+    from daemon.controller.core import Scheduler
+
+
+class Policy(Protocol):
+    name: str
+
+    def schedule(self, state: Scheduler, now: float) -> None: ...
+
+    def next_wakeup(self, state: Scheduler, now: float) -> float | None: ...
+
+
+def make_policy(settings: ControllerSettings) -> Policy:
+    if settings.policy == "dynamic":
+        from daemon.controller.batching import DynamicBatchingPolicy
+
+        return DynamicBatchingPolicy(max_queue_delay=settings.max_queue_delay_ms / 1000.0)
+    raise ValueError(f"unknown policy {settings.policy!r}")

@@ -1,0 +1,136 @@
+"""The controller's asyncio glue: carries decisions between the scheduler, executors and frontends.
+
+Everything here runs on the event loop. Executor threads hand results in through
+`post_result` (thread-safe). Arrivals and results only mark the scheduler dirty; one
+`schedule()` call per loop iteration then decides for all of them, so a burst of requests is
+batched together and the decision logic is never re-entered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Protocol
+
+from daemon.actions import Action, Result
+from daemon.clock import Clock
+from daemon.controller.core import Decision, Scheduler
+from daemon.errors import Unavailable
+from daemon.request import InferenceRequest
+
+log = logging.getLogger("escapement.controller")
+
+
+class ActionSink(Protocol):
+    def submit(self, action: Action) -> None: ...
+
+
+class ControllerService:
+    def __init__(self, scheduler: Scheduler, executors: Mapping[str, ActionSink], clock: Clock,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.scheduler = scheduler
+        self.executors = executors
+        self.clock = clock
+        self.loop = loop
+        self.accepting = True
+        self._dirty = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # ---------------------------------------------------------------- from frontends
+
+    def submit(self, req: InferenceRequest) -> None:
+        """Admit a request (raises the error to answer with if refused)."""
+        if not self.accepting:
+            raise Unavailable("the daemon is shutting down")
+        self.scheduler.submit(req, self.clock.now())
+        self._idle.clear()
+        self._kick()
+
+    def cancel(self, req: InferenceRequest) -> None:
+        self._deliver(self.scheduler.cancel(req, self.clock.now()))
+        self._kick()
+
+    # ---------------------------------------------------------------- from executors
+
+    def post_result(self, result: Result) -> None:
+        """Thread-safe: called on executor threads."""
+        self.loop.call_soon_threadsafe(self._on_result, result)
+
+    def _on_result(self, result: Result) -> None:
+        self._deliver(self.scheduler.on_result(result, self.clock.now()))
+        self._kick()
+
+    # ---------------------------------------------------------------- the step
+
+    def _kick(self) -> None:
+        if not self._dirty:
+            self._dirty = True
+            self.loop.call_soon(self._step)
+
+    def _step(self) -> None:
+        self._dirty = False
+        now = self.clock.now()
+        try:
+            self._deliver(self.scheduler.schedule(now))
+        except Exception:  # a bug in a policy must not stop the controller
+            log.exception("scheduling step failed")
+        self._arm(now)
+        if self.scheduler.pending == 0 and not self.scheduler.inflight:
+            self._idle.set()
+
+    def _arm(self, now: float) -> None:
+        wake = self.scheduler.next_wakeup(now)
+        if wake == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = wake
+        if wake is not None:
+            self._timer = self.loop.call_at(wake, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self._kick()
+
+    def _deliver(self, decision: Decision) -> None:
+        for action in decision.actions:
+            self.executors[action.device].submit(action)
+        for req in decision.finished:
+            if req.on_finish is not None:
+                try:
+                    req.on_finish(req)
+                except Exception:
+                    log.exception("answering request %d failed", req.id)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def apply(self, decision: Decision) -> None:
+        """Carry out a decision made outside a step (model removal, for instance)."""
+        self._deliver(decision)
+        self._kick()
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop admitting and wait until every accepted request is answered; False on timeout."""
+        self.accepting = False
+        if self.scheduler.pending == 0 and not self.scheduler.inflight:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    def abort_all(self, why: str) -> None:
+        """Answer every accepted request with 503 now (a drain that ran out of time)."""
+        self._deliver(self.scheduler.abort_all(Unavailable(why), self.clock.now()))
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

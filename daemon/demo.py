@@ -1,0 +1,217 @@
+"""`escapement demo`: build the demo model repository offline.
+
+- `digits_mlp` (torch.export) and `digits_cnn` (TorchScript): real classifiers trained on
+  scikit-learn's bundled 8x8 digits; their held-out accuracy is written into their config.
+- `mlp_784`: a random-weight 784-1024-1024-10 MLP, the model peers are compared on.
+- `cnn_heavy`: a random-weight CNN on 3x64x64 inputs whose batch-1 run takes a few ms on one
+  core, so batching matters.
+
+Idempotent: a model whose files are already there is left alone unless `force` is given.
+Deterministic: fixed seeds and a fixed train/test split.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+log = logging.getLogger("escapement.demo")
+
+SEED = 0
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    name: str
+    fmt: str  # "pt2" or "ts"
+    build: Callable[[], tuple[nn.Module, dict[str, object]]]
+    input_shape: tuple[int, ...]  # per sample
+    n_out: int
+    max_batch_size: int
+    slo_ms: float
+    description: str
+
+
+class DigitsMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x / 16.0)  # digits pixels are 0..16
+
+
+class DigitsCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        )
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x / 16.0))
+
+
+class HeavyCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        def block(cin: int, cout: int) -> list[nn.Module]:
+            return [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
+        self.features = nn.Sequential(
+            *block(3, 32), *block(32, 32), nn.MaxPool2d(2),
+            *block(32, 64), *block(64, 64), nn.MaxPool2d(2),
+            *block(64, 128), nn.AdaptiveAvgPool2d(1),
+        )
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(self.features(x), 1))
+
+
+def digits_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The digits dataset split 80/20 with a fixed seed: (x_train, y_train, x_test, y_test)."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = data.data.astype(np.float32)
+    y = data.target.astype(np.int64)
+    order = np.random.default_rng(SEED).permutation(len(x))
+    cut = int(0.8 * len(x))
+    tr, te = order[:cut], order[cut:]
+    return x[tr], y[tr], x[te], y[te]
+
+
+def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, batch: int, lr: float) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=1e-5)
+    loss_fn = nn.CrossEntropyLoss()
+    model.train()
+    for _ in range(epochs):
+        perm = torch.randperm(len(x), generator=gen)
+        for i in range(0, len(x), batch):
+            idx = perm[i : i + batch]
+            opt.zero_grad()
+            loss_fn(model(x[idx]), y[idx]).backward()
+            opt.step()
+    model.eval()
+
+
+def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((model(x).argmax(1) == y).float().mean())
+
+
+def _digits_model(model: nn.Module, shape: tuple[int, ...], epochs: int) -> tuple[nn.Module, dict[str, object]]:
+    torch.manual_seed(SEED)
+    xtr, ytr, xte, yte = digits_split()
+    xt, yt = torch.from_numpy(xtr).reshape(-1, *shape), torch.from_numpy(ytr)
+    xv, yv = torch.from_numpy(xte).reshape(-1, *shape), torch.from_numpy(yte)
+    _train(model, xt, yt, epochs=epochs, batch=64, lr=1e-3)
+    acc = _accuracy(model, xv, yv)
+    return model, {"dataset": "scikit-learn digits (8x8, pixels 0..16), 80/20 split, seed 0",
+                   "test_accuracy": round(acc, 4), "test_samples": len(yte),
+                   "classes": list(range(10))}
+
+
+def _random_model(model: nn.Module) -> tuple[nn.Module, dict[str, object]]:
+    return model.eval(), {"weights": "random (for timing only)"}
+
+
+def _seeded(cls: type[nn.Module]) -> nn.Module:
+    torch.manual_seed(SEED)
+    return cls()
+
+
+MODELS: list[DemoModel] = [
+    DemoModel("digits_mlp", "pt2", lambda: _digits_model(_seeded(DigitsMLP), (64,), epochs=60),
+              (64,), 10, 32, 100.0, "MLP 64-128-64-10 trained on scikit-learn digits"),
+    DemoModel("digits_cnn", "ts", lambda: _digits_model(_seeded(DigitsCNN), (1, 8, 8), epochs=25),
+              (1, 8, 8), 10, 32, 100.0, "small CNN trained on scikit-learn digits (TorchScript)"),
+    DemoModel("mlp_784", "pt2", lambda: _random_model(nn.Sequential(
+                  nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))),
+              (784,), 10, 32, 100.0, "MLP 784-1024-1024-10, random weights: the model peers are compared on"),
+    DemoModel("cnn_heavy", "pt2", lambda: _random_model(_seeded(HeavyCNN)),
+              (3, 64, 64), 10, 16, 200.0, "CNN on 3x64x64, random weights: a few ms per batch-1 call"),
+]
+
+
+def config_text(m: DemoModel, metadata: dict[str, object]) -> str:
+    shape = ", ".join(str(d) for d in (-1, *m.input_shape))
+    lines = [
+        f"# Built by `escapement demo`. {m.description}.",
+        f'description = "{m.description}"',
+        f"max_batch_size = {m.max_batch_size}",
+        f"slo_ms = {m.slo_ms:g}",
+        "",
+        "[[inputs]]",
+        'name = "INPUT__0"',
+        'datatype = "FP32"',
+        f"shape = [{shape}]",
+        "",
+        "[[outputs]]",
+        'name = "OUTPUT__0"',
+        'datatype = "FP32"',
+        f"shape = [-1, {m.n_out}]",
+        "",
+        "[metadata]",
+    ]
+    for k, v in metadata.items():
+        lines.append(f"{k} = {_toml_value(v)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return str(v)
+
+
+def save_model(model: nn.Module, fmt: str, example: torch.Tensor, max_batch: int, path: Path) -> None:
+    """Write `model` as model.pt2 (batch dimension dynamic) or model.ts."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}")  # keeps the suffix torch.export.save checks
+    model = model.eval()
+    if fmt == "pt2":
+        batch = torch.export.Dim("batch", min=1, max=max(max_batch, 2))
+        ep = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+        torch.export.save(ep, str(tmp))
+    else:
+        torch.jit.save(torch.jit.script(model), str(tmp))
+    tmp.replace(path)  # never leave a half-written model for the daemon to find
+
+
+def build(out: str | Path, force: bool = False, only: list[str] | None = None) -> list[str]:
+    """Build the demo models under `out`; returns the names built (skipped ones are not listed)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    built: list[str] = []
+    for m in MODELS:
+        if only and m.name not in only:
+            continue
+        model_dir = out / m.name
+        model_file = model_dir / "1" / f"model.{m.fmt}"
+        if model_file.exists() and (model_dir / "config.toml").exists() and not force:
+            log.info("%s: already built", m.name)
+            continue
+        t0 = time.perf_counter()
+        model, meta = m.build()
+        example = torch.zeros((2, *m.input_shape))
+        save_model(model, m.fmt, example, m.max_batch_size, model_file)
+        (model_dir / "config.toml").write_text(config_text(m, meta), encoding="utf-8")
+        acc = f", test accuracy {meta['test_accuracy']:.4f}" if "test_accuracy" in meta else ""
+        log.info("%s: built in %.1f s%s", m.name, time.perf_counter() - t0, acc)
+        built.append(m.name)
+    return built

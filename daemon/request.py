@@ -1,0 +1,60 @@
+"""The inference request: one call with its arrival time, absolute deadline and status.
+
+Both frontends decode into this one type. Only the controller changes `status`; it finishes a
+request exactly once, and the frontend's `on_finish` callback is then called exactly once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+from daemon.errors import EscapementError
+from daemon.repository import ModelSpec
+
+
+class RequestStatus(IntEnum):
+    QUEUED = 0
+    RUNNING = 1  # part of an INFER action in flight
+    # Finished statuses compare greater than every live one.
+    SUCCEEDED = 10
+    FAILED = 11
+    CANCELLED = 12
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.SUCCEEDED
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(slots=True, eq=False)
+class InferenceRequest:
+    model: ModelSpec
+    inputs: tuple[np.ndarray, ...]  # in the model's input order, each [samples, *sample_shape]
+    samples: int
+    arrival: float
+    deadline: float
+    priority: int = 0  # 0 = default; smaller positive values are more urgent, as in Triton
+    client_id: str = ""
+    on_finish: Callable[[InferenceRequest], None] | None = None
+    context: Any = None  # the frontend's own state, untouched by the controller
+    id: int = field(default_factory=lambda: next(_ids))
+    status: RequestStatus = RequestStatus.QUEUED
+    outputs: tuple[np.ndarray, ...] | None = None
+    error: EscapementError | None = None
+    reconstructed: bool = False
+    cold_start: bool = False
+    dispatched_at: float = 0.0
+    finished_at: float = 0.0
+    compute_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == RequestStatus.SUCCEEDED

@@ -1,0 +1,1 @@
+"""The runtime: the hands. Devices, executors, model programs and weight blocks."""

@@ -1,0 +1,59 @@
+"""Model weights laid out as one contiguous block.
+
+Every model's parameters, buffers and constant tensors are packed into one flat byte buffer
+(each tensor aligned), like Clockwork's paged weights: host memory holds it once (pinned on
+CUDA machines), a LOAD is one large host-to-device copy into a block the device owns, and the
+device's tensors are views into that block. UNLOAD drops the block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 256  # bytes; enough for any dtype and for coalesced GPU access
+
+
+@dataclass(frozen=True, slots=True)
+class WeightEntry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class WeightLayout:
+    entries: tuple[WeightEntry, ...]
+    nbytes: int
+
+    @staticmethod
+    def of(tensors: list[tuple[str, torch.Tensor]]) -> WeightLayout:
+        entries: list[WeightEntry] = []
+        offset = 0
+        for name, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            entries.append(WeightEntry(name, t.dtype, tuple(t.shape), offset, nbytes))
+            offset += -(-nbytes // ALIGN) * ALIGN
+        return WeightLayout(tuple(entries), max(offset, ALIGN))
+
+    def views(self, block: torch.Tensor) -> list[torch.Tensor]:
+        """Tensors over `block` (a flat uint8 tensor of at least `nbytes`), one per entry."""
+        out: list[torch.Tensor] = []
+        for e in self.entries:
+            raw = block[e.offset : e.offset + e.nbytes]
+            out.append(raw.view(e.dtype).view(e.shape) if e.nbytes else torch.empty(e.shape, dtype=e.dtype,
+                                                                                    device=block.device))
+        return out
+
+
+def pack(tensors: list[tuple[str, torch.Tensor]], pin: bool = False) -> tuple[WeightLayout, torch.Tensor]:
+    """Copy `tensors` into one new flat host block; returns its layout and the block."""
+    layout = WeightLayout.of(tensors)
+    block = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+    block.zero_()
+    for (_, t), view in zip(tensors, layout.views(block), strict=True):
+        view.copy_(t.detach())
+    return layout, block

@@ -1,0 +1,237 @@
+"""The Daemon: owns the event loop's work, wires the parts, and runs the lifecycle.
+
+Start-up: devices -> executors -> controller -> model programs (read off the loop, in a
+thread) -> listeners. Shutdown, in a fixed order: stop accepting connections and requests ->
+drain accepted requests (bounded by `server.drain_timeout_s`) -> stop executors -> close
+connections. SIGTERM and SIGINT start a shutdown; a second SIGINT forces the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from daemon.api.http import HttpFrontend
+from daemon.api.uds import SocketFrontend
+from daemon.clock import Clock, MonotonicClock
+from daemon.config import Settings, parse_hostport
+from daemon.controller.core import Scheduler
+from daemon.controller.policy import make_policy
+from daemon.controller.service import ControllerService
+from daemon.errors import BadRequest, ConfigError
+from daemon.registry import ModelRegistry, ModelState
+from daemon.repository import ModelSpec, scan
+from daemon.request import InferenceRequest
+from daemon.runtime.devices import Device, resolve_devices
+from daemon.runtime.executor import Executor, make_backend
+from daemon.runtime.program import Program, ProgramError, load_program
+
+log = logging.getLogger("escapement.server")
+
+MAX_TIMEOUT_US = 3_600_000_000
+
+
+class State(enum.IntEnum):
+    STARTING = 0
+    RUNNING = 1
+    DRAINING = 2
+    STOPPING = 3
+    STOPPED = 4
+
+
+class Daemon:
+    def __init__(self, settings: Settings, clock: Clock | None = None) -> None:
+        self.settings = settings
+        self.clock = clock or MonotonicClock()
+        self.state = State.STARTING
+        self.registry = ModelRegistry()
+        self.programs: dict[str, Program] = {}
+        self.devices: list[Device] = []
+        self.executors: dict[str, Executor] = {}
+        self.http: HttpFrontend | None = None
+        self.socket: SocketFrontend | None = None
+        self.http_port: int | None = None
+        self._controller: ControllerService | None = None
+        self._stop = asyncio.Event()
+        self._signals = 0
+
+    @property
+    def controller(self) -> ControllerService:
+        assert self._controller is not None, "the daemon is not started"
+        return self._controller
+
+    # ---------------------------------------------------------------- requests (frontends)
+
+    def is_ready(self) -> bool:
+        return self.state == State.RUNNING
+
+    def new_request(self, spec: ModelSpec, arrays: tuple[np.ndarray, ...], samples: int, timeout_us: Any,
+                    priority: Any, client_id: str) -> InferenceRequest:
+        now = self.clock.now()
+        if timeout_us is None:
+            deadline = now + spec.slo_s
+        else:
+            if isinstance(timeout_us, bool) or not isinstance(timeout_us, int) or not 0 <= timeout_us <= MAX_TIMEOUT_US:
+                raise BadRequest(f"timeout must be an integer number of microseconds in 0..{MAX_TIMEOUT_US}, "
+                                 f"got {timeout_us!r}")
+            deadline = now + timeout_us * 1e-6
+        if priority is None:
+            priority = 0
+        elif isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
+            raise BadRequest(f"priority must be a non-negative integer, got {priority!r}")
+        return InferenceRequest(spec, arrays, samples, now, deadline, priority, client_id)
+
+    async def run_request(self, req: InferenceRequest) -> InferenceRequest:
+        """Submit and wait for the answer; raises the request's error. Cancelling cancels the request."""
+        fut: asyncio.Future[InferenceRequest] = asyncio.get_running_loop().create_future()
+
+        def done(r: InferenceRequest) -> None:
+            if not fut.done():
+                fut.set_result(r)
+
+        req.on_finish = done
+        self.controller.submit(req)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self.controller.cancel(req)
+            raise
+        if req.error is not None:
+            raise req.error
+        return req
+
+    # ---------------------------------------------------------------- start-up
+
+    async def start(self) -> None:
+        s = self.settings
+        sys.setswitchinterval(s.runtime.gil_switch_interval_us * 1e-6)
+        loop = asyncio.get_running_loop()
+        self.devices = resolve_devices(s.runtime.devices, s.runtime.weight_budget)
+        scheduler = Scheduler(self.devices, make_policy(s.controller), s.controller)
+        self._controller = ControllerService(scheduler, self.executors, self.clock, loop)
+        for d in self.devices:
+            ex = Executor(d, make_backend(d, s.runtime.cpu_threads), self.clock, self._controller.post_result,
+                          self.programs)
+            ex.start()
+            self.executors[d.name] = ex
+        log.info("devices: %s", ", ".join(f"{d.name} ({d.weight_budget / 2**20:.0f} MiB for weights)"
+                                          for d in self.devices))
+        await self.load_repository()
+        if s.server.http:
+            host, port = parse_hostport(s.server.http, "server.http")
+            self.http = HttpFrontend(self)
+            self.http_port = await self.http.start(host, port)
+            log.info("HTTP listening on %s:%d", host, self.http_port)
+        if s.server.socket:
+            self.socket = SocketFrontend(self)
+            await self.socket.start(s.server.socket)
+            log.info("socket listening on %s", s.server.socket)
+        self.state = State.RUNNING
+        log.info("ready: %d model version(s) serving", sum(1 for m in self.registry.index() if m["state"] == "READY"))
+
+    async def load_repository(self) -> None:
+        """Scan the repository and read every model into host memory (in a worker thread)."""
+        s = self.settings
+        root = Path(s.models.repository)
+        if not root.is_dir():
+            raise ConfigError(f"models.repository: {root} is not a directory (build the demo models with "
+                              f"`escapement demo --out {root}`)")
+        result = await asyncio.to_thread(scan, root, s.models.default_slo_ms)
+        for name, why in result.broken.items():
+            self.registry.set_broken(name, why)
+        pin = any(d.kind == "cuda" for d in self.devices)
+        has_cpu = any(d.kind == "cpu" for d in self.devices)
+        largest = max(d.weight_budget for d in self.devices)
+        for spec in result.models:
+            self.registry.add(spec, ModelState.LOADING)
+        for spec in result.models:
+            try:
+                program = await asyncio.to_thread(load_program, spec, pin)
+            except ProgramError as e:
+                self.registry.set_state(spec, ModelState.UNAVAILABLE, str(e))
+                log.error("model %s is not served: %s", spec.key, e)
+                continue
+            if program.weight_bytes > largest:
+                why = (f"its weights ({program.weight_bytes} bytes) exceed every device's weight budget "
+                       f"({largest} bytes; runtime.weight_budget)")
+                self.registry.set_state(spec, ModelState.UNAVAILABLE, why)
+                log.error("model %s is not served: %s", spec.key, why)
+                continue
+            self.programs[spec.key] = program
+            self.controller.scheduler.add_model(spec, program.weight_bytes,
+                                                program.seed_timings if has_cpu else None, "cpu")
+            self.registry.set_state(spec, ModelState.READY)
+            log.info("model %s ready (%s, %.1f MiB of weights)", spec.key, spec.format,
+                     program.weight_bytes / 2**20)
+
+    # ---------------------------------------------------------------- shutdown
+
+    def request_stop(self, force: bool = False) -> None:
+        if force:
+            log.warning("[shutdown] forced")
+            self._forced = True
+        self._stop.set()
+
+    _forced = False
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self._signals += 1
+        if self._signals > 1 and sig == signal.SIGINT:
+            log.warning("[shutdown] second interrupt: exiting at once, without draining")
+            logging.shutdown()
+            os._exit(130)
+        log.info("[shutdown] %s received", sig.name)
+        self.request_stop()
+
+    async def stop(self) -> None:
+        if self.state >= State.STOPPING:
+            return
+        self.state = State.DRAINING
+        log.info("[shutdown] closing listeners")
+        for fe in (self.http, self.socket):
+            if fe is not None:
+                await fe.stop_listening()
+        if self._controller is not None:
+            timeout = 0.0 if self._forced else self.settings.server.drain_timeout_s
+            drained = await self._controller.drain(timeout)
+            if drained:
+                log.info("[shutdown] drained")
+            else:
+                log.warning("[shutdown] drain timed out; answering %d request(s) with 503",
+                            self._controller.scheduler.pending)
+                self._controller.abort_all("the daemon shut down before this request could run")
+        self.state = State.STOPPING
+        log.info("[shutdown] stopping executors")
+        await asyncio.to_thread(self._stop_executors)
+        if self._controller is not None:
+            self._controller.close()
+        for fe in (self.http, self.socket):
+            if fe is not None:
+                await fe.close()
+        self.state = State.STOPPED
+        log.info("[shutdown] done")
+
+    def _stop_executors(self) -> None:
+        for ex in self.executors.values():
+            ex.stop()
+
+    async def serve(self) -> None:
+        """Run until SIGTERM / SIGINT (or `request_stop`), then shut down in order."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            await self.start()
+            await self._stop.wait()
+        finally:
+            await self.stop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
