@@ -274,7 +274,8 @@ def http_infer_result(body: bytes, header_len: str | None) -> InferResult:
         dt = BY_NAME[o["datatype"]].numpy
         size = (o.get("parameters") or {}).get("binary_data_size")
         if size is not None:
-            outs[o["name"]] = np.frombuffer(body, dtype=dt, count=size // dt.itemsize, offset=offset).reshape(o["shape"])
+            flat = np.frombuffer(body, dtype=dt, count=size // dt.itemsize, offset=offset)
+            outs[o["name"]] = flat.reshape(o["shape"])
             offset += size
         else:
             outs[o["name"]] = np.array(o["data"], dtype=dt).reshape(o["shape"])

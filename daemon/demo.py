@@ -1,6 +1,6 @@
 """`escapement demo`: build the demo model repository offline.
 
-- `digits_mlp` (torch.export) and `digits_cnn` (TorchScript): real classifiers trained on
+- `digits_mlp` and `digits_cnn`: real classifiers trained on
   scikit-learn's bundled 8x8 digits; their held-out accuracy is written into their config.
 - `mlp_784`: a random-weight 784-1024-1024-10 MLP, the model peers are compared on.
 - `cnn_heavy`: a random-weight CNN on 3x64x64 inputs whose batch-1 run takes a few ms on one
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,8 +135,8 @@ def _seeded(cls: type[nn.Module]) -> nn.Module:
 MODELS: list[DemoModel] = [
     DemoModel("digits_mlp", "pt2", lambda: _digits_model(_seeded(DigitsMLP), (64,), epochs=60),
               (64,), 10, 32, 100.0, "MLP 64-128-64-10 trained on scikit-learn digits"),
-    DemoModel("digits_cnn", "ts", lambda: _digits_model(_seeded(DigitsCNN), (1, 8, 8), epochs=25),
-              (1, 8, 8), 10, 32, 100.0, "small CNN trained on scikit-learn digits (TorchScript)"),
+    DemoModel("digits_cnn", "pt2", lambda: _digits_model(_seeded(DigitsCNN), (1, 8, 8), epochs=25),
+              (1, 8, 8), 10, 32, 100.0, "small CNN trained on scikit-learn digits"),
     DemoModel("mlp_784", "pt2", lambda: _random_model(nn.Sequential(
                   nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))),
               (784,), 10, 32, 100.0, "MLP 784-1024-1024-10, random weights: the model peers are compared on"),
@@ -188,8 +189,10 @@ def save_model(model: nn.Module, fmt: str, example: torch.Tensor, max_batch: int
         batch = torch.export.Dim("batch", min=1, max=max(max_batch, 2))
         ep = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
         torch.export.save(ep, str(tmp))
-    else:
-        torch.jit.save(torch.jit.script(model), str(tmp))
+    else:  # TorchScript is deprecated in torch 2.13; kept for users who still have such models
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            torch.jit.save(torch.jit.script(model), str(tmp))
     tmp.replace(path)  # never leave a half-written model for the daemon to find
 
 

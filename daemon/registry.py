@@ -7,13 +7,13 @@ Triton's repository index: READY, LOADING, UNAVAILABLE (with a reason).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from daemon.errors import NotFound, Unavailable
 from daemon.repository import ModelSpec
 
 
-class ModelState(str, Enum):
+class ModelState(StrEnum):
     LOADING = "LOADING"
     READY = "READY"
     UNAVAILABLE = "UNAVAILABLE"

@@ -141,7 +141,7 @@ class Daemon:
         """Scan the repository and read every model into host memory (in a worker thread)."""
         s = self.settings
         root = Path(s.models.repository)
-        if not root.is_dir():
+        if not root.is_dir():  # noqa: ASYNC240 - start-up, before any request
             raise ConfigError(f"models.repository: {root} is not a directory (build the demo models with "
                               f"`escapement demo --out {root}`)")
         result = await asyncio.to_thread(scan, root, s.models.default_slo_ms)

@@ -227,23 +227,27 @@ class SocketFrontend:
         self.path: Path | None = None
 
     async def start(self, path: str) -> None:
+        await asyncio.to_thread(self._prepare, path)
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_unix_server(lambda: SocketConnection(self), path, backlog=1024)
+        os.chmod(path, int(self.daemon.settings.server.socket_mode, 8))
+        self.path = Path(path)
+
+    @staticmethod
+    def _prepare(path: str) -> None:
         p = Path(path)
         if len(os.fsencode(p.absolute())) >= 108:
             raise OSError(f"socket path {p} is too long for a unix socket (108 bytes)")
         p.parent.mkdir(parents=True, exist_ok=True)
         if p.is_socket():
             p.unlink()  # a stale socket from a daemon that did not exit cleanly
-        loop = asyncio.get_running_loop()
-        self.server = await loop.create_unix_server(lambda: SocketConnection(self), str(p), backlog=1024)
-        os.chmod(p, int(self.daemon.settings.server.socket_mode, 8))
-        self.path = p
 
     async def stop_listening(self) -> None:
         if self.server is not None:
             self.server.close()
         if self.path is not None:
             with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+                os.unlink(self.path)
 
     async def close(self) -> None:
         for c in list(self.connections):

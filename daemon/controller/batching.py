@@ -91,7 +91,7 @@ class DynamicBatchingPolicy:
     # ---------------------------------------------------------------- loads
 
     def _place(self, state: Scheduler, entry: ModelEntry, now: float) -> None:
-        key, nbytes = entry.spec.key, entry.weight_bytes
+        nbytes = entry.weight_bytes
         fits = [d for d in state.devices.values() if d.memory.budget >= nbytes]
         if not fits:
             err = Unavailable(f"model {entry.spec.name} needs {nbytes} bytes of weights, more than any "

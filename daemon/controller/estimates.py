@@ -11,7 +11,7 @@ DEFAULT_PERCENTILE = 0.99
 
 
 class SlidingWindow:
-    __slots__ = ("_samples", "_cache")
+    __slots__ = ("_cache", "_samples")
 
     def __init__(self, size: int = DEFAULT_WINDOW) -> None:
         self._samples: deque[float] = deque(maxlen=size)

@@ -9,7 +9,7 @@ from daemon.request import InferenceRequest, RequestStatus
 
 
 class ModelQueue:
-    __slots__ = ("_q", "samples", "requests")
+    __slots__ = ("_q", "requests", "samples")
 
     def __init__(self) -> None:
         self._q: deque[InferenceRequest] = deque()

@@ -115,7 +115,7 @@ class ControllerService:
         self._deliver(decision)
         self._kick()
 
-    async def drain(self, timeout: float) -> bool:
+    async def drain(self, timeout: float) -> bool:  # noqa: ASYNC109 - a bound, not a cancel scope
         """Stop admitting and wait until every accepted request is answered; False on timeout."""
         self.accepting = False
         if self.scheduler.pending == 0 and not self.scheduler.inflight:

@@ -11,7 +11,9 @@ points its parameters and buffers at the device's views.
 from __future__ import annotations
 
 import copy
+import logging
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +22,8 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from daemon.repository import ModelSpec
 from daemon.runtime.weights import WeightLayout, pack
+
+log = logging.getLogger("escapement.repository")
 
 Runner = Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]]
 
@@ -121,7 +125,11 @@ def _submodule(root: torch.nn.Module, path: str) -> torch.nn.Module:
 
 
 def _load_torchscript(spec: ModelSpec, pin: bool) -> Program:
-    module = torch.jit.load(str(spec.path), map_location="cpu").eval()
+    with warnings.catch_warnings():
+        # torch 2.13 deprecates TorchScript; existing .ts models are still served.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        module = torch.jit.load(str(spec.path), map_location="cpu").eval()
+    log.info("%s: TorchScript is deprecated upstream; prefer model.pt2 (torch.export)", spec.key)
     # Unique tensors by identity, so tied weights share one slot.
     slots: dict[int, int] = {}
     weights: list[tuple[str, torch.Tensor]] = []

@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support import build_test_repo
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def test_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_test_repo(tmp_path_factory.mktemp("repo"))
+
+
+@pytest.fixture(scope="session")
+def demo_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from daemon import demo
+
+    out = tmp_path_factory.mktemp("demo")
+    demo.build(out)
+    return out
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    from tests.support import short_tmpdir
+
+    d = short_tmpdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,167 @@
+"""Test support: tiny models, model repositories and a real daemon run on a thread of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvloop
+from torch import nn
+
+from daemon.config import Settings, settings_from_dict
+from daemon.demo import save_model
+from daemon.server import Daemon
+
+
+class TinyLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.arange(12, dtype=torch.float32).reshape(3, 4) / 10)
+            self.fc.bias.copy_(torch.tensor([0.5, -0.5, 1.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class AllTypes(nn.Module):
+    """One input and one output of every datatype the daemon supports."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor, e: torch.Tensor,
+                f: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.logical_not(a), b + 1, c * 2, d - 1, e * 2, f / 2
+
+
+ALL_TYPES = [("a", "BOOL", torch.bool), ("b", "UINT8", torch.uint8), ("c", "INT32", torch.int32),
+             ("d", "INT64", torch.int64), ("e", "FP16", torch.float16), ("f", "FP64", torch.float64)]
+
+
+def tiny_config(inp: int = 4, out: int = 3, max_batch: int = 8, slo_ms: float = 1000.0) -> str:
+    return f"""max_batch_size = {max_batch}
+slo_ms = {slo_ms}
+[[inputs]]
+name = "INPUT__0"
+datatype = "FP32"
+shape = [-1, {inp}]
+[[outputs]]
+name = "OUTPUT__0"
+datatype = "FP32"
+shape = [-1, {out}]
+"""
+
+
+def all_types_config() -> str:
+    parts = ["max_batch_size = 4", "slo_ms = 1000"]
+    for name, dt, _ in ALL_TYPES:
+        parts += ["[[inputs]]", f'name = "{name}"', f'datatype = "{dt}"', "shape = [-1, 3]"]
+    for name, dt, _ in ALL_TYPES:
+        parts += ["[[outputs]]", f'name = "out_{name}"', f'datatype = "{dt}"', "shape = [-1, 3]"]
+    return "\n".join(parts) + "\n"
+
+
+def build_test_repo(root: Path) -> Path:
+    """Good and broken entries: tiny_pt2, tiny_ts (two versions), all_types, and four broken ones."""
+    root.mkdir(parents=True, exist_ok=True)
+    model = TinyLinear().eval()
+    x = torch.zeros(2, 4)
+    for name, fmt in (("tiny_pt2", "pt2"), ("tiny_ts", "ts")):
+        save_model(model, fmt, x, 8, root / name / "1" / f"model.{fmt}")
+        (root / name / "config.toml").write_text(tiny_config(), encoding="utf-8")
+    save_model(model, "ts", x, 8, root / "tiny_ts" / "2" / "model.ts")
+
+    batch = torch.export.Dim("batch", min=1, max=4)
+    args = tuple(torch.zeros(2, 3, dtype=t) for _, _, t in ALL_TYPES)
+    ep = torch.export.export(AllTypes().eval(), args, dynamic_shapes=tuple({0: batch} for _ in ALL_TYPES))
+    (root / "all_types" / "1").mkdir(parents=True)
+    torch.export.save(ep, str(root / "all_types" / "1" / "model.pt2"))
+    (root / "all_types" / "config.toml").write_text(all_types_config(), encoding="utf-8")
+
+    # Broken entries: each must be reported and must not stop the others.
+    (root / "no_config" / "1").mkdir(parents=True)
+    save_model(model, "pt2", x, 8, root / "no_config" / "1" / "model.pt2")
+    (root / "garbage" / "1").mkdir(parents=True)
+    (root / "garbage" / "1" / "model.pt2").write_bytes(b"this is not a model")
+    (root / "garbage" / "config.toml").write_text(tiny_config(), encoding="utf-8")
+    save_model(model, "pt2", x, 8, root / "wrong_shape" / "1" / "model.pt2")
+    (root / "wrong_shape" / "config.toml").write_text(tiny_config(inp=5), encoding="utf-8")
+    (root / "bad_toml" / "1").mkdir(parents=True)
+    (root / "bad_toml" / "config.toml").write_text("max_batch_size = [", encoding="utf-8")
+    return root
+
+
+def short_tmpdir() -> Path:
+    """A short directory for unix sockets (paths are limited to 108 bytes)."""
+    return Path(tempfile.mkdtemp(prefix="esc-", dir="/tmp"))
+
+
+def settings(repo: Path, sock_dir: Path, **sections: dict[str, Any]) -> Settings:
+    data: dict[str, Any] = {
+        "server": {"http": "127.0.0.1:0", "socket": str(sock_dir / "d.sock"), "log_level": "warning"},
+        "models": {"repository": str(repo)},
+        "runtime": {"devices": ["cpu:0"]},
+    }
+    for k, v in sections.items():
+        data.setdefault(k, {}).update(v)
+    return settings_from_dict(data)
+
+
+class DaemonThread:
+    """A real daemon on its own uvloop thread, so blocking clients can call it from the test."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.daemon = Daemon(settings)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="daemon", daemon=True)
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        loop = uvloop.new_event_loop()
+        self.loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self.daemon.start())
+        except BaseException as e:
+            self._error = e
+            self._started.set()
+            loop.run_until_complete(self.daemon.stop())
+            loop.close()
+            return
+        self._started.set()
+        loop.run_until_complete(self.daemon._stop.wait())
+        loop.run_until_complete(self.daemon.stop())
+        loop.close()
+
+    def start(self, timeout: float = 120) -> DaemonThread:
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise TimeoutError("the daemon did not start")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """Run a plain function on the daemon's loop and return its result."""
+        assert self.loop is not None
+        async def go() -> Any:
+            return fn(*args)
+        return asyncio.run_coroutine_threadsafe(go(), self.loop).result(30)
+
+    def stop(self, timeout: float = 60) -> None:
+        if self.loop is not None and self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.daemon.request_stop)
+        self._thread.join(timeout)
+
+    @property
+    def http(self) -> str:
+        return f"127.0.0.1:{self.daemon.http_port}"
+
+    @property
+    def socket(self) -> str:
+        return self.settings.server.socket

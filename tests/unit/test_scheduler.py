@@ -1,0 +1,339 @@
+"""The scheduler core and the dynamic-batching policy, driven by a fake clock and hand-made results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from daemon.actions import Action, ActionKind, Result, ResultStatus
+from daemon.clock import FakeClock
+from daemon.config import ControllerSettings
+from daemon.controller.batching import DynamicBatchingPolicy
+from daemon.controller.core import Decision, Scheduler
+from daemon.datatypes import BY_NAME
+from daemon.errors import DeadlineExceeded, InternalError, NotFound, Overloaded, Unavailable
+from daemon.repository import ModelSpec, TensorSpec
+from daemon.request import InferenceRequest, RequestStatus
+from daemon.runtime.devices import Device
+
+MS = 1e-3
+
+
+def make_spec(name: str = "m", max_batch: int = 8, slo: float = 0.1) -> ModelSpec:
+    fp32 = BY_NAME["FP32"]
+    return ModelSpec(name, 1, Path(f"/nowhere/{name}"), "pt2", (TensorSpec("x", fp32, (-1, 2)),),
+                     (TensorSpec("y", fp32, (-1, 1)),), max_batch, slo)
+
+
+class Harness:
+    """A scheduler with its policy, a fake clock, and the decisions it made, as a test reads them."""
+
+    def __init__(self, devices: int = 1, budget: int = 1000, delay: float = 0.0, **limits: int) -> None:
+        self.clock = FakeClock()
+        settings = ControllerSettings(max_queue_delay_ms=delay / MS, **limits)
+        self.sched = Scheduler([Device(f"cpu:{i}", "cpu", i, budget) for i in range(devices)],
+                               DynamicBatchingPolicy(delay), settings)
+        self.actions: list[Action] = []
+        self.finished: list[InferenceRequest] = []
+
+    @property
+    def now(self) -> float:
+        return self.clock.now()
+
+    def add(self, spec: ModelSpec, nbytes: int = 100, b1: float = 1 * MS, bmax: float = 8 * MS) -> ModelSpec:
+        self.sched.add_model(spec, nbytes, {1: b1, spec.max_batch_size: bmax}, "cpu")
+        return spec
+
+    def request(self, spec: ModelSpec, samples: int = 1, timeout: float | None = None) -> InferenceRequest:
+        x = np.full((samples, 2), float(len(self.finished) + len(self.actions)), dtype=np.float32)
+        deadline = self.now + (timeout if timeout is not None else spec.slo_s)
+        req = InferenceRequest(spec, (x,), samples, self.now, deadline)
+        self.sched.submit(req, self.now)
+        return req
+
+    def _take(self, d: Decision) -> list[Action]:
+        self.actions.extend(d.actions)
+        self.finished.extend(d.finished)
+        return d.actions
+
+    def step(self) -> list[Action]:
+        return self._take(self.sched.schedule(self.now))
+
+    def result(self, action: Action, status: ResultStatus = ResultStatus.OK, duration: float | None = None,
+               error: str = "") -> list[Action]:
+        """Complete `action` after `duration` (default: as long as the scheduler expected)."""
+        if duration is None:
+            duration = action.expected_duration if action.kind == ActionKind.INFER else 1 * MS
+        begin = self.now
+        self.clock.advance(duration)
+        outputs = None
+        if action.kind == ActionKind.INFER and status == ResultStatus.OK:
+            outputs = (np.arange(action.batch_size, dtype=np.float32).reshape(-1, 1),)
+        r = Result(action, status, begin, begin, self.now, duration, outputs, error)
+        self._take(self.sched.on_result(r, self.now))
+        return self.step()
+
+    def use(self, spec: ModelSpec) -> InferenceRequest:
+        """Serve one request of `spec` to the end, loading it if needed, completing actions in order."""
+        req = self.request(spec, timeout=1.0)
+        todo = self.step()
+        while not req.status.finished:
+            if todo:
+                todo = todo[1:] + self.result(todo[0])
+            else:
+                wake = self.sched.next_wakeup(self.now)
+                assert wake is not None, "stuck: nothing to run and nothing to wait for"
+                self.clock.set(max(wake, self.now))
+                todo = self.step()
+        assert req.ok
+        return req
+
+
+def kinds(actions: list[Action]) -> list[str]:
+    return [a.kind.name for a in actions]
+
+
+def test_requests_for_an_unloaded_model_trigger_a_load_then_full_batches() -> None:
+    h = Harness()
+    spec = h.add(make_spec(max_batch=8))
+    reqs = [h.request(spec) for _ in range(10)]
+    (load,) = h.step()
+    assert load.kind == ActionKind.LOAD and load.device == "cpu:0"
+    assert all(r.cold_start for r in reqs)
+    (infer,) = h.result(load)
+    assert infer.kind == ActionKind.INFER
+    assert infer.batch_size == 8 and infer.requests == reqs[:8]
+    assert h.step() == []  # one batch at a time per device
+    (second,) = h.result(infer)
+    assert second.requests == reqs[8:] and second.batch_size == 2
+    assert [r.status for r in reqs[:8]] == [RequestStatus.SUCCEEDED] * 8
+    # each request gets its own row of the batch output
+    assert [float(r.outputs[0][0, 0]) for r in reqs[:8]] == list(range(8))
+
+
+def test_multi_sample_requests_fill_slots_and_split_outputs() -> None:
+    h = Harness()
+    spec = h.add(make_spec(max_batch=8))
+    h.use(spec)
+    a, b, c = (h.request(spec, samples=3) for _ in range(3))
+    (infer,) = h.step()
+    assert infer.requests == [a, b] and infer.samples == 6 and infer.batch_size == 8
+    (nxt,) = h.result(infer)
+    assert a.outputs[0].ravel().tolist() == [0, 1, 2]
+    assert b.outputs[0].ravel().tolist() == [3, 4, 5]
+    assert nxt.requests == [c] and nxt.batch_size == 4
+
+
+def test_batch_waits_at_most_max_queue_delay() -> None:
+    h = Harness(delay=5 * MS)
+    spec = h.add(make_spec(max_batch=4))
+    h.use(spec)
+    first = h.request(spec)
+    assert h.step() == []
+    assert h.sched.next_wakeup(h.now) == pytest.approx(first.arrival + 5 * MS)
+    h.clock.advance(2 * MS)
+    h.request(spec)
+    assert h.step() == []
+    h.clock.advance(3 * MS)
+    (infer,) = h.step()
+    assert infer.samples == 2
+
+
+def test_a_full_batch_does_not_wait() -> None:
+    h = Harness(delay=50 * MS)
+    spec = h.add(make_spec(max_batch=4))
+    h.use(spec)
+    for _ in range(4):
+        h.request(spec)
+    (infer,) = h.step()
+    assert infer.samples == 4
+
+
+def test_hopeless_requests_are_answered_as_soon_as_they_cannot_make_it() -> None:
+    h = Harness()
+    spec = h.add(make_spec(max_batch=8), b1=10 * MS, bmax=10 * MS)
+    h.use(spec)
+    long_req = h.request(spec, timeout=1.0)
+    (busy,) = h.step()
+    assert busy.requests == [long_req]
+    tight = h.request(spec, timeout=15 * MS)
+    # It cannot start before the running batch ends, and it needs 10 ms of its 15.
+    assert h.sched.next_wakeup(h.now) == pytest.approx(tight.deadline - 10 * MS)
+    h.clock.advance(5 * MS + 1e-6)
+    h.step()
+    assert tight.status == RequestStatus.FAILED
+    assert isinstance(tight.error, DeadlineExceeded)
+    assert h.now < tight.deadline  # answered before its deadline passed, not after
+
+
+def test_admission_refuses_a_deadline_that_cannot_be_met_even_when_idle() -> None:
+    h = Harness()
+    spec = h.add(make_spec(), b1=10 * MS)
+    with pytest.raises(DeadlineExceeded, match="takes at least 10.000 ms"):
+        h.request(spec, timeout=5 * MS)
+    assert h.sched.pending == 0
+
+
+def test_unknown_model_and_overload_are_refused() -> None:
+    h = Harness(max_pending=3, max_pending_per_model=2)
+    a, b = h.add(make_spec("a")), h.add(make_spec("b"))
+    with pytest.raises(NotFound):
+        h.request(make_spec("nope"))
+    h.request(a)
+    h.request(a)
+    with pytest.raises(Overloaded, match="max_pending_per_model"):
+        h.request(a)
+    h.request(b)
+    with pytest.raises(Overloaded, match=r"controller.max_pending\)"):
+        h.request(b)
+
+
+def test_lru_eviction_when_the_budget_is_full() -> None:
+    h = Harness(budget=250)
+    a, b, c = (h.add(make_spec(n), nbytes=100) for n in "abc")
+    h.use(a)
+    h.use(b)
+    h.use(a)  # a is now the most recently used (already resident: no LOAD needed)
+    h.request(c)
+    acts = h.step()
+    assert kinds(acts) == ["UNLOAD", "LOAD"]
+    assert acts[0].model.name == "b" and acts[1].model.name == "c"
+    assert h.sched.devices["cpu:0"].memory.used == 200
+
+
+def test_a_model_already_resident_is_not_loaded_again() -> None:
+    h = Harness()
+    a = h.add(make_spec("a"))
+    h.use(a)
+    h.request(a)
+    assert kinds(h.step()) == ["INFER"]
+
+
+def test_eviction_prefers_models_nobody_waits_for() -> None:
+    h = Harness(budget=250, delay=50 * MS)
+    a, b, c = (h.add(make_spec(n), nbytes=100) for n in "abc")
+    h.use(b)
+    h.use(a)
+    # b is the least recently used, but a request waits for it (filling a batch); a has none.
+    h.request(b)
+    h.request(c)
+    acts = h.step()
+    assert kinds(acts) == ["UNLOAD", "LOAD"]
+    assert acts[0].model.name == "a" and acts[1].model.name == "c"
+
+
+def test_running_models_are_never_evicted() -> None:
+    h = Harness(budget=150)
+    a, b = h.add(make_spec("a"), nbytes=100), h.add(make_spec("b"), nbytes=100)
+    h.use(a)
+    h.request(a)
+    (busy,) = h.step()
+    h.request(b)
+    assert h.step() == []  # a is running: b waits
+    acts = h.result(busy)
+    assert kinds(acts) == ["UNLOAD", "LOAD"]
+
+
+def test_loads_go_to_the_device_with_room() -> None:
+    h = Harness(devices=2, budget=150)
+    a, b = h.add(make_spec("a"), nbytes=100), h.add(make_spec("b"), nbytes=100)
+    h.request(a)
+    h.request(b)
+    loads = h.step()
+    assert sorted(x.device for x in loads) == ["cpu:0", "cpu:1"]
+
+
+def test_model_larger_than_any_budget_fails_its_requests() -> None:
+    h = Harness(budget=50)
+    big = h.add(make_spec("big"), nbytes=100)
+    r = h.request(big)
+    assert h.step() == []
+    assert isinstance(r.error, Unavailable) and "weight budget" in r.error.message
+
+
+def test_a_refused_late_action_returns_its_requests_to_the_queue() -> None:
+    h = Harness()
+    spec = h.add(make_spec(max_batch=4))
+    h.use(spec)
+    reqs = [h.request(spec) for _ in range(2)]
+    (infer,) = h.step()
+    (retry,) = h.result(infer, ResultStatus.TOO_LATE, duration=0)
+    assert retry.requests == reqs  # back at the head, in order
+    assert all(r.status == RequestStatus.RUNNING for r in reqs)
+    h.result(retry)
+    assert all(r.ok for r in reqs)
+
+
+def test_a_refused_action_fails_requests_that_can_no_longer_make_it() -> None:
+    h = Harness()
+    spec = h.add(make_spec(max_batch=4), b1=5 * MS, bmax=5 * MS)
+    h.use(spec)
+    r = h.request(spec, timeout=8 * MS)
+    (infer,) = h.step()
+    h.result(infer, ResultStatus.TOO_LATE, duration=4 * MS)
+    assert isinstance(r.error, DeadlineExceeded)
+
+
+def test_a_failed_action_fails_its_requests_with_an_internal_error() -> None:
+    h = Harness()
+    spec = h.add(make_spec())
+    h.use(spec)
+    r = h.request(spec)
+    (infer,) = h.step()
+    h.result(infer, ResultStatus.FAILED, error="boom")
+    assert isinstance(r.error, InternalError) and "boom" in r.error.message
+    assert h.sched.pending == 0
+
+
+def test_a_failed_load_fails_the_waiting_requests() -> None:
+    h = Harness()
+    spec = h.add(make_spec())
+    r = h.request(spec)
+    (load,) = h.step()
+    h.result(load, ResultStatus.FAILED, error="insufficient weight memory")
+    assert isinstance(r.error, Unavailable) and "insufficient" in r.error.message
+    assert h.sched.devices["cpu:0"].memory.used == 0
+    h.request(spec)
+    assert kinds(h.step()) == ["LOAD"]  # a new request tries again
+
+
+def test_cancelled_requests_are_dropped_queued_or_running() -> None:
+    h = Harness()
+    spec = h.add(make_spec(max_batch=2))
+    h.use(spec)
+    a, b, c = (h.request(spec) for _ in range(3))
+    (infer,) = h.step()
+    assert infer.requests == [a, b]
+    h._take(h.sched.cancel(c, h.now))
+    h._take(h.sched.cancel(a, h.now))
+    assert c.status == RequestStatus.CANCELLED
+    assert h.result(infer) == []  # c is gone from the queue
+    assert a.status == RequestStatus.CANCELLED and a.outputs is None
+    assert b.ok
+    assert h.sched.pending == 0
+
+
+def test_abort_all_answers_everything() -> None:
+    h = Harness()
+    spec = h.add(make_spec(max_batch=1))
+    h.use(spec)
+    a, b = h.request(spec), h.request(spec)
+    (infer,) = h.step()
+    d = h.sched.abort_all(Unavailable("shutting down"), h.now)
+    assert set(d.finished) == {a, b}
+    assert h.sched.pending == 0
+    h.result(infer)  # a late result changes nothing
+    assert isinstance(a.error, Unavailable)
+
+
+def test_estimates_learn_from_results() -> None:
+    h = Harness()
+    spec = h.add(make_spec(max_batch=1), b1=1 * MS, bmax=1 * MS)
+    h.use(spec)
+    h.request(spec)
+    (infer,) = h.step()
+    h.result(infer, duration=7 * MS)
+    # a high percentile of the window: close to the slowest recent run
+    assert 6.5 * MS < h.sched.estimate(spec.key, 1, "cpu") <= 7 * MS
