@@ -38,6 +38,7 @@ HEADER_LEN = "Inference-Header-Content-Length"
 EXTENSIONS = ["binary_tensor_data", "model_repository", "schedule_policy", "model_configuration", "parameters"]
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_BODY = web.AppKey("max_body", int)
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -62,8 +63,9 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         if e.status >= 500 and e.status != 503:
             log.error("%s %s: %s", request.method, request.path, e.message)
         return error_response(e)
-    except web.HTTPRequestEntityTooLarge as e:
-        return error_response(PayloadTooLarge(f"request body over the limit of {e.max_size} bytes "
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[MAX_BODY]
+        return error_response(PayloadTooLarge(f"request body over the limit of {limit} bytes "
                                               "(server.max_body_bytes)"))
     except web.HTTPException as e:
         if e.status < 400:
@@ -89,6 +91,7 @@ class HttpFrontend:
         self.daemon = daemon
         self.app = web.Application(client_max_size=daemon.settings.server.max_body_bytes,
                                    middlewares=[errors_middleware], handler_args={"max_field_size": 16384})
+        self.app[MAX_BODY] = daemon.settings.server.max_body_bytes
         r = self.app.router
         r.add_get("/v2", self.server_metadata)
         r.add_get("/v2/health/live", self.live)

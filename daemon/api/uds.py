@@ -192,8 +192,12 @@ class SocketConnection(asyncio.Protocol):
         req = self.daemon.new_request(spec, arrays, samples, msg.get("timeout_us"), msg.get("priority"), "")
         req.context = (req_id, out_idx)
         req.on_finish = self._finished
-        self.daemon.controller.submit(req)
         self._inflight[req.id] = req
+        try:
+            self.daemon.controller.submit(req)
+        except BaseException:
+            self._inflight.pop(req.id, None)
+            raise
 
     def _finished(self, req: InferenceRequest) -> None:
         self._inflight.pop(req.id, None)

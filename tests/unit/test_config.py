@@ -87,7 +87,7 @@ def test_cli_overrides_are_validated_and_applied() -> None:
     assert s.server.socket == ""
     assert s.models.repository == "/srv/m"
     assert s.runtime.devices == ("cpu:0", "cpu:1")
-    with pytest.raises(ConfigError, match="server.http"):
+    with pytest.raises(ConfigError, match=r"server\.http"):
         with_overrides(Settings(), http="nope")
 
 

@@ -1,0 +1,80 @@
+"""The command line: `escapement serve` as a real process, `infer`, `models`, `demo`, `config`."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ESC = [sys.executable, "-m", "daemon"]
+
+
+def run(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*ESC, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def test_demo_is_idempotent(demo_repo: Path) -> None:
+    r = run("demo", "--out", str(demo_repo))
+    assert r.returncode == 0 and "0 built, 4 already there" in r.stdout
+
+
+def test_bad_config_stops_start_up_naming_the_key(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("[runtime]\ncpu_threads = 'two'\n")
+    r = run("serve", "--config", str(cfg))
+    assert r.returncode == 2
+    assert "runtime.cpu_threads = 'two': expected an integer" in r.stderr
+    r = run("serve", "--http", "nohost")
+    assert r.returncode == 2 and "server.http = 'nohost'" in r.stderr
+
+
+def test_config_prints_the_effective_settings() -> None:
+    r = run("config", "--http", "127.0.0.1:9999")
+    assert r.returncode == 0
+    assert 'server.http = "127.0.0.1:9999"  # HOST:PORT' in r.stdout
+
+
+def wait_until_ready(proc: subprocess.Popen[str]) -> list[str]:
+    """Read the daemon's log until it says it is ready (it logs that after its listeners are up)."""
+    assert proc.stderr is not None
+    lines: list[str] = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "escapement.server: ready:" in line:
+            return lines
+    raise AssertionError("the daemon exited before it was ready:\n" + "".join(lines))
+
+
+@pytest.mark.slow
+def test_serve_infer_models_and_sigterm(demo_repo: Path, sock_dir: Path) -> None:
+    sock = sock_dir / "e.sock"
+    proc = subprocess.Popen([*ESC, "serve", "--models", str(demo_repo), "--socket", str(sock), "--http",
+                             "127.0.0.1:0", "--device", "cpu:0"], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_ready(proc)
+        r = run("infer", "digits_mlp", "--digits", "8", "--socket", str(sock))
+        assert r.returncode == 0, r.stderr
+        assert "(8/8 correct)" in r.stdout or "(7/8 correct)" in r.stdout
+        r = run("infer", "mlp_784", "--socket", str(sock), "--json")
+        assert r.returncode == 0 and '"OUTPUT__0"' in r.stdout
+        r = run("infer", "nope", "--socket", str(sock))
+        assert r.returncode == 1 and "error 404: unknown model 'nope'" in r.stderr
+        r = run("models", "--socket", str(sock))
+        assert r.returncode == 0 and "digits_cnn" in r.stdout and "READY" in r.stdout
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        _, err = proc.communicate()
+        assert "[shutdown] done" in err
+        assert not sock.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cannot_reach_the_daemon(sock_dir: Path) -> None:
+    r = run("infer", "digits_mlp", "--socket", str(sock_dir / "none.sock"))
+    assert r.returncode == 1 and "cannot reach the daemon" in r.stderr

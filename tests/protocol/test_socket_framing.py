@@ -1,0 +1,184 @@
+"""The socket protocol, bytes in and bytes out, through a fake transport (no sockets, no loop)."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from daemon.api.uds import SocketConnection, SocketFrontend
+from daemon.config import settings_from_dict
+from daemon.datatypes import BY_NAME
+from daemon.registry import ModelState
+from daemon.repository import ModelSpec, TensorSpec
+from daemon.request import InferenceRequest, RequestStatus
+from daemon.server import Daemon
+
+FP32 = BY_NAME["FP32"]
+SPEC = ModelSpec("sum", 1, Path("/x"), "pt2", (TensorSpec("x", FP32, (-1, 3)),), (TensorSpec("y", FP32, (-1, 1)),),
+                 8, 0.1)
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.closed = False
+        self.reading = True
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def set_write_buffer_limits(self, high: int) -> None:
+        pass
+
+    def frames(self) -> list[dict[str, Any]]:
+        out, buf = [], bytes(self.out)
+        while buf:
+            (n,) = struct.unpack(">I", buf[:4])
+            out.append(msgpack.unpackb(buf[4 : 4 + n], raw=False))
+            buf = buf[4 + n :]
+        self.out.clear()
+        return out
+
+
+class InstantController:
+    """Answers every request at once with the row sums of its input."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[InferenceRequest] = []
+        self.hold = False
+        self.held: list[InferenceRequest] = []
+
+    def submit(self, req: InferenceRequest) -> None:
+        if self.hold:
+            self.held.append(req)
+            return
+        req.outputs = (req.inputs[0].sum(axis=1, keepdims=True),)
+        req.status = RequestStatus.SUCCEEDED
+        req.on_finish(req)
+
+    def cancel(self, req: InferenceRequest) -> None:
+        self.cancelled.append(req)
+
+
+Conn = tuple[SocketConnection, FakeTransport, InstantController]
+
+
+@pytest.fixture
+def conn() -> Conn:
+    settings = settings_from_dict({"server": {"max_body_bytes": 4096}})
+    daemon = Daemon(settings)
+    daemon.registry.add(SPEC, ModelState.READY)
+    ctl = InstantController()
+    daemon._controller = ctl  # type: ignore[assignment]
+    c = SocketConnection(SocketFrontend(daemon))
+    t = FakeTransport()
+    c.connection_made(t)  # type: ignore[arg-type]
+    return c, t, ctl
+
+
+def frame(obj: Any) -> bytes:
+    payload = msgpack.packb(obj, use_bin_type=True)
+    return struct.pack(">I", len(payload)) + payload
+
+
+def infer(req_id: Any, rows: int = 1, **extra: Any) -> dict[str, Any]:
+    x = np.arange(rows * 3, dtype="<f4").reshape(rows, 3)
+    return {"op": "infer", "id": req_id, "model": "sum",
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [rows, 3], "data": x.tobytes()}], **extra}
+
+
+def test_a_frame_split_into_single_bytes_is_reassembled(conn: Conn) -> None:
+    c, t, _ = conn
+    for b in frame(infer(7, rows=2)):
+        c.data_received(bytes([b]))
+    (answer,) = t.frames()
+    assert answer["id"] == 7 and answer["status"] == 200
+    y = np.frombuffer(answer["outputs"][0]["data"], "<f4").reshape(answer["outputs"][0]["shape"])
+    assert y.ravel().tolist() == [3.0, 12.0]
+
+
+def test_many_frames_in_one_chunk_are_answered_by_id(conn: Conn) -> None:
+    c, t, _ = conn
+    c.data_received(b"".join(frame(infer(i)) for i in range(5)) + frame({"op": "live", "id": "x"}))
+    answers = t.frames()
+    assert [a["id"] for a in answers] == [0, 1, 2, 3, 4, "x"]
+    assert all(a["status"] == 200 for a in answers)
+
+
+@pytest.mark.parametrize(("payload", "status", "needle", "echo"), [
+    (b"\xc1", 400, "malformed msgpack", None),
+    (msgpack.packb([1, 2]), 400, "must hold a map", None),
+    (msgpack.packb({"id": 3, "op": "dance"}), 400, "unknown op 'dance'", 3),
+    (msgpack.packb({"id": 4, "op": "infer"}), 400, "infer needs a model name", 4),
+    (msgpack.packb({"id": 5, "model": "nope", "inputs": []}), 404, "unknown model 'nope'", 5),
+    (msgpack.packb({"id": 6, "model": "sum", "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3],
+                                                         "data": b"\0" * 11}]}), 400, "11 bytes of data", 6),
+    (msgpack.packb({"id": 7, "model": "sum", "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3],
+                                                         "data": [1, 2, 3]}]}), 400, "must be raw bytes", 7),
+    (msgpack.packb({"id": [1], "op": "live"}), 400, "id must be an integer or a string", None),
+    (msgpack.packb({"id": 8, "model": "sum", "version": 3, "inputs": []}), 404, "has no version 3", 8),
+])
+def test_bad_frames_get_errors_and_the_connection_goes_on(conn: Conn, payload: bytes, status: int, needle: str,
+                                                          echo: Any) -> None:
+    c, t, _ = conn
+    c.data_received(struct.pack(">I", len(payload)) + payload + frame(infer(99)))
+    bad, ok = t.frames()
+    assert bad["status"] == status and needle in bad["error"] and bad["id"] == echo
+    assert ok["id"] == 99 and ok["status"] == 200
+    assert not t.closed
+
+
+def test_a_frame_over_the_limit_closes_the_connection(conn: Conn) -> None:
+    c, t, _ = conn
+    c.data_received(struct.pack(">I", 10**6) + b"\0" * 100)
+    (answer,) = t.frames()
+    assert answer["status"] == 413 and "over the limit" in answer["error"]
+    assert t.closed
+    c.data_received(frame(infer(1)))  # nothing more is read from a closed connection
+    assert t.frames() == []
+
+
+def test_control_ops(conn: Conn) -> None:
+    c, t, _ = conn
+    for op in ("live", "ready", "index"):
+        c.data_received(frame({"op": op, "id": op}))
+    c.data_received(frame({"op": "metadata", "id": "m", "model": "sum"}))
+    live, ready, index, meta = t.frames()
+    assert live["live"] is True
+    assert ready["ready"] is False  # the daemon was never started
+    assert index["models"] == [{"name": "sum", "version": "1", "state": "READY"}]
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 3]}]
+
+
+def test_a_lost_connection_cancels_its_requests(conn: Conn) -> None:
+    c, _, ctl = conn
+    ctl.hold = True
+    c.data_received(frame(infer(1)) + frame(infer(2)))
+    c.connection_lost(None)
+    assert [r.id for r in ctl.cancelled] == [r.id for r in ctl.held]
+    assert len(ctl.cancelled) == 2
+
+
+def test_reading_pauses_while_the_client_does_not_read(conn: Conn) -> None:
+    c, t, _ = conn
+    c.pause_writing()
+    assert not t.reading
+    c.data_received(frame(infer(1)))
+    assert t.frames() == []  # buffered, not handled, while paused
+    c.resume_writing()
+    assert t.reading
+    assert [a["id"] for a in t.frames()] == [1]
