@@ -1,0 +1,39 @@
+# escapement: the two commands a fresh machine needs are `make run` and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip -q --disable-pip-version-check
+MODELS ?= models
+STAMP  := $(VENV)/.installed
+
+.PHONY: install run test lint bench demo clean
+
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PIP) install -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+$(MODELS)/.demo-built: $(STAMP)
+	$(PY) -m daemon demo --out $(MODELS)
+	touch $@
+
+demo: $(MODELS)/.demo-built
+
+# Start the daemon in the foreground on the embedded default config
+# (HTTP on 127.0.0.1:8000, socket run/escapement.sock, models from ./models).
+run: $(MODELS)/.demo-built
+	$(PY) -m daemon serve
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check daemon tests bench
+
+bench: $(MODELS)/.demo-built
+	$(PIP) install -c constraints.txt -e '.[dev,bench]'
+	$(PY) -m bench all --quick
+
+clean:
+	rm -rf $(VENV) $(MODELS) run .pytest_cache .ruff_cache
