@@ -1,16 +1,24 @@
-"""Many clients on both frontends at once against one daemon: every answer is the right one."""
+"""Many clients on both frontends at once, and one misbehaving: every good request gets its own answer."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 import threading
 
+import msgpack
 import numpy as np
 import torch
 import tritonclient.http as th
 
 from daemon.client import AsyncHttpClient, AsyncSocketClient, SocketClient
 from tests.support import DaemonThread, TinyLinear
+
+
+def _frame(obj: object) -> bytes:
+    p = msgpack.packb(obj, use_bin_type=True)
+    return struct.pack(">I", len(p)) + p
 
 
 def reference(x: np.ndarray) -> np.ndarray:
@@ -56,13 +64,46 @@ def test_concurrent_clients_on_both_frontends(test_daemon: DaemonThread) -> None
         for x, r in zip(xs, outs, strict=True):
             check(x, r.outputs["OUTPUT__0"])
 
-    threads = [threading.Thread(target=sync_socket_worker, args=(i,)) for i in range(4)]
+    stop = threading.Event()
+    sabotage_rounds = [0]
+
+    def saboteur() -> None:
+        """Misbehaves on both frontends while the good clients have requests in flight."""
+        host, port = test_daemon.http.split(":")
+        good = _frame({"id": 1, "model": "tiny_pt2", "inputs": [
+            {"name": "INPUT__0", "datatype": "FP32", "shape": [1, 4], "data": b"\0" * 16}]})
+        try:
+            while not stop.is_set():
+                for payload in (b"\x00\x00\x00\x03\xc1\xc1\xc1",        # not msgpack
+                                b"\x00\x00\x10\x00" + b"\x80" * 10,       # lies about its length
+                                b"\xff\xff\xff\xff",                       # over the limit
+                                good * 10):                                  # then vanishes
+                    s = socket.socket(socket.AF_UNIX)
+                    s.connect(test_daemon.socket)
+                    s.sendall(payload)
+                    s.close()
+                h = socket.create_connection((host, int(port)))
+                h.sendall(b"POST /v2/models/tiny_pt2/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 900\r\n\r\n{")
+                h.close()
+                h = socket.create_connection((host, int(port)))
+                h.sendall(b"POST /v2/models/tiny_pt2/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n{]]]]")
+                h.recv(4096)
+                h.close()
+                sabotage_rounds[0] += 1
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=saboteur)]
+    threads += [threading.Thread(target=sync_socket_worker, args=(i,)) for i in range(4)]
     threads += [threading.Thread(target=tritonclient_worker, args=(10 + i,)) for i in range(4)]
     for t in threads:
         t.start()
     asyncio.run(async_mix())
-    for t in threads:
+    for t in threads[1:]:
         t.join(120)
+    stop.set()
+    threads[0].join(60)
     assert not errors, errors[0]
+    assert sabotage_rounds[0] >= 1
     sched = test_daemon.daemon.controller.scheduler
     assert test_daemon.call(lambda: sched.pending) == 0
