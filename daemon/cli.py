@@ -212,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"escapement: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and closed early
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
