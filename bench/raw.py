@@ -1,0 +1,60 @@
+"""The hardware limit: the raw torch call of a model, with no server in the way.
+
+Measured in the benchmark process with the same number of intra-op threads as one daemon CPU
+device, on the same program the daemon serves (the lifted torch.export graph).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from daemon.repository import scan
+from daemon.runtime.program import Program, load_program, zeros_batch
+
+
+def program(repo: str | Path, name: str) -> Program:
+    spec = next((m for m in scan(repo).models if m.name == name), None)
+    if spec is None:
+        raise SystemExit(f"model {name} is not in {repo}; run `escapement demo --out {repo}`")
+    return load_program(spec)
+
+
+def latencies(p: Program, n: int, batch: int = 1, pace_rps: float | None = None, threads: int = 1,
+              seed: int = 0) -> np.ndarray:
+    """Seconds per call; with `pace_rps`, calls are spaced by Poisson gaps, as a server at low load sees them."""
+    torch.set_num_threads(threads)
+    xs = [torch.randn_like(x) if x.is_floating_point() else x for x in zeros_batch(p.spec, batch)]
+    rng = np.random.default_rng(seed)
+    out = np.empty(n)
+    with torch.inference_mode():
+        for _ in range(min(100, n)):
+            p.host_runner(xs)
+        for i in range(n):
+            if pace_rps:
+                time.sleep(rng.exponential(1.0 / pace_rps))
+            t = time.perf_counter()
+            p.host_runner(xs)
+            out[i] = time.perf_counter() - t
+    return out
+
+
+def batched_limit(p: Program, threads: int = 1, seconds_per_size: float = 1.0) -> tuple[float, int, dict[int, float]]:
+    """The best samples/s over the model's batch sizes, the size that gives it, and samples/s per size."""
+    torch.set_num_threads(threads)
+    per_size: dict[int, float] = {}
+    with torch.inference_mode():
+        for b in p.spec.batch_sizes:
+            xs = zeros_batch(p.spec, b)
+            for _ in range(3):
+                p.host_runner(xs)
+            calls, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds_per_size:
+                p.host_runner(xs)
+                calls += 1
+            per_size[b] = calls * b / (time.perf_counter() - t0)
+    best = max(per_size, key=lambda k: per_size[k])
+    return per_size[best], best, per_size

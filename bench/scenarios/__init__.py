@@ -1,0 +1,21 @@
+"""Benchmark scenarios: each module has `run(quick: bool, json_out: str | None, **options) -> dict`."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+SCENARIOS = {
+    "overhead": "bench.scenarios.overhead",
+    "curve": "bench.scenarios.curve",
+    "many-models": "bench.scenarios.many_models",
+    "policies": "bench.scenarios.policies",
+    "peers": "bench.scenarios.peers",
+}
+
+
+def get(name: str) -> Callable[..., dict[str, Any]]:
+    if name not in SCENARIOS:
+        raise SystemExit(f"unknown scenario {name!r}; scenarios: {', '.join(SCENARIOS)}")
+    return importlib.import_module(SCENARIOS[name]).run  # type: ignore[no-any-return]

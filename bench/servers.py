@@ -1,0 +1,119 @@
+"""Servers under test as separate processes: escapement (and, in peers.py, the peers).
+
+Each server runs in its own process so it has its own GIL and its CPU time can be read from
+/proc: every result says how many cores the server and the generator used.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """Cores used by a process between start() and stop()."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._t0 = self._c0 = 0.0
+
+    def start(self) -> None:
+        self._t0, self._c0 = time.monotonic(), cpu_seconds(self.pid)
+
+    def stop(self) -> float:
+        wall = time.monotonic() - self._t0
+        return (cpu_seconds(self.pid) - self._c0) / wall if wall > 0 else 0.0
+
+
+def _toml(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    return repr(v)
+
+
+class Escapement:
+    """`escapement serve` in a child process on an ephemeral port and a private socket."""
+
+    def __init__(self, repo: str | Path, **sections: dict[str, Any]) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="escb-", dir="/tmp"))
+        self.socket = str(self.dir / "d.sock")
+        cfg: dict[str, dict[str, Any]] = {
+            "server": {"http": "127.0.0.1:0", "socket": self.socket, "log_level": "info"},
+            "models": {"repository": str(repo)},
+            "runtime": {"devices": ["cpu:0"]},
+        }
+        for k, v in sections.items():
+            cfg.setdefault(k, {}).update(v)
+        self.config = cfg
+        text = "".join(f"[{sec}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in t.items()) for sec, t in cfg.items())
+        (self.dir / "bench.toml").write_text(text)
+        self.proc: subprocess.Popen[str] | None = None
+        self.port = 0
+        self.log: deque[str] = deque(maxlen=200)
+
+    def __enter__(self) -> Escapement:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 300) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "daemon", "serve", "--config", str(self.dir / "bench.toml")],
+                                     stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        assert self.proc.stderr is not None
+        deadline = time.monotonic() + timeout
+        for line in self.proc.stderr:
+            self.log.append(line)
+            m = re.search(r"HTTP listening on [^:]+:(\d+)", line)
+            if m:
+                self.port = int(m.group(1))
+            if "escapement.server: ready:" in line:
+                break
+            if time.monotonic() > deadline:
+                break
+        else:
+            raise RuntimeError("escapement exited during start-up:\n" + "".join(self.log))
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
