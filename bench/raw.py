@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from daemon.repository import scan
-from daemon.runtime.program import Program, load_program, zeros_batch
+from daemon.runtime.program import Program, load_program
 
 
 def program(repo: str | Path, name: str) -> Program:
@@ -23,11 +23,23 @@ def program(repo: str | Path, name: str) -> Program:
     return load_program(spec)
 
 
+def inputs(p: Program, batch: int, seed: int = 0) -> list[torch.Tensor]:
+    """Random inputs like the load generator's: on a CPU, all-zero inputs run up to 16% faster."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in p.spec.inputs:
+        shape = (batch, *t.sample_shape)
+        dt = t.datatype.numpy
+        a = rng.random(shape) if dt.kind == "f" else rng.integers(0, 2, shape)
+        out.append(torch.from_numpy(np.ascontiguousarray(a.astype(dt))))
+    return out
+
+
 def latencies(p: Program, n: int, batch: int = 1, pace_rps: float | None = None, threads: int = 1,
               seed: int = 0) -> np.ndarray:
     """Seconds per call; with `pace_rps`, calls are spaced by Poisson gaps, as a server at low load sees them."""
     torch.set_num_threads(threads)
-    xs = [torch.randn_like(x) if x.is_floating_point() else x for x in zeros_batch(p.spec, batch)]
+    xs = inputs(p, batch, seed)
     rng = np.random.default_rng(seed)
     out = np.empty(n)
     with torch.inference_mode():
@@ -48,7 +60,7 @@ def batched_limit(p: Program, threads: int = 1, seconds_per_size: float = 1.0) -
     per_size: dict[int, float] = {}
     with torch.inference_mode():
         for b in p.spec.batch_sizes:
-            xs = zeros_batch(p.spec, b)
+            xs = inputs(p, b)
             for _ in range(3):
                 p.host_runner(xs)
             calls, t0 = 0, time.perf_counter()

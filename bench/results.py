@@ -153,3 +153,52 @@ def markdown(result: dict[str, Any], columns: list[str] | None = None) -> str:
     if result.get("notes"):
         lines += ["## Notes", ""] + [f"- {n}" for n in result["notes"]] + [""]
     return "\n".join(lines)
+
+
+def plot_curve(name: str, rows: list[dict[str, Any]], slo_ms: float, title: str,
+               hlines: dict[str, float] | None = None, vlines: dict[str, float] | None = None,
+               group: str = "label") -> Path | None:
+    """p50 and p99 against offered load, one line pair per `group`; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if "offered_rps" in r:
+            groups.setdefault(str(r.get(group, "")), []).append(r)
+    for label, rs in groups.items():
+        rs = sorted(rs, key=lambda r: r["offered_rps"])
+        x = [r["offered_rps"] for r in rs]
+        (line,) = ax.plot(x, [r["p99_ms"] for r in rs], "o-", label=f"{label} p99")
+        ax.plot(x, [r["p50_ms"] for r in rs], "s--", color=line.get_color(), alpha=0.6, label=f"{label} p50")
+    ax.axhline(slo_ms, color="red", linestyle=":", label=f"SLO {slo_ms:g} ms")
+    for text, y in (hlines or {}).items():
+        ax.axhline(y, color="gray", linestyle="-.", label=text)
+    for text, x in (vlines or {}).items():
+        ax.axvline(x, color="black", linestyle="-.", label=text)
+    ax.set_yscale("log")
+    ax.set_xlabel("offered load (requests/s)")
+    ax.set_ylabel("latency (ms)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    out = RESULTS / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def capacity_at_slo(rows: list[dict[str, Any]], min_attainment: float = 0.99) -> float:
+    """The highest offered load whose p99 is within the SLO with enough requests answered in it.
+
+    Rows where the generator fell behind are not counted as the server's capacity.
+    """
+    good = [r["offered_rps"] for r in rows
+            if r["p99_ms"] <= r["slo_ms"] and r["slo_attainment"] >= min_attainment and not r["generator_bound"]]
+    return max(good) if good else 0.0

@@ -103,6 +103,9 @@ class RuntimeSettings:
     cpu_threads: int = doc("Intra-op torch threads per cpu device.", 1)
     weight_budget: int = doc("Bytes of model weights each device may hold (or '1GiB'); 0 = "
                              "the whole device on CUDA, 1GiB on CPU.", 0)
+    pin_threads: bool = doc(
+        "Give each CPU device's INFER thread a core of its own and the event loop the other cores, "
+        "when there are more cores than CPU devices.", True)
     gil_switch_interval_us: int = doc(
         "Python's GIL switch interval. The default 5000 µs lets busy frontend code delay an "
         "executor thread by milliseconds; a shorter interval keeps action starts on time.", 500)

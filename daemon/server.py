@@ -31,7 +31,7 @@ from daemon.errors import BadRequest, ConfigError
 from daemon.registry import ModelRegistry, ModelState
 from daemon.repository import ModelSpec, scan
 from daemon.request import InferenceRequest
-from daemon.runtime.devices import Device, resolve_devices
+from daemon.runtime.devices import Device, plan_cores, resolve_devices
 from daemon.runtime.executor import Executor, make_backend
 from daemon.runtime.program import Program, ProgramError, load_program
 
@@ -118,9 +118,16 @@ class Daemon:
         self.devices = resolve_devices(s.runtime.devices, s.runtime.weight_budget)
         scheduler = Scheduler(self.devices, make_policy(s.controller), s.controller)
         self._controller = ControllerService(scheduler, self.executors, self.clock, loop)
+        plan, rest = plan_cores(self.devices, os.sched_getaffinity(0), s.runtime.pin_threads)
+        if rest is not None:
+            # The loop thread (and threads it starts later, such as the load lanes) keep off the
+            # cores given to devices; each INFER thread pins itself to its own core.
+            os.sched_setaffinity(0, rest)
+            log.info("cores: %s; event loop and other threads on %s",
+                     ", ".join(f"{n} on {c}" for n, c in plan.items()), sorted(rest))
         for d in self.devices:
-            ex = Executor(d, make_backend(d, s.runtime.cpu_threads), self.clock, self._controller.post_result,
-                          self.programs)
+            ex = Executor(d, make_backend(d, s.runtime.cpu_threads, plan.get(d.name)), self.clock,
+                          self._controller.post_result, self.programs)
             ex.start()
             self.executors[d.name] = ex
         log.info("devices: %s", ", ".join(f"{d.name} ({d.weight_budget / 2**20:.0f} MiB for weights)"

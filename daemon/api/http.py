@@ -102,6 +102,7 @@ class HttpFrontend:
             r.add_get(base + "/config", self.model_config)
             r.add_post(base + "/infer", self.infer)
         r.add_post("/v2/repository/index", self.repository_index)
+        r.add_get("/v2/controller/stats", self.controller_stats)
         r.add_post("/v2/repository/{repo}/index", self.named_repository)
         self.runner: web.AppRunner | None = None
 
@@ -175,6 +176,9 @@ class HttpFrontend:
                 raise BadRequest("the index request body must be a JSON object")
             ready_only = bool(obj.get("ready", False))
         return json_response(self.daemon.registry.index(ready_only))
+
+    async def controller_stats(self, request: web.Request) -> web.Response:
+        return json_response(self.daemon.controller.scheduler.statistics())
 
     async def named_repository(self, request: web.Request) -> web.Response:
         raise NotImplementedByServer("'repository_name' specification is not supported")

@@ -148,6 +148,8 @@ class SocketConnection(asyncio.Protocol):
             return {"ready": self.daemon.is_ready()}
         if op == "index":
             return {"models": reg.index(bool(msg.get("ready", False)))}
+        if op == "stats":
+            return {"controller": self.daemon.controller.scheduler.statistics()}
         name = msg.get("model")
         if op in ("metadata", "model_ready", "config"):
             if not isinstance(name, str):
@@ -161,7 +163,7 @@ class SocketConnection(asyncio.Protocol):
             return {"name": spec.name, "versions": [str(v) for v in sorted(reg.versions(spec.name))],
                     "platform": spec.platform, "inputs": [t.as_json() for t in spec.inputs],
                     "outputs": [t.as_json() for t in spec.outputs]}
-        raise BadRequest(f"unknown op {op!r}; ops are infer, live, ready, index, metadata, model_ready, config")
+        raise BadRequest(f"unknown op {op!r}; ops are infer, live, ready, index, stats, metadata, model_ready, config")
 
     # ---------------------------------------------------------------- inference
 

@@ -82,6 +82,7 @@ class Scheduler:
         self.models: dict[str, ModelEntry] = {}
         self.inflight: dict[int, Action] = {}
         self.pending = 0  # requests accepted and not yet finished
+        self.counters: Counter[str] = Counter()  # monotonic event counts, read by stats and benchmarks
         self._expiry: list[tuple[float, int, InferenceRequest]] = []
         self._decision = Decision()
 
@@ -113,16 +114,21 @@ class Scheduler:
         if entry is None:
             raise NotFound(f"unknown model {req.model.name} version {req.model.version}")
         if self.pending >= self.settings.max_pending:
+            self.counters["refused_overload"] += 1
             raise Overloaded(f"the daemon holds {self.pending} requests, its limit (controller.max_pending)")
         if entry.queue.requests >= self.settings.max_pending_per_model:
+            self.counters["refused_overload"] += 1
             raise Overloaded(f"model {req.model.name} has {entry.queue.requests} requests queued, its limit "
                              "(controller.max_pending_per_model)")
         best = self.best_case(req)
         if now + best > req.deadline:
+            self.counters["refused_deadline"] += 1
             raise DeadlineExceeded(
                 f"deadline cannot be met: {max(req.deadline - now, 0) * 1e3:.3f} ms left, but running "
                 f"{req.samples} sample(s) of {req.model.name} takes at least {best * 1e3:.3f} ms")
         req.cold_start = not any(d.memory.is_ready(req.model.key) for d in self.devices.values())
+        self.counters["admitted"] += 1
+        self.counters["cold_starts"] += req.cold_start
         req.status = RequestStatus.QUEUED
         entry.queue.push(req)
         self.pending += 1
@@ -195,6 +201,13 @@ class Scheduler:
         req.finished_at = now
         self.pending -= 1
         self._decision.finished.append(req)
+        if status == RequestStatus.SUCCEEDED:
+            self.counters["succeeded"] += 1
+            self.counters["met_deadline" if now <= req.deadline else "missed_deadline"] += 1
+        elif status == RequestStatus.CANCELLED:
+            self.counters["cancelled"] += 1
+        else:
+            self.counters[f"failed_{type(error).__name__}"] += 1
 
     # ---------------------------------------------------------------- actions (used by policies)
 
@@ -212,12 +225,16 @@ class Scheduler:
         dev.infer_inflight += 1
         dev.busy[spec.key] += 1
         dev.memory.touch(spec.key)
+        self.counters["infer_actions"] += 1
+        self.counters["infer_samples"] += sum(r.samples for r in requests)
+        self.counters["infer_slots"] += batch_size
         return self.issue(Action(ActionKind.INFER, spec, dev.name, earliest, latest, expected, batch_size,
                                  requests, expected_start=earliest), now)
 
     def issue_load(self, spec: ModelSpec, dev: DeviceState, now: float) -> Action:
         entry = self.models[spec.key]
         dev.memory.reserve(spec.key, entry.weight_bytes)
+        self.counters["loads"] += 1
         dev.load_inflight += 1
         dev.busy[spec.key] += 1
         expected = self.estimator.load(spec.key, dev.kind) or 0.0
@@ -227,6 +244,7 @@ class Scheduler:
     def issue_unload(self, spec: ModelSpec, dev: DeviceState, now: float) -> Action:
         dev.memory.release(spec.key)
         dev.load_inflight += 1
+        self.counters["unloads"] += 1
         return self.issue(Action(ActionKind.UNLOAD, spec, dev.name, now, float("inf"), expected_start=now), now)
 
     def fail_request(self, req: InferenceRequest, error: EscapementError, now: float) -> None:
@@ -268,6 +286,7 @@ class Scheduler:
                 off += n
             return
         live = [r for r in action.requests if r.status == RequestStatus.RUNNING]
+        self.counters[f"infer_{result.status.name.lower()}"] += 1
         if result.status == ResultStatus.FAILED:
             log.error("%r failed: %s", action, result.error)
             for r in live:
@@ -299,6 +318,7 @@ class Scheduler:
                 entry.load_failures = 0
             return
         dev.memory.release(key)
+        self.counters["load_failures"] += 1
         log.error("load of %s on %s failed: %s", key, dev.name, result.error)
         if entry is not None:
             entry.load_failures += 1
@@ -321,6 +341,8 @@ class Scheduler:
 
     def statistics(self) -> dict[str, object]:
         return {
+            "policy": self.policy.name,
+            "counters": dict(self.counters),
             "pending": self.pending,
             "inflight_actions": len(self.inflight),
             "queued": {k: e.queue.requests for k, e in self.models.items() if e.queue.requests},

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,7 +47,9 @@ class IOBuffers:
 class Backend(Protocol):
     device: Device
 
-    def thread_setup(self) -> None: ...
+    def thread_setup(self, role: str) -> None:
+        """Called on each executor thread as it starts; `role` is "infer" or "load"."""
+        ...
 
     def alloc(self, nbytes: int) -> torch.Tensor: ...
 
@@ -56,19 +59,24 @@ class Backend(Protocol):
 
     def make_io(self, spec: ModelSpec, batch: int) -> IOBuffers: ...
 
-    def infer(self, runner: Runner, io: IOBuffers) -> tuple[tuple[np.ndarray, ...], float]: ...
+    def infer(self, runner: Runner, io: IOBuffers, rows: int) -> tuple[tuple[np.ndarray, ...], float]:
+        """Run the first `rows` rows of `io`; outputs have exactly `rows` rows."""
+        ...
 
 
 class CpuBackend:
     """A CPU worker standing in for a GPU: weights copied into blocks the budget accounts."""
 
-    def __init__(self, device: Device, threads: int = 1) -> None:
+    def __init__(self, device: Device, threads: int = 1, core: int | None = None) -> None:
         self.device = device
         self.threads = threads
+        self.core = core  # the core the INFER thread is pinned to, if any
 
-    def thread_setup(self) -> None:
+    def thread_setup(self, role: str) -> None:
         # Intra-op threads are per calling thread under OpenMP; set them on each executor thread.
         torch.set_num_threads(self.threads)
+        if role == "infer" and self.core is not None:
+            os.sched_setaffinity(0, {self.core})  # this thread only
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -86,10 +94,13 @@ class CpuBackend:
         return IOBuffers(batch, [t.numpy() for t in tensors], tensors,
                          input_ptrs=frozenset(t.untyped_storage().data_ptr() for t in tensors))
 
-    def infer(self, runner: Runner, io: IOBuffers) -> tuple[tuple[np.ndarray, ...], float]:
+    def infer(self, runner: Runner, io: IOBuffers, rows: int) -> tuple[tuple[np.ndarray, ...], float]:
+        # On a CPU a padded row costs as much as a real one, so only the filled rows run (the
+        # graph's batch dimension is dynamic); GPUs run fixed sizes for their CUDA graphs.
+        xs = io.device if rows == io.batch_size else [t[:rows] for t in io.device]
         t0 = time.perf_counter()
         with torch.inference_mode():
-            outs = runner(io.device)
+            outs = runner(xs)
         duration = time.perf_counter() - t0
         # An output that aliases an input buffer would be overwritten by the next batch.
         return tuple(

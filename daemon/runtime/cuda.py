@@ -26,7 +26,7 @@ class CudaBackend:
         self.copy_stream = torch.cuda.Stream(self.torch_device)
         self.io_stream = torch.cuda.Stream(self.torch_device, priority=-1)
 
-    def thread_setup(self) -> None:
+    def thread_setup(self, role: str) -> None:
         torch.cuda.set_device(self.torch_device)
 
     def alloc(self, nbytes: int) -> torch.Tensor:
@@ -59,7 +59,7 @@ class CudaBackend:
         io.pinned = host  # type: ignore[attr-defined]  # keep the pinned tensors alive
         return io
 
-    def infer(self, runner: Runner, io: IOBuffers) -> tuple[tuple[np.ndarray, ...], float]:
+    def infer(self, runner: Runner, io: IOBuffers, rows: int) -> tuple[tuple[np.ndarray, ...], float]:
         copied = torch.cuda.Event()
         begin = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
@@ -84,4 +84,4 @@ class CudaBackend:
             done = torch.cuda.Event()
             done.record()
         done.synchronize()
-        return tuple(h.numpy() for h in host_outs), begin.elapsed_time(end) / 1000.0
+        return tuple(h.numpy()[:rows] for h in host_outs), begin.elapsed_time(end) / 1000.0

@@ -60,3 +60,16 @@ def resolve_devices(names: tuple[str, ...] | list[str], weight_budget: int = 0) 
         k: DeviceKind = kind  # type: ignore[assignment]
         devices.append(Device(n, k, int(idx), _budget(k, int(idx), weight_budget)))
     return devices
+
+
+def plan_cores(devices: list[Device], allowed: set[int], pin: bool) -> tuple[dict[str, int], set[int] | None]:
+    """Cores for CPU devices' INFER threads (the highest ones) and the rest for everything else.
+
+    No pinning (empty plan, None) when disabled or when every core would go to a device.
+    """
+    cpu = [d for d in devices if d.kind == "cpu"]
+    cores = sorted(allowed)
+    if not pin or not cpu or len(cores) <= len(cpu):
+        return {}, None
+    plan = {d.name: cores[-(i + 1)] for i, d in enumerate(cpu)}
+    return plan, set(cores) - set(plan.values())

@@ -142,8 +142,10 @@ class Executor:
         self.resident: dict[str, Resident] = {}
         self.used_bytes = 0
         self._lock = threading.Lock()
-        self.infer_lane = Lane(f"{device.name}/infer", self._infer, clock, post, backend.thread_setup)
-        self.load_lane = Lane(f"{device.name}/load", self._load_or_unload, clock, post, backend.thread_setup)
+        self.infer_lane = Lane(f"{device.name}/infer", self._infer, clock, post,
+                               lambda: backend.thread_setup("infer"))
+        self.load_lane = Lane(f"{device.name}/load", self._load_or_unload, clock, post,
+                              lambda: backend.thread_setup("load"))
 
     def start(self) -> None:
         self.infer_lane.start()
@@ -170,8 +172,8 @@ class Executor:
         if io is None or action.samples > action.batch_size:
             return Result(action, ResultStatus.FAILED, received, begin, begin,
                           error=f"invalid batch: {action.samples} samples at batch size {action.batch_size}")
-        io.fill(action.requests)
-        outputs, duration = self.backend.infer(res.runner, io)
+        rows = io.fill(action.requests)
+        outputs, duration = self.backend.infer(res.runner, io, rows)
         return Result(action, ResultStatus.OK, received, begin, self.clock.now(), duration, outputs)
 
     def _load_or_unload(self, action: Action, received: float) -> Result:
@@ -196,7 +198,7 @@ class Executor:
         try:
             block = self.backend.alloc(program.layout.nbytes)
             duration = self.backend.copy_weights(program.host_block, block)
-            runner = program.bind(program.layout.views(block))
+            runner = program.bind(program.layout.views(block), native=self.device.kind == "cpu")
             io = {b: self.backend.make_io(program.spec, b) for b in program.spec.batch_sizes}
         except BaseException:
             with self._lock:
@@ -219,7 +221,7 @@ class Executor:
         return Result(action, ResultStatus.OK, received, begin, self.clock.now(), weight_bytes=nbytes)
 
 
-def make_backend(device: Device, cpu_threads: int) -> Backend:
+def make_backend(device: Device, cpu_threads: int, core: int | None = None) -> Backend:
     if device.kind == "cuda":
         from daemon.runtime.cuda import CudaBackend
 
@@ -227,5 +229,5 @@ def make_backend(device: Device, cpu_threads: int) -> Backend:
     if device.kind == "cpu":
         from daemon.runtime.backend import CpuBackend
 
-        return CpuBackend(device, cpu_threads)
+        return CpuBackend(device, cpu_threads, core)
     raise ValueError(f"no backend for {device.kind} devices in a real executor")

@@ -1,11 +1,22 @@
 """A model version loaded into host memory, ready to be bound to any device's weights.
 
-`model.pt2` (torch.export): the lifted graph takes weights as arguments, so one graph serves
-every device: a device's runner calls it with that device's weight views. This also skips the
-guard and pytree layer of `ExportedProgram.module()`, which costs ~100 µs per call on a CPU.
+Every program packs its weights into one host block (`weights.py`); binding a program to a
+device's copy of that block gives a runner that computes with the device's weights.
 
-`model.ts` (TorchScript): a weightless shell of the module is kept; binding copies the shell and
-points its parameters and buffers at the device's views.
+Two kinds of runner exist for a `model.pt2` (torch.export) program:
+
+- the graph runner calls the lifted graph with the weights as arguments. It serves every
+  device and skips the guard and pytree layer of `ExportedProgram.module()` (~100 µs a call).
+  But it calls each aten op from Python, re-acquiring the GIL between ops; while the event
+  loop is busy, each re-acquire waits up to a switch interval, and a 20-op model ran 2x
+  slower under load (bench/README.md, "GIL convoy").
+- the native runner is a TorchScript trace of the same program, run by the TorchScript
+  interpreter in one call without the GIL. It is made at load, checked against the graph on
+  real batches, and used by CPU devices. If tracing fails or disagrees, CPU devices fall back
+  to the graph runner. (TorchScript is deprecated upstream; this is why the graph stays the
+  reference and the fallback.)
+
+`model.ts` (TorchScript) files are served by a native runner over their own weights.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from daemon.runtime.weights import WeightLayout, pack
 log = logging.getLogger("escapement.repository")
 
 Runner = Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]]
+Binder = Callable[[list[torch.Tensor]], Runner]
 
 
 class ProgramError(ValueError):
@@ -37,16 +49,23 @@ class Program:
     spec: ModelSpec
     layout: WeightLayout
     host_block: torch.Tensor  # flat uint8, pinned on CUDA machines
-    bind: Callable[[list[torch.Tensor]], Runner]
-    host_runner: Runner = field(init=False)
+    bind_graph: Binder | None  # any device (None for TorchScript files)
+    bind_native: Binder | None  # CPU devices: one call without the GIL
     seed_timings: dict[int, float] = field(default_factory=dict)  # batch size -> seconds, host CPU
+    host_runner: Runner = field(init=False)
 
     def __post_init__(self) -> None:
-        self.host_runner = self.bind(self.layout.views(self.host_block))
+        self.host_runner = self.bind(self.layout.views(self.host_block), native=True)
 
     @property
     def weight_bytes(self) -> int:
         return self.layout.nbytes
+
+    def bind(self, views: list[torch.Tensor], native: bool) -> Runner:
+        """A runner over `views`; `native` picks the GIL-free runner when there is one."""
+        binder = (self.bind_native or self.bind_graph) if native else (self.bind_graph or self.bind_native)
+        assert binder is not None
+        return binder(views)
 
 
 def _as_tuple(out: object, spec: ModelSpec) -> tuple[torch.Tensor, ...]:
@@ -60,6 +79,55 @@ def _as_tuple(out: object, spec: ModelSpec) -> tuple[torch.Tensor, ...]:
         except KeyError as e:
             raise ProgramError(f"{spec.key}: the model returned a dict without output {e}") from None
     raise ProgramError(f"{spec.key}: the model returned {type(out).__name__}, not tensors")
+
+
+# ------------------------------------------------------------------ TorchScript modules as weightless shells
+
+
+def _submodule(root: torch.nn.Module, path: str) -> torch.nn.Module:
+    # ScriptModules do not support get_submodule.
+    mod = root
+    for part in path.split(".") if path else ():
+        mod = getattr(mod, part)
+    return mod
+
+
+def _set_tensor(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    setattr(module, name, torch.nn.Parameter(value, requires_grad=False)
+            if isinstance(getattr(module, name), torch.nn.Parameter) else value)
+
+
+def _owned_tensors(module: torch.nn.Module) -> list[tuple[str, str, torch.Tensor]]:
+    """(submodule path, attribute, tensor) for every parameter and buffer, tied ones repeated."""
+    out = []
+    for path, sub in module.named_modules():
+        for attr, t in list(sub.named_parameters(recurse=False)) + list(sub.named_buffers(recurse=False)):
+            out.append((path, attr, t))
+    return out
+
+
+def _script_binder(module: torch.jit.ScriptModule, spec: ModelSpec, slot: Callable[[str, str, torch.Tensor], int]
+                   ) -> Binder:
+    """A binder that copies a weightless shell of `module` and points its tensors at the views."""
+    owners = [(path, attr, slot(path, attr, t)) for path, attr, t in _owned_tensors(module)]
+    shell = copy.deepcopy(module)
+    for path, attr, _ in owners:  # drop the shell's own copies of the weights
+        sub = _submodule(shell, path)
+        _set_tensor(sub, attr, torch.empty(0, dtype=getattr(sub, attr).dtype))
+
+    def bind(views: list[torch.Tensor]) -> Runner:
+        inst = copy.deepcopy(shell)
+        for path, attr, s in owners:
+            _set_tensor(_submodule(inst, path), attr, views[s])
+
+        def run(xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+            return _as_tuple(inst(*xs), spec)
+        return run
+
+    return bind
+
+
+# ------------------------------------------------------------------ model.pt2
 
 
 def _load_exported(spec: ModelSpec, pin: bool) -> Program:
@@ -95,10 +163,9 @@ def _load_exported(spec: ModelSpec, pin: bool) -> Program:
                            f"{len(spec.inputs)}")
     gm = ep.graph_module
     layout, block = pack(weights, pin=pin)
-    del ep, weights
     simple = plan == list(range(len(layout.entries))) + [-(k + 1) for k in range(n_inputs)]
 
-    def bind(views: list[torch.Tensor]) -> Runner:
+    def bind_graph(views: list[torch.Tensor]) -> Runner:
         if simple:
             def run(xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
                 return _as_tuple(gm(*views, *xs), spec)
@@ -108,20 +175,30 @@ def _load_exported(spec: ModelSpec, pin: bool) -> Program:
                 return _as_tuple(gm(*args), spec)
         return run
 
-    return Program(spec, layout, block, bind)
+    bind_native = _trace_binder(ep, spec, layout)
+    return Program(spec, layout, block, bind_graph, bind_native)
 
 
-def _set_tensor(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
-    setattr(module, name, torch.nn.Parameter(value, requires_grad=False)
-            if isinstance(getattr(module, name), torch.nn.Parameter) else value)
+def _trace_binder(ep: torch.export.ExportedProgram, spec: ModelSpec, layout: WeightLayout) -> Binder | None:
+    """A TorchScript trace of the program over the same weight slots, or None if it cannot be made."""
+    slots = {e.name: i for i, e in enumerate(layout.entries)}
+
+    def slot(path: str, attr: str, _t: torch.Tensor) -> int:
+        return slots[f"{path}.{attr}" if path else attr]
+
+    example = [torch.zeros((min(2, spec.max_batch_size), *t.sample_shape), dtype=t.datatype.torch)
+               for t in spec.inputs]
+    try:
+        with warnings.catch_warnings(), torch.inference_mode():
+            warnings.simplefilter("ignore")  # tracer and deprecation warnings
+            traced = torch.jit.trace(ep.module(), tuple(example), check_trace=False, strict=False)
+        return _script_binder(traced, spec, slot)
+    except Exception as e:  # tracing is an optimisation: any failure falls back to the graph
+        log.info("%s: no native runner (%s: %s); CPU devices use the graph runner", spec.key, type(e).__name__, e)
+        return None
 
 
-def _submodule(root: torch.nn.Module, path: str) -> torch.nn.Module:
-    # ScriptModules do not support get_submodule.
-    mod = root
-    for part in path.split(".") if path else ():
-        mod = getattr(mod, part)
-    return mod
+# ------------------------------------------------------------------ model.ts
 
 
 def _load_torchscript(spec: ModelSpec, pin: bool) -> Program:
@@ -130,38 +207,35 @@ def _load_torchscript(spec: ModelSpec, pin: bool) -> Program:
         warnings.simplefilter("ignore", DeprecationWarning)
         module = torch.jit.load(str(spec.path), map_location="cpu").eval()
     log.info("%s: TorchScript is deprecated upstream; prefer model.pt2 (torch.export)", spec.key)
-    # Unique tensors by identity, so tied weights share one slot.
-    slots: dict[int, int] = {}
+    ids: dict[int, int] = {}  # unique tensors by identity, so tied weights share one slot
     weights: list[tuple[str, torch.Tensor]] = []
-    owners: list[tuple[str, str, int]] = []  # (submodule path, attribute, slot)
-    for path, sub in module.named_modules():
-        own = list(sub.named_parameters(recurse=False)) + list(sub.named_buffers(recurse=False))
-        for attr, t in own:
-            if id(t) not in slots:
-                slots[id(t)] = len(weights)
-                weights.append((f"{path}.{attr}" if path else attr, t))
-            owners.append((path, attr, slots[id(t)]))
+    for path, attr, t in _owned_tensors(module):
+        if id(t) not in ids:
+            ids[id(t)] = len(weights)
+            weights.append((f"{path}.{attr}" if path else attr, t))
     layout, block = pack(weights, pin=pin)
-    shell = copy.deepcopy(module)
-    for path, attr, _ in owners:  # drop the shell's own copies of the weights
-        sub = _submodule(shell, path)
-        _set_tensor(sub, attr, torch.empty(0, dtype=getattr(sub, attr).dtype))
-    del module, weights
+    bind = _script_binder(module, spec, lambda _p, _a, t: ids[id(t)])
+    return Program(spec, layout, block, None, bind)
 
-    def bind(views: list[torch.Tensor]) -> Runner:
-        inst = copy.deepcopy(shell)
-        for path, attr, slot in owners:
-            _set_tensor(_submodule(inst, path), attr, views[slot])
 
-        def run(xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-            return _as_tuple(inst(*xs), spec)
-        return run
-
-    return Program(spec, layout, block, bind)
+# ------------------------------------------------------------------ loading and checking
 
 
 def zeros_batch(spec: ModelSpec, batch: int) -> list[torch.Tensor]:
     return [torch.zeros((batch, *t.sample_shape), dtype=t.datatype.torch) for t in spec.inputs]
+
+
+def _probe_batch(spec: ModelSpec, batch: int) -> list[torch.Tensor]:
+    """Inputs that exercise every weight (random values; zeros would hide a wrong native runner)."""
+    g = torch.Generator().manual_seed(batch)
+    out = []
+    for t in spec.inputs:
+        shape = (batch, *t.sample_shape)
+        if t.datatype.torch.is_floating_point:
+            out.append(torch.rand(shape, generator=g).to(t.datatype.torch))
+        else:
+            out.append(torch.zeros(shape, dtype=t.datatype.torch))
+    return out
 
 
 def check_outputs(spec: ModelSpec, outs: tuple[torch.Tensor, ...], batch: int) -> None:
@@ -180,11 +254,18 @@ def check_outputs(spec: ModelSpec, outs: tuple[torch.Tensor, ...], batch: int) -
                                f"{batch}; config.toml implies {want}")
 
 
+def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    return len(a) == len(b) and all(
+        x.shape == y.shape and x.dtype == y.dtype
+        and (torch.equal(x, y) if not x.is_floating_point() else torch.allclose(x, y, rtol=1e-4, atol=1e-5))
+        for x, y in zip(a, b, strict=True))
+
+
 def load_program(spec: ModelSpec, pin: bool = False) -> Program:
     """Read the model file into host memory and check it against its config by running it.
 
-    Runs batch 1 and the largest batch size once each (after a warm-up call) on the host CPU,
-    which both validates the shapes and gives first timings to seed estimates with.
+    Runs batch 1, 2 and the largest batch size on the host CPU: this validates the shapes,
+    checks the native runner against the graph, and gives first timings to seed estimates.
     """
     try:
         program = _load_exported(spec, pin) if spec.format == "pt2" else _load_torchscript(spec, pin)
@@ -192,20 +273,34 @@ def load_program(spec: ModelSpec, pin: bool = False) -> Program:
         raise
     except Exception as e:  # torch raises many types for a bad file
         raise ProgramError(f"{spec.key}: cannot load {spec.path.name}: {type(e).__name__}: {e}") from e
+    views = program.layout.views(program.host_block)
+    graph = program.bind_graph(views) if program.bind_graph else None
+    native = program.bind_native(views) if program.bind_native else None
     sizes = sorted({1, min(2, spec.max_batch_size), spec.max_batch_size})
     with torch.inference_mode():
         for b in sizes:
-            xs = zeros_batch(spec, b)
+            xs = _probe_batch(spec, b)
             try:
-                outs = program.host_runner(xs)
-                check_outputs(spec, outs, b)
+                reference = graph(xs) if graph else None
+                if reference is not None:
+                    check_outputs(spec, reference, b)
+                if native is not None:
+                    outs = native(xs)
+                    check_outputs(spec, outs, b)
+                    if reference is not None and not _same(outs, reference):
+                        log.warning("%s: the native runner disagrees with the graph at batch %d; CPU devices "
+                                    "use the graph runner", spec.key, b)
+                        program.bind_native = native = None
+                        program.host_runner = program.bind(views, native=False)
+                runner = native or graph
+                assert runner is not None
                 t0 = time.perf_counter()
-                program.host_runner(xs)
+                runner(xs)
                 program.seed_timings[b] = time.perf_counter() - t0
             except ProgramError:
                 raise
             except Exception as e:
-                raise ProgramError(f"{spec.key}: running a batch of {b} zeros failed "
+                raise ProgramError(f"{spec.key}: running a batch of {b} failed "
                                    f"({type(e).__name__}: {e}); do the inputs in config.toml match the model, "
                                    "and was the batch dimension exported as dynamic?") from e
     return program

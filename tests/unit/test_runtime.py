@@ -47,7 +47,7 @@ def test_program_runs_the_model_from_its_own_weight_block(programs: dict[str, Pr
     assert set(p.seed_timings) == {1, 2, 8}
     # A second binding over a copied block is independent of the host weights.
     block = p.host_block.clone()
-    runner = p.bind(p.layout.views(block))
+    runner = p.bind(p.layout.views(block), native=True)
     block.zero_()
     (z,) = runner([torch.from_numpy(x)])
     assert not z.any()
@@ -55,8 +55,20 @@ def test_program_runs_the_model_from_its_own_weight_block(programs: dict[str, Pr
     np.testing.assert_allclose(y2.numpy(), y.numpy())
 
 
+def test_exported_programs_get_a_native_runner_that_agrees_with_the_graph(programs: dict[str, Program]) -> None:
+    p = programs["tiny_pt2:1"]
+    assert p.bind_graph is not None and p.bind_native is not None
+    views = p.layout.views(p.host_block)
+    x = [torch.randn(5, 4)]
+    np.testing.assert_allclose(p.bind(views, native=True)(x)[0].numpy(), p.bind(views, native=False)(x)[0].numpy(),
+                               rtol=1e-6)
+    # the TorchScript file has only a native runner, which serves every device
+    ts = programs["tiny_ts:1"]
+    assert ts.bind_graph is None and ts.bind(ts.layout.views(ts.host_block), native=False) is not None
+
+
 def test_program_errors_say_what_is_wrong(specs: dict[str, ModelSpec]) -> None:
-    with pytest.raises(ProgramError, match=r"wrong_shape:1: running a batch of 1 zeros failed"):
+    with pytest.raises(ProgramError, match=r"wrong_shape:1: running a batch of 1 failed"):
         load_program(specs["wrong_shape:1"])
     with pytest.raises(ProgramError, match=r"garbage:1: cannot load model.pt2"):
         load_program(specs["garbage:1"])
@@ -118,13 +130,10 @@ def test_load_infer_unload(rig: Rig, programs: dict[str, Program]) -> None:
     res = rig.run(rig.infer(spec, [x1, x2], batch=4))
     assert res.ok
     (y,) = res.outputs
-    assert y.shape == (4, 3)  # padded to the batch size
-    np.testing.assert_allclose(y[:3], reference(np.concatenate([x1, x2])), rtol=1e-5)
-    np.testing.assert_allclose(y[3], reference(np.zeros((1, 4), np.float32))[0], rtol=1e-5)  # zero padding
-    # A smaller batch after a bigger one must not see stale rows.
+    assert y.shape == (3, 3)  # a CPU runs only the filled rows of the batch of 4
+    np.testing.assert_allclose(y, reference(np.concatenate([x1, x2])), rtol=1e-5)
     res = rig.run(rig.infer(spec, [x1], batch=4))
-    np.testing.assert_allclose(res.outputs[0][1:], np.repeat(reference(np.zeros((1, 4), np.float32)), 3, 0),
-                               rtol=1e-5)
+    np.testing.assert_allclose(res.outputs[0], reference(x1), rtol=1e-5)
     assert rig.run(rig.unload(spec)).ok
     assert rig.ex.used_bytes == 0
     res = rig.run(rig.infer(spec, [x1], batch=1))
@@ -202,3 +211,14 @@ def test_every_datatype_runs(rig: Rig, programs: dict[str, Program]) -> None:
     assert a == [False, True, False] and b == [2, 1, 2] and c == [2, 0, 2]
     assert d == [0, -1, 0] and e == [2.0, 0.0, 2.0] and f == [0.5, 0.0, 0.5]
     assert [o.dtype for o in res.outputs] == [t.datatype.numpy for t in spec.outputs]
+
+
+def test_core_plan_gives_cpu_devices_their_own_cores() -> None:
+    from daemon.runtime.devices import plan_cores
+
+    cpu = [Device(f"cpu:{i}", "cpu", i, 1) for i in range(2)]
+    assert plan_cores(cpu[:1], {0, 1}, True) == ({"cpu:0": 1}, {0})
+    assert plan_cores(cpu, {0, 1, 2, 3}, True) == ({"cpu:0": 3, "cpu:1": 2}, {0, 1})
+    assert plan_cores(cpu, {0, 1}, True) == ({}, None)  # no core would be left for the loop
+    assert plan_cores(cpu[:1], {0, 1}, False) == ({}, None)
+    assert plan_cores([Device("cuda:0", "cuda", 0, 1)], {0, 1}, True) == ({}, None)

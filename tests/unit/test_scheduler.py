@@ -70,7 +70,7 @@ class Harness:
         self.clock.advance(duration)
         outputs = None
         if action.kind == ActionKind.INFER and status == ResultStatus.OK:
-            outputs = (np.arange(action.batch_size, dtype=np.float32).reshape(-1, 1),)
+            outputs = (np.arange(action.samples, dtype=np.float32).reshape(-1, 1),)
         r = Result(action, status, begin, begin, self.now, duration, outputs, error)
         self._take(self.sched.on_result(r, self.now))
         return self.step()
@@ -166,6 +166,7 @@ def test_hopeless_requests_are_answered_as_soon_as_they_cannot_make_it() -> None
     assert tight.status == RequestStatus.FAILED
     assert isinstance(tight.error, DeadlineExceeded)
     assert h.now < tight.deadline  # answered before its deadline passed, not after
+    assert h.sched.counters["failed_DeadlineExceeded"] == 1
 
 
 def test_admission_refuses_a_deadline_that_cannot_be_met_even_when_idle() -> None:
@@ -201,6 +202,8 @@ def test_lru_eviction_when_the_budget_is_full() -> None:
     assert kinds(acts) == ["UNLOAD", "LOAD"]
     assert acts[0].model.name == "b" and acts[1].model.name == "c"
     assert h.sched.devices["cpu:0"].memory.used == 200
+    c = h.sched.counters
+    assert (c["loads"], c["unloads"], c["cold_starts"], c["admitted"]) == (3, 1, 3, 4)
 
 
 def test_a_model_already_resident_is_not_loaded_again() -> None:
