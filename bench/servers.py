@@ -81,8 +81,8 @@ class Escapement:
         self.stop()
 
     def start(self, timeout: float = 300) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "daemon", "serve", "--config", str(self.dir / "bench.toml")],
-                                     stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        cmd = [sys.executable, "-m", "daemon", "serve", "--config", str(self.dir / "bench.toml")]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
         assert self.proc.stderr is not None
         deadline = time.monotonic() + timeout
         for line in self.proc.stderr:
