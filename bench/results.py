@@ -22,7 +22,10 @@ import numpy as np
 from bench.loadgen import CONN_ERROR, NO_ANSWER, POOL_FULL, Run
 
 RESULTS = Path(__file__).resolve().parent / "results"
-LAG_LIMIT_S = 0.002  # a generator later than this at p99 is the bottleneck, not the server
+# A generator whose sends are later than this at p99 did not deliver the offered load: the
+# run measured the generator, not the server. Noise on a shared VM reaches a few ms.
+LAG_LIMIT_S = 0.005
+LAG_LIMIT_SLO_FRACTION = 0.05
 
 ERROR_NAMES = {NO_ANSWER: "no_answer", CONN_ERROR: "connection", POOL_FULL: "generator_pool_full",
                400: "bad_request", 404: "not_found", 413: "too_large", 499: "cancelled", 500: "internal",
@@ -92,7 +95,8 @@ def row(run: Run, label: str, slo_s: float, **extra: Any) -> dict[str, Any]:
         "reconstructed": int((r.reconstructed[win] & ok).sum()),
         "generator_lag_p50_ms": percentile(lag, 50) * 1e3,
         "generator_lag_p99_ms": lag_p99 * 1e3,
-        "generator_bound": bool(lag_p99 > LAG_LIMIT_S) or errors.get("generator_pool_full", 0) > 0,
+        "generator_bound": bool(lag_p99 > max(LAG_LIMIT_S, LAG_LIMIT_SLO_FRACTION * slo_s))
+        or errors.get("generator_pool_full", 0) > 0,
     }
     out.update(extra)
     return out

@@ -66,12 +66,14 @@ class Escapement:
         }
         for k, v in sections.items():
             cfg.setdefault(k, {}).update(v)
+        cfg["server"]["log_level"] = "info"  # start() reads the port and readiness from the info log
         self.config = cfg
         text = "".join(f"[{sec}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in t.items()) for sec, t in cfg.items())
         (self.dir / "bench.toml").write_text(text)
         self.proc: subprocess.Popen[str] | None = None
         self.port = 0
         self.log: deque[str] = deque(maxlen=200)
+        self._drainer: threading.Thread | None = None
 
     def __enter__(self) -> Escapement:
         self.start()
@@ -96,7 +98,8 @@ class Escapement:
                 break
         else:
             raise RuntimeError("escapement exited during start-up:\n" + "".join(self.log))
-        threading.Thread(target=self._drain, daemon=True).start()
+        self._drainer = threading.Thread(target=self._drain, daemon=True)
+        self._drainer.start()
 
     def _drain(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
@@ -116,4 +119,8 @@ class Escapement:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.proc is not None and self.proc.stderr is not None:
+            if self._drainer is not None:
+                self._drainer.join(10)  # it ends at the pipe's EOF
+            self.proc.stderr.close()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,120 @@
+"""`many-models`: N models with Zipf popularity and a weight budget that holds a tenth of them.
+
+The N models are copies of the demo models (their files linked, not copied), so loads and
+evictions happen all the time. Offered loads are fractions of the mix's raw batch-1 limit
+(1 / sum over models of popularity x raw batch-1 time), measured in the same run. Each point
+reports SLO attainment, the cold-start rate and loads and evictions per second, read from the
+daemon's own counters (`/v2/controller/stats`).
+"""
+
+from __future__ import annotations
+
+import http.client
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from bench import loadgen, raw, results
+from bench.scenarios.common import command, demo_repo, measure, spec_of
+from bench.servers import Escapement
+from daemon.repository import ModelSpec, scan
+
+BASE = ("digits_mlp", "digits_cnn", "mlp_784", "cnn_heavy")
+
+
+def build_repo(n: int, base_repo: Path, out: Path) -> list[str]:
+    """N model directories m000.. cycling through the demo models, model files symlinked."""
+    names = []
+    for i in range(n):
+        base = BASE[i % len(BASE)]
+        d = out / f"m{i:03d}"
+        (d / "1").mkdir(parents=True)
+        shutil.copy(base_repo / base / "config.toml", d / "config.toml")
+        (d / "1" / "model.pt2").symlink_to(base_repo / base / "1" / "model.pt2")
+        names.append(d.name)
+    return names
+
+
+def stats(port: int) -> dict[str, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/v2/controller/stats")
+        return orjson.loads(conn.getresponse().read())  # type: ignore[no-any-return]
+    finally:
+        conn.close()
+
+
+def workload(n: int, policy: str, fractions: list[float], seconds: float, seed: int = 0,
+             zipf_s: float = 1.0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows for one policy over the load fractions, and facts about the workload."""
+    base_repo = demo_repo()
+    base_specs = {b: spec_of(base_repo, b) for b in BASE}
+    b1 = {b: float(np.median(raw.latencies(raw.program(base_repo, b), 200))) for b in BASE}
+    work = Path(tempfile.mkdtemp(prefix="mm-"))
+    try:
+        names = build_repo(n, base_repo, work)
+        specs: dict[str, ModelSpec] = {m.name: m for m in scan(work).models}
+        rng = np.random.default_rng(seed)
+        order = rng.permutation(n)  # popularity rank -> model, so big and small models mix
+        popularity = np.empty(n)
+        popularity[order] = loadgen.zipf_weights(n, zipf_s)
+        base_of = [BASE[i % len(BASE)] for i in range(n)]
+        limit = 1.0 / float(sum(popularity[i] * b1[base_of[i]] for i in range(n)))
+        weights = {b: raw.program(base_repo, b).weight_bytes for b in BASE}
+        total = sum(weights[base_of[i]] for i in range(n))
+        budget = total // 10
+        facts = {"models": n, "zipf_s": zipf_s, "raw_b1_limit_rps": limit, "weight_bytes_total": total,
+                 "weight_budget": budget, "raw_b1_ms": {k: v * 1e3 for k, v in b1.items()}}
+        rows: list[dict[str, Any]] = []
+        with Escapement(work, runtime={"weight_budget": budget}, controller={"policy": policy}) as server:
+            slo = max(base_specs[b].slo_s for b in BASE)
+            measure(loadgen.poisson(limit * 0.2, 3.0, n, popularity, seed=99), "socket", server.pid, names,
+                    socket_path=server.socket, specs=[specs[m] for m in names])  # warm-up
+            for i, f in enumerate(fractions):
+                before = stats(server.port)["counters"]
+                sched = loadgen.poisson(limit * f, seconds, n, popularity, seed=seed + i)
+                m = measure(sched, "socket", server.pid, names, socket_path=server.socket,
+                            specs=[specs[x] for x in names], warmup=0.0, drain_s=3 * slo)
+                after = stats(server.port)["counters"]
+                d = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+                r = results.row(m.run, policy, slo, load_fraction=f, server_cores=m.server_cores,
+                                generator_cores=m.generator_cores,
+                                cold_start_rate=d.get("cold_starts", 0) / max(d.get("admitted", 0), 1),
+                                loads_per_s=d.get("loads", 0) / seconds, evictions_per_s=d.get("unloads", 0) / seconds,
+                                missed_deadline=d.get("missed_deadline", 0))
+                # every model's own SLO counts: attainment from the daemon's met/missed counters too
+                r["daemon_slo_attainment"] = d.get("met_deadline", 0) / max(d.get("admitted", 0), 1)
+                rows.append(r)
+        return rows, facts
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(quick: bool = False, json_out: str | None = None, n: int | None = None, policy: str = "dynamic",
+        seconds: float | None = None) -> dict[str, Any]:
+    n = n or (60 if quick else 200)
+    seconds = seconds or (6.0 if quick else 20.0)
+    fractions = [0.3, 0.6, 0.9] if quick else [0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 1.0]
+    rows, facts = workload(n, policy, fractions, seconds)
+    summary = {"policy": policy, **facts,
+               "slo_attainment_by_load_fraction": {f"{r['load_fraction']:g}": r["slo_attainment"] for r in rows},
+               "cold_start_rate_by_load_fraction": {f"{r['load_fraction']:g}": r["cold_start_rate"] for r in rows},
+               "loads_per_s_max": max(r["loads_per_s"] for r in rows),
+               "evictions_per_s_max": max(r["evictions_per_s"] for r in rows)}
+    config = {"command": command("many-models", quick), "models": n, "policy": policy, "seconds_per_point": seconds,
+              "load_fractions": fractions, "arrivals": "poisson, zipf popularity", "frontend": "socket",
+              "server": "escapement, one cpu device (1 intra-op thread), weight budget = a tenth of all weights"}
+    png = results.plot_curve("many-models", rows, 200.0, f"{n} models, Zipf popularity, budget holds 1/10")
+    notes = ["Models are copies of digits_mlp, digits_cnn, mlp_784 and cnn_heavy in turn; SLO is each model's "
+             "own (100 ms); slo_ms in the rows is the largest.",
+             "load_fraction = offered load / the mix's raw batch-1 limit (no batching, no cold starts)."]
+    if png:
+        notes.append(f"Plot: {png.name}")
+    return results.write("many-models", config, rows, summary, json_out, notes,
+                         columns=["label", "load_fraction", "offered_rps", "achieved_rps", "goodput_rps",
+                                  "slo_attainment", "p50_ms", "p99_ms", "p999_ms", "cold_start_rate", "loads_per_s",
+                                  "evictions_per_s", "errors", "server_cores", "generator_bound"])

@@ -1,0 +1,72 @@
+"""A tiny run of the benchmark harness: the result format is complete and its figures make sense.
+
+This is a smoke test of the harness, not a benchmark: the figures are not checked for speed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import loadgen, results
+from bench.scenarios.common import measure, spec_of
+from bench.servers import Escapement
+
+ROW_FIELDS = {"label", "offered_rps", "achieved_rps", "goodput_rps", "slo_ms", "slo_attainment", "p50_ms", "p90_ms",
+              "p99_ms", "p999_ms", "max_ms", "errors", "reconstructed"}
+
+
+def test_schedules() -> None:
+    p = loadgen.poisson(200, 5, seed=1)
+    assert 800 < len(p) < 1200 and np.all(np.diff(p.times) >= 0) and p.duration < 5
+    c = loadgen.constant(100, 2)
+    assert len(c) == 200 and c.times[1] == pytest.approx(0.01)
+    g = loadgen.gamma(200, 10, cv=4, seed=1)
+    gaps = np.diff(g.times)
+    assert gaps.std() / gaps.mean() > 2  # burstier than Poisson (cv 1)
+    o = loadgen.on_off(100, 4, period=1.0, duty=0.25)
+    assert np.all(o.times % 1.0 < 0.25)
+    z = loadgen.poisson(500, 4, n_targets=10, weights=loadgen.zipf_weights(10), seed=2)
+    counts = np.bincount(z.targets, minlength=10)
+    assert counts[0] > counts[9] * 3
+
+
+def test_trace_schedule(tmp_path: Path) -> None:
+    f = tmp_path / "t.txt"
+    f.write_text("# seconds model\n0.5 b\n0.1 a\n0.2 b\n")
+    s = loadgen.trace(f, ["a", "b"])
+    assert s.times.tolist() == [0.1, 0.2, 0.5] and s.targets.tolist() == [0, 1, 1]
+    f.write_text("0.1 c\n")
+    with pytest.raises(ValueError, match="unknown model 'c'"):
+        loadgen.trace(f, ["a", "b"])
+
+
+def test_a_tiny_run_writes_every_field(demo_repo: Path, tmp_path: Path) -> None:
+    spec = spec_of(demo_repo, "digits_mlp")
+    with Escapement(demo_repo) as server:
+        rows = []
+        for fe in ("socket", "http", "http-json"):
+            m = measure(loadgen.poisson(200, 1.0, seed=3), fe, server.pid, ["digits_mlp"], socket_path=server.socket,
+                        port=server.port, specs=[spec])
+            rows.append(results.row(m.run, fe, spec.slo_s, server_cores=m.server_cores))
+        bad = measure(loadgen.constant(50, 0.2), "socket", server.pid, ["nope"], socket_path=server.socket,
+                      specs=[spec])
+        rows.append(results.row(bad.run, "unknown model", spec.slo_s))
+    out = tmp_path / "smoke.json"
+    results.write("smoke", {"command": "pytest"}, rows, {"ok": True}, out)
+    data = json.loads(out.read_text())
+    assert set(data) >= {"scenario", "machine", "config", "rows", "summary"}
+    assert set(data["machine"]) >= {"cores", "torch", "devices", "git_commit"}
+    for r in data["rows"][:3]:
+        assert ROW_FIELDS <= set(r)
+        assert 100 < r["offered_rps"] < 300 and r["achieved_rps"] <= r["offered_rps"] + 1e-9
+        assert r["slo_attainment"] == 1.0 and r["errors"] == {}
+        assert 0 < r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"] <= r["p999_ms"] <= r["max_ms"] < spec.slo_s * 1e3
+        assert r["reconstructed"] == 0
+    assert data["rows"][3]["errors"] == {"not_found": 10} and data["rows"][3]["achieved_rps"] == 0
+    assert (tmp_path / "smoke.md").read_text().startswith("# smoke")
+    shutil.rmtree(tmp_path, ignore_errors=True)
