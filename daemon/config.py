@@ -68,6 +68,8 @@ class ServerSettings:
     max_body_bytes: int = doc("Largest HTTP body or socket frame accepted (bytes or '64MiB').", 64 * 2**20)
     max_connections: int = doc("Most concurrent client connections per listener.", 1024)
     drain_timeout_s: float = doc("On shutdown, how long accepted requests may take to finish.", 10.0)
+    shed_lag_ms: float = doc("Refuse new inference with 503 while the event loop runs this far behind "
+                             "(requests are then waiting unseen in socket buffers); 0 disables.", 25.0)
     log_level: LogLevel = doc("Log level: debug, info, warning or error.", "info")
 
     def __post_init__(self) -> None:
@@ -79,6 +81,7 @@ class ServerSettings:
               "must be at least 1024")
         _need(self.max_connections >= 1, "server.max_connections", self.max_connections, "must be >= 1")
         _need(self.drain_timeout_s >= 0, "server.drain_timeout_s", self.drain_timeout_s, "must be >= 0")
+        _need(self.shed_lag_ms >= 0, "server.shed_lag_ms", self.shed_lag_ms, "must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,8 @@ from daemon.config import Settings, parse_hostport
 from daemon.controller.core import Scheduler
 from daemon.controller.policy import make_policy
 from daemon.controller.service import ControllerService
-from daemon.errors import BadRequest, ConfigError
+from daemon.errors import BadRequest, ConfigError, Overloaded
+from daemon.overload import LagTracker, LoopMonitor
 from daemon.registry import ModelRegistry, ModelState
 from daemon.repository import ModelSpec, scan
 from daemon.request import InferenceRequest
@@ -61,6 +63,8 @@ class Daemon:
         self.socket: SocketFrontend | None = None
         self.http_port: int | None = None
         self._controller: ControllerService | None = None
+        self.overload = LagTracker(settings.server.shed_lag_ms / 1000.0)
+        self._monitor: LoopMonitor | None = None
         self._stop = asyncio.Event()
         self._signals = 0
 
@@ -73,6 +77,19 @@ class Daemon:
 
     def is_ready(self) -> bool:
         return self.state == State.RUNNING
+
+    def statistics(self) -> dict[str, Any]:
+        """The controller's statistics plus the event loop's lag and the requests shed for it."""
+        o = self.overload
+        return {**self.controller.scheduler.statistics(),
+                "loop": {"lag_ms": o.lag_s * 1e3, "max_lag_ms": o.max_s * 1e3, "shed": o.shed}}
+
+    def check_overload(self) -> None:
+        """Refuse new inference at once while the loop is too far behind (see overload.py)."""
+        if self.overload.overloaded:
+            self.overload.shed += 1
+            raise Overloaded(f"the daemon is overloaded: its event loop is {self.overload.lag_s * 1e3:.0f} ms "
+                             "behind; retry later", retry_after_s=1.0)
 
     def new_request(self, spec: ModelSpec, arrays: tuple[np.ndarray, ...], samples: int, timeout_us: Any,
                     priority: Any, client_id: str) -> InferenceRequest:
@@ -146,6 +163,8 @@ class Daemon:
             self.socket = SocketFrontend(self)
             await self.socket.start(s.server.socket)
             log.info("socket listening on %s", s.server.socket)
+        self._monitor = LoopMonitor(self.overload, clock=time.monotonic)
+        self._monitor.start()
         self.state = State.RUNNING
         log.info("ready: %d model version(s) serving", sum(1 for m in self.registry.index() if m["state"] == "READY"))
 
@@ -221,6 +240,8 @@ class Daemon:
                             self._controller.scheduler.pending)
                 self._controller.abort_all("the daemon shut down before this request could run")
         self.state = State.STOPPING
+        if self._monitor is not None:
+            self._monitor.stop()
         log.info("[shutdown] stopping executors")
         await asyncio.to_thread(self._stop_executors)
         if self._controller is not None:

@@ -24,7 +24,7 @@ def run(quick: bool = False, json_out: str | None = None, n: int | None = None,
     rows: list[dict[str, Any]] = []
     summary: dict[str, Any] = {"policies": policies}
     for p in policies:
-        mm_rows, facts = many_models.workload(n, p, fractions, seconds)
+        mm_rows, _ = many_models.workload(n, p, fractions, seconds)
         for r in mm_rows:
             r["workload"] = f"many-models ({n})"
         rows += mm_rows

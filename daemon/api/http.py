@@ -178,7 +178,7 @@ class HttpFrontend:
         return json_response(self.daemon.registry.index(ready_only))
 
     async def controller_stats(self, request: web.Request) -> web.Response:
-        return json_response(self.daemon.controller.scheduler.statistics())
+        return json_response(self.daemon.statistics())
 
     async def named_repository(self, request: web.Request) -> web.Response:
         raise NotImplementedByServer("'repository_name' specification is not supported")
@@ -187,6 +187,7 @@ class HttpFrontend:
 
     async def infer(self, request: web.Request) -> web.Response:
         daemon = self.daemon
+        daemon.check_overload()  # before reading the body: refusing must cost little
         spec = daemon.registry.resolve(request.match_info["model"], request.match_info.get("version"))
         body = await request.read()
         header_len = request.headers.get(HEADER_LEN)

@@ -149,7 +149,7 @@ class SocketConnection(asyncio.Protocol):
         if op == "index":
             return {"models": reg.index(bool(msg.get("ready", False)))}
         if op == "stats":
-            return {"controller": self.daemon.controller.scheduler.statistics()}
+            return {"controller": self.daemon.statistics()}
         name = msg.get("model")
         if op in ("metadata", "model_ready", "config"):
             if not isinstance(name, str):
@@ -168,6 +168,7 @@ class SocketConnection(asyncio.Protocol):
     # ---------------------------------------------------------------- inference
 
     def _infer(self, req_id: Any, msg: dict[str, Any]) -> None:
+        self.daemon.check_overload()
         name = msg.get("model")
         if not isinstance(name, str):
             raise BadRequest("infer needs a model name")

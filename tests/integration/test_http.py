@@ -292,3 +292,24 @@ def test_a_client_that_disconnects_mid_body_does_not_disturb_others(test_daemon:
     status, _, body = raw(test_daemon, "POST", "/v2/models/tiny_pt2/infer", infer_body(x))
     assert status == 200
     np.testing.assert_allclose(orjson.loads(body)["outputs"][0]["data"], reference(x)[0], rtol=1e-5)
+
+
+def test_a_lagging_loop_sheds_new_inference_with_503(test_daemon: DaemonThread) -> None:
+    x = np.ones((1, 4), np.float32)
+    daemon = test_daemon.daemon
+    tracker = daemon.overload
+
+    def lag(seconds: float) -> None:
+        tracker.last_s = tracker.lag_s = seconds
+
+    test_daemon.call(daemon._monitor.stop)  # real ticks would decay the lag set below
+    test_daemon.call(lag, 1.0)  # as if the loop ran a second behind
+    status, headers, body = raw(test_daemon, "POST", "/v2/models/tiny_pt2/infer", infer_body(x))
+    assert status == 503 and headers["retry-after"] == "1"
+    assert "overloaded" in orjson.loads(body)["error"]
+    assert raw(test_daemon, "GET", "/v2/health/live")[0] == 200  # health still answers
+    test_daemon.call(lag, 0.0)
+    test_daemon.call(daemon._monitor.start)
+    assert raw(test_daemon, "POST", "/v2/models/tiny_pt2/infer", infer_body(x))[0] == 200
+    stats = orjson.loads(raw(test_daemon, "GET", "/v2/controller/stats")[2])
+    assert stats["loop"]["shed"] >= 1

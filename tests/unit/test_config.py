@@ -94,3 +94,17 @@ def test_cli_overrides_are_validated_and_applied() -> None:
 def test_settings_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         Settings().server.http = "x"  # type: ignore[misc]
+
+
+def test_lag_tracker_flags_overload_and_recovers() -> None:
+    from daemon.overload import LagTracker
+
+    t = LagTracker(0.025, alpha=0.5)
+    t.observe(1.000, 1.001)
+    assert not t.overloaded
+    t.observe(1.010, 1.060)  # one tick 50 ms late: overloaded at once
+    assert t.overloaded and t.max_s == pytest.approx(0.05)
+    for i in range(8):  # on time again: the smoothed lag decays and the flag clears
+        t.observe(2.0 + i, 2.0 + i)
+    assert not t.overloaded
+    assert not LagTracker(0.0).overloaded  # 0 disables
