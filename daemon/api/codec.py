@@ -89,6 +89,15 @@ def _from_json(data: Any, dt_name: str, dt: np.dtype, count: int, name: str) -> 
         raise BadRequest(f"input {name}: no data (give 'data', or binary data with parameters.binary_data_size)")
     if not isinstance(data, list):
         raise BadRequest(f"input {name}: data must be a list, got {type(data).__name__}")
+    if dt.kind == "f" and _leaf_is_float(data):
+        # The common case (floats for a float input): one conversion, straight to the dtype.
+        try:
+            arr = np.array(data, dtype=dt)
+        except (ValueError, TypeError) as e:
+            raise BadRequest(f"input {name}: data is not a regular array of numbers: {e}") from None
+        if arr.size != count:
+            raise BadRequest(f"input {name}: {arr.size} values of data, but its shape needs {count}")
+        return arr.ravel()
     try:
         arr = np.array(data)
     except ValueError as e:
@@ -109,6 +118,13 @@ def _from_json(data: Any, dt_name: str, dt: np.dtype, count: int, name: str) -> 
         if arr.min() < info.min or arr.max() > info.max:
             raise BadRequest(f"input {name}: a value is out of range for {dt_name}")
     return arr.astype(dt, copy=False).ravel()
+
+
+def _leaf_is_float(data: list[Any]) -> bool:
+    x: Any = data
+    while isinstance(x, list) and x:
+        x = x[0]
+    return type(x) is float
 
 
 def select_outputs(spec: ModelSpec, names: Sequence[str] | None) -> list[int]:

@@ -93,14 +93,16 @@ class HttpFrontend:
                                    middlewares=[errors_middleware], handler_args={"max_field_size": 16384})
         self.app[MAX_BODY] = daemon.settings.server.max_body_bytes
         r = self.app.router
+        bases = ("/v2/models/{model}", "/v2/models/{model}/versions/{version:[0-9]+}")
+        for base in bases:  # first: aiohttp tries resources in order, and infer is the hot path
+            r.add_post(base + "/infer", self.infer)
         r.add_get("/v2", self.server_metadata)
         r.add_get("/v2/health/live", self.live)
         r.add_get("/v2/health/ready", self.ready)
-        for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version:[0-9]+}"):
+        for base in bases:
             r.add_get(base, self.model_metadata)
             r.add_get(base + "/ready", self.model_ready)
             r.add_get(base + "/config", self.model_config)
-            r.add_post(base + "/infer", self.infer)
         r.add_post("/v2/repository/index", self.repository_index)
         r.add_get("/v2/controller/stats", self.controller_stats)
         r.add_post("/v2/repository/{repo}/index", self.named_repository)
