@@ -1,0 +1,255 @@
+"""The `clockwork` policy: predictable, deadline-aware scheduling of LOAD / INFER / UNLOAD.
+
+Following Clockwork (OSDI '20):
+
+- Each device gets only a short schedule-ahead horizon of work (`controller.schedule_ahead_ms`):
+  planning stops once its exec timeline reaches now + horizon and resumes as it drains, so
+  every decision is made with fresh information.
+- A device free within the horizon takes the model whose most urgent request has the earliest
+  latest-start time (deadline minus estimated run time; higher priority first), and the
+  largest batch whose requests all still meet their deadlines when it starts then.
+- A request that no device can finish in time is answered at once (deadline error), not
+  left to time out; one that a refused or failed action returns is retried if it still can.
+- INFER actions carry a window: `earliest` is now (the lane runs them in order), `latest` is
+  the last start that still meets every deadline in the batch; an executor that cannot start
+  in time refuses instead of running late.
+- Memory: this policy alone decides LOADs and UNLOADs. It loads the models with the most unmet
+  demand (queued work), evicting least-recently-used models with nothing queued first, and
+  replicates a model onto another device when its arrival rate exceeds what its devices can
+  serve.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from daemon.actions import ActionKind, Result
+from daemon.controller.core import DeviceState, ModelEntry
+from daemon.controller.timeline import DeviceTimeline
+from daemon.request import InferenceRequest
+
+if TYPE_CHECKING:
+    from daemon.controller.core import Scheduler
+
+LATEST_GRACE = 0.001  # the least room an action's window gets after its planned start
+LOAD_BANDWIDTH_GUESS = 4e9  # bytes/s, for a model's first LOAD before any is measured
+REPLICA_UTILISATION = 0.7  # replicate once demand exceeds this share of the devices' throughput
+REPLICA_COOLDOWN = 0.1  # seconds between replications of one model
+RATE_TAU = 1.0  # seconds: the time constant of the arrival-rate estimate
+
+
+@dataclass(slots=True)
+class RateMeter:
+    """An exponentially decaying estimate of samples per second."""
+
+    rate: float = 0.0
+    at: float = 0.0
+
+    def add(self, samples: int, now: float) -> None:
+        self.rate = self.value(now) + samples / RATE_TAU
+        self.at = now
+
+    def value(self, now: float) -> float:
+        return self.rate * math.exp(-(now - self.at) / RATE_TAU) if self.rate else 0.0
+
+
+class ClockworkPolicy:
+    name = "clockwork"
+
+    def __init__(self, schedule_ahead: float = 0.005) -> None:
+        self.horizon = schedule_ahead
+        self.timelines: dict[str, DeviceTimeline] = {}
+        self.rates: dict[str, RateMeter] = {}
+        self.replicated_at: dict[str, float] = {}
+        self._wake: float | None = None
+
+    # ---------------------------------------------------------------- hooks
+
+    def next_wakeup(self, state: Scheduler, now: float) -> float | None:
+        return self._wake
+
+    def on_submit(self, state: Scheduler, req: InferenceRequest, now: float) -> None:
+        meter = self.rates.get(req.model.key)
+        if meter is None:
+            meter = self.rates[req.model.key] = RateMeter()
+        meter.add(req.samples, now)
+
+    def on_result(self, state: Scheduler, result: Result, now: float) -> None:
+        tl = self.timelines.get(result.action.device)
+        if tl is None:
+            return
+        lane = tl.exec if result.action.kind == ActionKind.INFER else tl.copy
+        lane.done(result.action.id, result.end)
+
+    def _timeline(self, dev: DeviceState) -> DeviceTimeline:
+        tl = self.timelines.get(dev.name)
+        if tl is None:
+            tl = self.timelines[dev.name] = DeviceTimeline()
+        return tl
+
+    # ---------------------------------------------------------------- the step
+
+    def schedule(self, state: Scheduler, now: float) -> None:
+        self._wake = None
+        self._drop_hopeless(state, now)
+        self._plan_memory(state, now)
+        self._plan_inference(state, now)
+
+    # ---------------------------------------------------------------- estimates
+
+    def _est(self, state: Scheduler, key: str, batch: int, kind: str) -> float:
+        return state.estimate(key, batch, kind)
+
+    def _load_est(self, state: Scheduler, entry: ModelEntry, kind: str) -> float:
+        est = state.estimator.load(entry.spec.key, kind)
+        return est if est is not None else entry.weight_bytes / LOAD_BANDWIDTH_GUESS
+
+    def _earliest_finish(self, state: Scheduler, entry: ModelEntry, req: InferenceRequest, now: float) -> float:
+        """The soonest `req` alone could finish on any device, counting a LOAD where needed."""
+        key = entry.spec.key
+        b = entry.spec.batch_size_for(req.samples)
+        best = math.inf
+        for dev in state.devices.values():
+            run = self._est(state, key, b, dev.kind)
+            if dev.memory.is_ready(key):
+                start = self._timeline(dev).exec.free_at(now)
+            else:
+                if dev.memory.budget < entry.weight_bytes:
+                    continue
+                loaded = self._timeline(dev).copy.free_at(now) + self._load_est(state, entry, dev.kind)
+                start = max(loaded, self._timeline(dev).exec.free_at(now))
+            best = min(best, start + run)
+        return best
+
+    # ---------------------------------------------------------------- hopeless requests
+
+    def _drop_hopeless(self, state: Scheduler, now: float) -> None:
+        for entry in state.models.values():
+            q = entry.queue
+            while (head := q.head()) is not None and self._earliest_finish(state, entry, head, now) > head.deadline:
+                q.pop()
+                state.fail_request(head, state.deadline_error(head, now), now)
+
+    # ---------------------------------------------------------------- inference
+
+    def _plan_inference(self, state: Scheduler, now: float) -> None:
+        limit = now + self.horizon
+        devices = sorted(state.devices.values(), key=lambda d: self._timeline(d).exec.free_at(now))
+        for dev in devices:
+            lane = self._timeline(dev).exec
+            while (start := lane.free_at(now)) < limit:
+                if not self._dispatch(state, dev, start, now):
+                    break
+            if start >= limit and self._has_work(state, dev):
+                wake = start - self.horizon
+                self._wake = wake if self._wake is None else min(self._wake, wake)
+
+    @staticmethod
+    def _has_work(state: Scheduler, dev: DeviceState) -> bool:
+        return any((e := state.models.get(k)) is not None and e.queue.requests for k in dev.memory.ready_models())
+
+    def _dispatch(self, state: Scheduler, dev: DeviceState, start: float, now: float) -> bool:
+        """Plan one batch on `dev` starting at `start`; False when there is nothing to run there."""
+        best: tuple[tuple[int, float], ModelEntry] | None = None
+        for key in dev.memory.ready_models():
+            entry = state.models.get(key)
+            head = entry.queue.head() if entry is not None else None
+            if entry is None or head is None:
+                continue
+            run = self._est(state, key, entry.spec.batch_size_for(head.samples), dev.kind)
+            latest_start = head.deadline - run
+            if start > latest_start:
+                continue  # not here; another device, or the hopeless check, will deal with it
+            urgency = (head.rank, latest_start)
+            if best is None or urgency < best[0]:
+                best = (urgency, entry)
+        if best is None:
+            return False
+        entry = best[1]
+        spec, q = entry.spec, entry.queue
+        taken: list[InferenceRequest] = []
+        samples, deadline, run = 0, math.inf, 0.0
+        while (h := q.head()) is not None and samples + h.samples <= spec.max_batch_size:
+            b = spec.batch_size_for(samples + h.samples)
+            est = self._est(state, spec.key, b, dev.kind)
+            d = min(deadline, h.deadline)
+            if start + est > d:
+                break  # a bigger batch would make someone late
+            taken.append(q.pop())
+            samples, deadline, run = samples + h.samples, d, est
+        if not taken:
+            return False
+        b = spec.batch_size_for(samples)
+        latest = max(deadline - run, start + LATEST_GRACE)
+        action = state.issue_infer(spec, dev, taken, b, now, earliest=now, latest=latest, expected=run)
+        action.expected_start = self._timeline(dev).exec.add(action.id, run, now)
+        return True
+
+    # ---------------------------------------------------------------- memory
+
+    def _plan_memory(self, state: Scheduler, now: float) -> None:
+        wanted: list[tuple[float, ModelEntry]] = []
+        for entry in state.models.values():
+            key = entry.spec.key
+            placed = [d for d in state.devices.values() if d.memory.state(key) is not None]
+            if entry.queue.requests and not placed:
+                wanted.append((-self._backlog(state, entry), entry))  # cold: most queued work first
+            elif placed and len(placed) < len(state.devices) and self._needs_replica(state, entry, placed, now):
+                wanted.append((0.0, entry))
+        wanted.sort(key=lambda w: w[0])
+        for _, entry in wanted:
+            self._place(state, entry, now)
+
+    def _backlog(self, state: Scheduler, entry: ModelEntry) -> float:
+        """Seconds of work queued for a model, at its largest batch size."""
+        spec = entry.spec
+        b = spec.max_batch_size
+        kind = state.kinds[0]
+        return entry.queue.samples * self._est(state, spec.key, b, kind) / b
+
+    def _needs_replica(self, state: Scheduler, entry: ModelEntry, placed: list[DeviceState], now: float) -> bool:
+        key = entry.spec.key
+        meter = self.rates.get(key)
+        if meter is None or now - self.replicated_at.get(key, -math.inf) < REPLICA_COOLDOWN:
+            return False
+        b = entry.spec.max_batch_size
+        capacity = sum(b / max(self._est(state, key, b, d.kind), 1e-9) for d in placed)
+        return meter.value(now) > REPLICA_UTILISATION * capacity
+
+    def _place(self, state: Scheduler, entry: ModelEntry, now: float) -> None:
+        key, nbytes = entry.spec.key, entry.weight_bytes
+        head = entry.queue.head()
+
+        def wanted(k: str) -> bool:
+            e = state.models.get(k)
+            return e is not None and e.queue.requests > 0
+
+        options = []
+        for dev in state.devices.values():
+            if dev.memory.state(key) is not None or dev.memory.budget < nbytes:
+                continue
+            tl = self._timeline(dev)
+            if tl.copy.free_at(now) >= now + self.horizon:
+                continue  # its copy lane is busy: plan the load later
+            victims = dev.memory.victims(nbytes, evictable=lambda k, d=dev: d.busy[k] == 0, wanted=wanted)
+            if victims is None:
+                continue
+            ready = max(tl.copy.free_at(now) + self._load_est(state, entry, dev.kind), tl.exec.free_at(now))
+            if head is not None and ready > head.deadline and len(options) > 0:
+                continue
+            options.append((sum(wanted(k) for k in victims), ready, dev.name, dev, victims))
+        if not options:
+            return
+        *_, dev, victims = min(options, key=lambda o: o[:3])
+        for k in victims:
+            victim = state.models.get(k)
+            if victim is not None:
+                state.issue_unload(victim.spec, dev, now)
+        action = state.issue_load(entry.spec, dev, now)
+        est = self._load_est(state, entry, dev.kind)
+        action.expected_duration = est
+        action.expected_start = self._timeline(dev).copy.add(action.id, est, now)
+        if any(d.memory.state(key) is not None for d in state.devices.values() if d is not dev):
+            self.replicated_at[key] = now

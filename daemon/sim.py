@@ -1,0 +1,326 @@
+"""Simulated devices (`sim:N`): the real scheduler and policy, driven in virtual time.
+
+A `Simulation` runs the same `Scheduler` and policy the daemon runs, against simulated
+executors whose actions take the durations of latency profiles (with optional noise and
+injected slowdowns) in virtual time. Thousands of models on many devices run faster than real
+time, and a run is deterministic for a given seed. Simulated executors keep the executor
+contract: lanes run actions in order of `earliest`, refuse those that cannot start by
+`latest`, enforce the weight budget, and report timings.
+
+The default profiles are Clockwork's published V100 figures (`reference/clockwork.md`):
+ResNet18, ResNet50, ResNet152 and SE-ResNeXt101.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from daemon.actions import Action, ActionKind, Result, ResultStatus
+from daemon.clock import VirtualClock
+from daemon.config import ControllerSettings
+from daemon.controller.core import Decision, Scheduler
+from daemon.controller.policy import Policy
+from daemon.datatypes import BY_NAME
+from daemon.repository import ModelSpec, TensorSpec
+from daemon.request import InferenceRequest, RequestStatus
+from daemon.runtime.devices import Device
+
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class SimProfile:
+    """What a model costs on a simulated device: LOAD seconds, INFER seconds per batch size."""
+
+    weight_bytes: int
+    load_s: float
+    infer_s: dict[int, float]
+
+    def infer(self, batch: int) -> float:
+        if batch in self.infer_s:
+            return self.infer_s[batch]
+        sizes = sorted(self.infer_s)
+        lo = max((b for b in sizes if b <= batch), default=sizes[0])
+        hi = min((b for b in sizes if b >= batch), default=sizes[-1])
+        if lo == hi:
+            return self.infer_s[lo] * batch / lo
+        return self.infer_s[lo] + (self.infer_s[hi] - self.infer_s[lo]) * (batch - lo) / (hi - lo)
+
+
+def _ms(d: dict[int, float]) -> dict[int, float]:
+    return {b: v / 1e3 for b, v in d.items()}
+
+
+# Clockwork's V100 profiles (weights, LOAD, INFER per batch size), missing sizes interpolated.
+CLOCKWORK_V100 = {
+    "resnet18": SimProfile(int(46.7 * MB), 3.81e-3, _ms({1: 1.32, 16: 7.12})),
+    "resnet50": SimProfile(int(102.2 * MB), 8.35e-3, _ms({1: 2.73, 2: 4.05, 4: 5.88, 8: 9.93, 16: 17.33})),
+    "resnet152": SimProfile(int(240.6 * MB), 19.56e-3, _ms({1: 8.21, 16: 48.54})),
+    "se_resnext101": SimProfile(int(352.5 * MB), 28.75e-3, _ms({1: 8.18, 16: 66.44})),
+}
+
+
+def sim_spec(name: str, max_batch: int = 16, slo_s: float = 0.1) -> ModelSpec:
+    fp32 = BY_NAME["FP32"]
+    return ModelSpec(name, 1, Path(f"/sim/{name}"), "pt2", (TensorSpec("x", fp32, (-1, 1)),),
+                     (TensorSpec("y", fp32, (-1, 1)),), max_batch, slo_s)
+
+
+@dataclass
+class Slowdown:
+    """Makes a device slower: `factor` x durations, plus `add_s`, during [start, end)."""
+
+    device: str
+    factor: float = 1.0
+    add_s: float = 0.0
+    start: float = 0.0
+    end: float = math.inf
+
+    def applies(self, device: str, t: float) -> bool:
+        return device == self.device and self.start <= t < self.end
+
+
+class _SimLane:
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, int, Action, float]] = []
+        self.busy_until = 0.0
+        self.free_since = 0.0
+        self.check_at: float | None = None
+
+
+class SimExecutor:
+    """An executor in virtual time."""
+
+    def __init__(self, device: Device, sim: Simulation) -> None:
+        self.device = device
+        self.sim = sim
+        self.lanes = {"infer": _SimLane(), "load": _SimLane()}
+        self.resident: set[str] = set()
+        self.used = 0
+        self.busy_s = 0.0
+
+    def submit(self, action: Action) -> None:
+        lane = self.lanes["infer" if action.kind == ActionKind.INFER else "load"]
+        now = self.sim.clock.now()
+        heapq.heappush(lane.heap, (action.earliest, action.id, action, now))
+        self._arm(lane, now)
+
+    def _arm(self, lane: _SimLane, now: float) -> None:
+        if not lane.heap:
+            return
+        at = max(now, lane.busy_until, lane.heap[0][0])
+        if lane.check_at is None or at < lane.check_at:
+            lane.check_at = at
+            self.sim.at(at, lambda: self._start(lane))
+
+    def _duration(self, base: float, t: float) -> float:
+        d = base
+        for s in self.sim.slowdowns:
+            if s.applies(self.device.name, t):
+                d = d * s.factor + s.add_s
+        if self.sim.noise > 0:
+            d *= float(self.sim.rng.lognormal(0.0, self.sim.noise))
+        return d
+
+    def _start(self, lane: _SimLane) -> None:
+        now = self.sim.clock.now()
+        if lane.check_at is not None and now < lane.check_at:
+            return  # superseded by an earlier check
+        lane.check_at = None
+        if not lane.heap or now < lane.busy_until or lane.heap[0][0] > now:
+            self._arm(lane, now)
+            return
+        _, _, action, received = heapq.heappop(lane.heap)
+        ready = max(action.earliest, received, lane.free_since)
+        if now > action.latest:
+            self.sim.post(Result(action, ResultStatus.TOO_LATE, received, now, now, ready_at=ready,
+                                 error="could not start by latest"))
+            self._arm(lane, now)
+            return
+        status, error, d, outputs, nbytes = self._work(action, now)
+        lane.busy_until = now + d
+        self.busy_s += d if action.kind == ActionKind.INFER else 0.0
+
+        def finish() -> None:
+            end = self.sim.clock.now()
+            lane.free_since = end
+            if action.kind == ActionKind.UNLOAD and status == ResultStatus.OK:
+                self.resident.discard(action.model.key)
+                self.used -= nbytes
+            if action.kind == ActionKind.LOAD and status == ResultStatus.OK:
+                self.resident.add(action.model.key)
+            self.sim.post(Result(action, status, received, now, end, d, outputs, error, nbytes, ready_at=ready))
+            self._arm(lane, end)
+
+        self.sim.at(now + d, finish)
+
+    def _work(self, action: Action, now: float) -> tuple[ResultStatus, str, float, tuple[np.ndarray, ...] | None, int]:
+        key = action.model.key
+        prof = self.sim.profiles[key]
+        if action.kind == ActionKind.INFER:
+            if key not in self.resident:
+                return ResultStatus.FAILED, f"weights of {key} are not on {self.device.name}", 0.0, None, 0
+            rows = action.samples
+            return ResultStatus.OK, "", self._duration(prof.infer(action.batch_size), now), \
+                (self.sim.zeros[:rows],), 0
+        if action.kind == ActionKind.LOAD:
+            if key in self.resident:
+                return ResultStatus.FAILED, "already loaded", 0.0, None, 0
+            if self.used + prof.weight_bytes > self.device.weight_budget:
+                return ResultStatus.FAILED, "insufficient weight memory", 0.0, None, 0
+            self.used += prof.weight_bytes  # reserved from the start, as real executors do
+            return ResultStatus.OK, "", self._duration(prof.load_s, now), None, prof.weight_bytes
+        if key not in self.resident:
+            return ResultStatus.FAILED, "not loaded", 0.0, None, 0
+        return ResultStatus.OK, "", 1e-6, None, prof.weight_bytes
+
+
+@dataclass
+class SimRecords:
+    arrival: np.ndarray
+    deadline: np.ndarray
+    finish: np.ndarray = field(init=False)
+    status: np.ndarray = field(init=False)  # 200 ok, else the error's status
+    cold: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.arrival)
+        self.finish = np.full(n, np.nan)
+        self.status = np.zeros(n, dtype=np.int32)
+        self.cold = np.zeros(n, dtype=bool)
+
+    @property
+    def met(self) -> np.ndarray:
+        return (self.status == 200) & (self.finish <= self.deadline + 1e-12)
+
+
+@dataclass
+class SimResult:
+    records: SimRecords
+    duration: float
+    controller_s: float  # CPU seconds spent in the scheduler and policy
+    wall_s: float
+    scheduler: Scheduler
+    device_busy: dict[str, float]
+
+    @property
+    def slo_attainment(self) -> float:
+        return float(self.records.met.mean()) if len(self.records.arrival) else float("nan")
+
+
+class Simulation:
+    """Discrete-event simulation of the controller with simulated devices."""
+
+    def __init__(self, models: Sequence[tuple[ModelSpec, SimProfile]], devices: int, policy: Policy,
+                 settings: ControllerSettings | None = None, weight_budget: int = int(21.5 * 2**30),
+                 noise: float = 0.0, slowdowns: Sequence[Slowdown] = (), seed: int = 0) -> None:
+        self.clock = VirtualClock(0.0)
+        self.rng = np.random.default_rng(seed)
+        self.noise = noise
+        self.slowdowns = list(slowdowns)
+        self.events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.devices = [Device(f"sim:{i}", "sim", i, weight_budget) for i in range(devices)]
+        self.scheduler = Scheduler(self.devices, policy, settings or ControllerSettings(max_pending=10**9,
+                                                                                       max_pending_per_model=10**9))
+        self.executors = {d.name: SimExecutor(d, self) for d in self.devices}
+        self.specs = {spec.key: spec for spec, _ in models}
+        self.profiles = {spec.key: prof for spec, prof in models}
+        for spec, prof in models:
+            self.scheduler.add_model(spec, prof.weight_bytes, {b: prof.infer(b) for b in spec.batch_sizes}, "sim")
+            self.scheduler.estimator.observe_load(spec.key, "sim", prof.load_s)
+        self.zeros = np.zeros((max(s.max_batch_size for s in self.specs.values()), 1), np.float32)
+        self._pending_results: list[Result] = []
+        self._cpu = 0.0
+        self._wake_at: float | None = None
+
+    # ---------------------------------------------------------------- events
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self.events, (t, next(self._seq), fn))
+
+    def post(self, result: Result) -> None:
+        self._pending_results.append(result)
+
+    def _apply(self, d: Decision, records: SimRecords, index: dict[int, int]) -> None:
+        for a in d.actions:
+            self.executors[a.device].submit(a)
+        for r in d.finished:
+            i = index.pop(r.id, None)
+            if i is None:
+                continue
+            records.finish[i] = self.clock.now()
+            records.status[i] = 200 if r.status == RequestStatus.SUCCEEDED else (r.error.status if r.error else 499)
+            records.cold[i] = r.cold_start
+
+    def _timed(self, fn: Callable[[], Decision]) -> Decision:
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self._cpu += time.perf_counter() - t0
+
+    # ---------------------------------------------------------------- running
+
+    def run(self, times: np.ndarray, targets: np.ndarray, keys: Sequence[str], drain_s: float = 5.0) -> SimResult:
+        """Offer requests at `times` (seconds) for the models `keys[targets[i]]`; run until all are answered."""
+        specs = [self.specs[k] for k in keys]
+        n = len(times)
+        deadlines = np.array([times[i] + specs[targets[i]].slo_s for i in range(n)])
+        records = SimRecords(np.asarray(times, dtype=float), deadlines)
+        index: dict[int, int] = {}
+        x = np.zeros((1, 1), np.float32)
+        sched = self.scheduler
+        wall0 = time.perf_counter()
+
+        def arrive(i: int) -> None:
+            now = self.clock.now()
+            spec = specs[targets[i]]
+            req = InferenceRequest(spec, (x,), 1, now, now + spec.slo_s)
+            index[req.id] = i
+            try:
+                self._timed(lambda: (sched.submit(req, now), Decision())[1])
+            except Exception as e:  # refused at admission
+                index.pop(req.id, None)
+                records.finish[i] = now
+                records.status[i] = getattr(e, "status", 500)
+
+        for i in range(n):
+            self.at(float(times[i]), lambda i=i: arrive(i))
+        end = (float(times[-1]) if n else 0.0) + drain_s
+        while self.events:
+            t, _, fn = heapq.heappop(self.events)
+            if t > end:
+                break
+            self.clock.set(max(t, self.clock.now()))
+            fn()
+            if self.events and self.events[0][0] <= t:
+                continue  # coalesce everything at this instant into one scheduling step
+            results, self._pending_results = self._pending_results, []
+            for r in results:
+                self._apply(self._timed(lambda r=r: sched.on_result(r, self.clock.now())), records, index)
+            self._apply(self._timed(lambda: sched.schedule(self.clock.now())), records, index)
+            wake = sched.next_wakeup(self.clock.now())
+            if wake is not None and wake != self._wake_at:
+                self._wake_at = wake
+                self.at(max(wake, self.clock.now()), lambda: None)
+        return SimResult(records, end, self._cpu, time.perf_counter() - wall0, sched,
+                         {k: e.busy_s for k, e in self.executors.items()})
+
+
+def clockwork_models(n: int, slo_s: float = 0.1, max_batch: int = 16) -> list[tuple[ModelSpec, SimProfile]]:
+    """n models cycling through Clockwork's four V100 profiles."""
+    names = list(CLOCKWORK_V100)
+    out = []
+    for i in range(n):
+        base = names[i % len(names)]
+        out.append((sim_spec(f"{base}-{i:04d}", max_batch, slo_s), CLOCKWORK_V100[base]))
+    return out
