@@ -71,6 +71,7 @@ class Result:
     outputs: tuple[np.ndarray, ...] | None = None  # INFER: one array per output, batch rows first
     error: str = ""
     weight_bytes: int = 0  # LOAD / UNLOAD: bytes placed or freed
+    ready_at: float = 0.0  # when it could have started: its earliest, its arrival, its lane free
 
     @property
     def ok(self) -> bool:

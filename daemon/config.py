@@ -21,7 +21,7 @@ from typing import Any, Literal
 from daemon.errors import ConfigError
 
 LogLevel = Literal["debug", "info", "warning", "error"]
-PolicyName = Literal["dynamic"]
+PolicyName = Literal["clockwork", "dynamic"]
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
@@ -129,7 +129,12 @@ class RuntimeSettings:
 class ControllerSettings:
     """The controller and its scheduling policy."""
 
-    policy: PolicyName = doc("Scheduling policy: 'dynamic' (Triton-style dynamic batching).", "dynamic")
+    policy: PolicyName = doc("Scheduling policy: 'clockwork' (deadline-aware, predictable) or 'dynamic' "
+                             "(Triton-style dynamic batching, the baseline).", "clockwork")
+    schedule_ahead_ms: float = doc("clockwork: how far ahead each device's work is planned; re-decided as it "
+                                   "drains.", 5.0)
+    default_priority: int = doc("The priority of requests that give none (or 0); smaller is more urgent.", 10)
+    trace_path: str = doc("Write every request and action as a JSON line to this file; empty disables.", "")
     max_queue_delay_ms: float = doc("dynamic: how long a batch may wait to fill before it runs.", 0.0)
     max_pending: int = doc("Most requests queued in the daemon at once; more are refused with 503.",
                            10_000)
@@ -139,6 +144,9 @@ class ControllerSettings:
     def __post_init__(self) -> None:
         _need(self.max_queue_delay_ms >= 0, "controller.max_queue_delay_ms", self.max_queue_delay_ms,
               "must be >= 0")
+        _need(0 < self.schedule_ahead_ms <= 1000, "controller.schedule_ahead_ms", self.schedule_ahead_ms,
+              "must be in (0, 1000]")
+        _need(self.default_priority >= 1, "controller.default_priority", self.default_priority, "must be >= 1")
         _need(self.max_pending >= 1, "controller.max_pending", self.max_pending, "must be >= 1")
         _need(self.max_pending_per_model >= 1, "controller.max_pending_per_model",
               self.max_pending_per_model, "must be >= 1")

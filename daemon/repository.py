@@ -80,10 +80,10 @@ class ModelSpec:
     slo_s: float
     description: str = ""
     metadata: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    key: str = field(init=False, compare=False)  # "name:version", used on every hot path
 
-    @property
-    def key(self) -> str:
-        return f"{self.name}:{self.version}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", f"{self.name}:{self.version}")
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:

@@ -42,6 +42,7 @@ class InferenceRequest:
     arrival: float
     deadline: float
     priority: int = 0  # 0 = default; smaller positive values are more urgent, as in Triton
+    rank: int = 0  # the priority the queues order by (the default level filled in for 0)
     client_id: str = ""
     on_finish: Callable[[InferenceRequest], None] | None = None
     context: Any = None  # the frontend's own state, untouched by the controller

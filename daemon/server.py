@@ -28,6 +28,7 @@ from daemon.config import Settings, parse_hostport
 from daemon.controller.core import Scheduler
 from daemon.controller.policy import make_policy
 from daemon.controller.service import ControllerService
+from daemon.controller.telemetry import Telemetry, TraceWriter
 from daemon.errors import BadRequest, ConfigError, Overloaded
 from daemon.overload import LagTracker, LoopMonitor
 from daemon.registry import ModelRegistry, ModelState
@@ -63,6 +64,7 @@ class Daemon:
         self.socket: SocketFrontend | None = None
         self.http_port: int | None = None
         self._controller: ControllerService | None = None
+        self._trace: TraceWriter | None = None
         self.overload = LagTracker(settings.server.shed_lag_ms / 1000.0)
         self._monitor: LoopMonitor | None = None
         self._stop = asyncio.Event()
@@ -105,7 +107,8 @@ class Daemon:
             priority = 0
         elif isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
             raise BadRequest(f"priority must be a non-negative integer, got {priority!r}")
-        return InferenceRequest(spec, arrays, samples, now, deadline, priority, client_id)
+        rank = priority or self.settings.controller.default_priority
+        return InferenceRequest(spec, arrays, samples, now, deadline, priority, rank, client_id)
 
     async def run_request(self, req: InferenceRequest) -> InferenceRequest:
         """Submit and wait for the answer; raises the request's error. Cancelling cancels the request."""
@@ -133,7 +136,9 @@ class Daemon:
         sys.setswitchinterval(s.runtime.gil_switch_interval_us * 1e-6)
         loop = asyncio.get_running_loop()
         self.devices = resolve_devices(s.runtime.devices, s.runtime.weight_budget)
-        scheduler = Scheduler(self.devices, make_policy(s.controller), s.controller)
+        self._trace = TraceWriter(s.controller.trace_path) if s.controller.trace_path else None
+        scheduler = Scheduler(self.devices, make_policy(s.controller), s.controller,
+                              telemetry=Telemetry(self._trace))
         self._controller = ControllerService(scheduler, self.executors, self.clock, loop)
         plan, rest = plan_cores(self.devices, os.sched_getaffinity(0), s.runtime.pin_threads)
         if rest is not None:
@@ -246,6 +251,8 @@ class Daemon:
         await asyncio.to_thread(self._stop_executors)
         if self._controller is not None:
             self._controller.close()
+        if self._trace is not None:
+            self._trace.close()
         for fe in (self.http, self.socket):
             if fe is not None:
                 await fe.close()

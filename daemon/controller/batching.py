@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from daemon.actions import Result
 from daemon.controller.core import LATEST_GRACE, DeviceState, ModelEntry
 from daemon.errors import Unavailable
 from daemon.request import InferenceRequest
@@ -32,11 +33,16 @@ class DynamicBatchingPolicy:
     def next_wakeup(self, state: Scheduler, now: float) -> float | None:
         return self._wake
 
+    def on_submit(self, state: Scheduler, req: InferenceRequest, now: float) -> None:
+        pass
+
+    def on_result(self, state: Scheduler, result: Result, now: float) -> None:
+        pass
+
     def schedule(self, state: Scheduler, now: float) -> None:
         self._wake = None
-        for entry in state.models.values():
-            if entry.queue.requests and not any(d.memory.state(entry.spec.key) is not None
-                                                for d in state.devices.values()):
+        for entry in state.active():
+            if not any(d.memory.state(entry.spec.key) is not None for d in state.devices.values()):
                 self._place(state, entry, now)
         for dev in state.devices.values():
             while dev.infer_inflight == 0:
@@ -49,10 +55,11 @@ class DynamicBatchingPolicy:
     def _pick(self, state: Scheduler, dev: DeviceState, now: float) -> ModelEntry | None:
         best: ModelEntry | None = None
         best_arrival = float("inf")
-        for key in dev.memory.ready_models():
-            entry = state.models.get(key)
-            head = entry.queue.head() if entry is not None else None
-            if entry is None or head is None:
+        for entry in state.active():
+            if not dev.memory.is_ready(entry.spec.key):
+                continue
+            head = entry.queue.head()
+            if head is None:
                 continue
             full = entry.queue.samples >= entry.spec.max_batch_size
             due = head.arrival + self.max_queue_delay

@@ -93,9 +93,11 @@ class ClockworkPolicy:
 
     def schedule(self, state: Scheduler, now: float) -> None:
         self._wake = None
-        self._drop_hopeless(state, now)
-        self._plan_memory(state, now)
-        self._plan_inference(state, now)
+        active = state.active()
+        if not active:
+            return
+        self._plan_memory(state, active, now)
+        self._plan_inference(state, state.active(), now)
 
     # ---------------------------------------------------------------- estimates
 
@@ -106,62 +108,46 @@ class ClockworkPolicy:
         est = state.estimator.load(entry.spec.key, kind)
         return est if est is not None else entry.weight_bytes / LOAD_BANDWIDTH_GUESS
 
-    def _earliest_finish(self, state: Scheduler, entry: ModelEntry, req: InferenceRequest, now: float) -> float:
-        """The soonest `req` alone could finish on any device, counting a LOAD where needed."""
-        key = entry.spec.key
-        b = entry.spec.batch_size_for(req.samples)
-        best = math.inf
-        for dev in state.devices.values():
-            run = self._est(state, key, b, dev.kind)
-            if dev.memory.is_ready(key):
-                start = self._timeline(dev).exec.free_at(now)
-            else:
-                if dev.memory.budget < entry.weight_bytes:
-                    continue
-                loaded = self._timeline(dev).copy.free_at(now) + self._load_est(state, entry, dev.kind)
-                start = max(loaded, self._timeline(dev).exec.free_at(now))
-            best = min(best, start + run)
-        return best
-
-    # ---------------------------------------------------------------- hopeless requests
-
-    def _drop_hopeless(self, state: Scheduler, now: float) -> None:
-        for entry in state.models.values():
-            q = entry.queue
-            while (head := q.head()) is not None and self._earliest_finish(state, entry, head, now) > head.deadline:
-                q.pop()
-                state.fail_request(head, state.deadline_error(head, now), now)
-
     # ---------------------------------------------------------------- inference
 
-    def _plan_inference(self, state: Scheduler, now: float) -> None:
+    def _plan_inference(self, state: Scheduler, active: list[ModelEntry], now: float) -> None:
         limit = now + self.horizon
-        devices = sorted(state.devices.values(), key=lambda d: self._timeline(d).exec.free_at(now))
+        by_device: dict[str, list[ModelEntry]] = {}
+        for e in active:
+            for name in state.ready_on.get(e.spec.key, ()):
+                by_device.setdefault(name, []).append(e)
+        devices = sorted((state.devices[n] for n in by_device), key=lambda d: self._timeline(d).exec.free_at(now))
+        seen: set[str] = set()  # models a sooner-free device holding them has already looked at
         for dev in devices:
+            mine = by_device[dev.name]
             lane = self._timeline(dev).exec
             while (start := lane.free_at(now)) < limit:
-                if not self._dispatch(state, dev, start, now):
+                if not self._dispatch(state, dev, mine, start, now, seen):
                     break
-            if start >= limit and self._has_work(state, dev):
+            seen.update(e.spec.key for e in mine)
+            if start >= limit and any(e.queue.requests for e in mine):
                 wake = start - self.horizon
                 self._wake = wake if self._wake is None else min(self._wake, wake)
 
-    @staticmethod
-    def _has_work(state: Scheduler, dev: DeviceState) -> bool:
-        return any((e := state.models.get(k)) is not None and e.queue.requests for k in dev.memory.ready_models())
-
-    def _dispatch(self, state: Scheduler, dev: DeviceState, start: float, now: float) -> bool:
+    def _dispatch(self, state: Scheduler, dev: DeviceState, mine: list[ModelEntry], start: float, now: float,
+                  seen: set[str]) -> bool:
         """Plan one batch on `dev` starting at `start`; False when there is nothing to run there."""
         best: tuple[tuple[int, float], ModelEntry] | None = None
-        for key in dev.memory.ready_models():
-            entry = state.models.get(key)
-            head = entry.queue.head() if entry is not None else None
-            if entry is None or head is None:
+        for entry in mine:
+            key = entry.spec.key
+            while (head := entry.queue.head()) is not None:
+                run = self._est(state, key, entry.spec.batch_size_for(head.samples), dev.kind)
+                latest_start = head.deadline - run
+                if start <= latest_start:
+                    break
+                if key in seen:
+                    head = None  # a device that frees sooner already judged this model
+                    break
+                # This is the soonest any device holding the model is free: answer at once.
+                entry.queue.pop()
+                state.fail_request(head, state.deadline_error(head, now), now)
+            if head is None:
                 continue
-            run = self._est(state, key, entry.spec.batch_size_for(head.samples), dev.kind)
-            latest_start = head.deadline - run
-            if start > latest_start:
-                continue  # not here; another device, or the hopeless check, will deal with it
             urgency = (head.rank, latest_start)
             if best is None or urgency < best[0]:
                 best = (urgency, entry)
@@ -189,17 +175,21 @@ class ClockworkPolicy:
 
     # ---------------------------------------------------------------- memory
 
-    def _plan_memory(self, state: Scheduler, now: float) -> None:
+    def _plan_memory(self, state: Scheduler, active: list[ModelEntry], now: float) -> None:
         wanted: list[tuple[float, ModelEntry]] = []
-        for entry in state.models.values():
+        for entry in active:
             key = entry.spec.key
-            placed = [d for d in state.devices.values() if d.memory.state(key) is not None]
-            if entry.queue.requests and not placed:
+            placed = state.placed_on.get(key)
+            if not placed:
                 wanted.append((-self._backlog(state, entry), entry))  # cold: most queued work first
-            elif placed and len(placed) < len(state.devices) and self._needs_replica(state, entry, placed, now):
+            elif (len(placed) < len(state.devices) and entry.queue.samples >= entry.spec.max_batch_size
+                  and self._needs_replica(state, entry, [state.devices[n] for n in placed], now)):
                 wanted.append((0.0, entry))
         wanted.sort(key=lambda w: w[0])
+        limit = now + self.horizon
         for _, entry in wanted:
+            if all(self._timeline(d).copy.free_at(now) >= limit for d in state.devices.values()):
+                break  # every copy lane is busy: plan more loads as they drain
             self._place(state, entry, now)
 
     def _backlog(self, state: Scheduler, entry: ModelEntry) -> float:
@@ -227,6 +217,7 @@ class ClockworkPolicy:
             return e is not None and e.queue.requests > 0
 
         options = []
+        b1 = entry.spec.batch_size_for(head.samples) if head is not None else 1
         for dev in state.devices.values():
             if dev.memory.state(key) is not None or dev.memory.budget < nbytes:
                 continue
@@ -237,11 +228,19 @@ class ClockworkPolicy:
             if victims is None:
                 continue
             ready = max(tl.copy.free_at(now) + self._load_est(state, entry, dev.kind), tl.exec.free_at(now))
-            if head is not None and ready > head.deadline and len(options) > 0:
-                continue
-            options.append((sum(wanted(k) for k in victims), ready, dev.name, dev, victims))
+            options.append((sum(wanted(k) for k in victims), ready + self._est(state, key, b1, dev.kind), dev.name,
+                            dev, victims))
         if not options:
             return
+        finish = min(o[1] for o in options)
+        if head is not None and not any(d.memory.state(key) is not None for d in state.devices.values()):
+            # Cold: a head that even the best LOAD cannot save is answered now; the load still
+            # goes ahead if anyone behind it can make it.
+            while (h := entry.queue.head()) is not None and finish > h.deadline:
+                entry.queue.pop()
+                state.fail_request(h, state.deadline_error(h, now), now)
+            if entry.queue.head() is None:
+                return
         *_, dev, victims = min(options, key=lambda o: o[:3])
         for k in victims:
             victim = state.models.get(k)

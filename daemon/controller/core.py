@@ -26,6 +26,7 @@ from daemon.config import ControllerSettings
 from daemon.controller.estimates import Estimator
 from daemon.controller.memory import DeviceMemory
 from daemon.controller.queues import ModelQueue
+from daemon.controller.telemetry import Telemetry
 from daemon.errors import DeadlineExceeded, EscapementError, InternalError, NotFound, Overloaded, Unavailable
 from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest, RequestStatus
@@ -72,15 +73,20 @@ class ModelEntry:
 
 class Scheduler:
     def __init__(self, devices: list[Device], policy: Policy, settings: ControllerSettings,
-                 estimator: Estimator | None = None) -> None:
+                 estimator: Estimator | None = None, telemetry: Telemetry | None = None) -> None:
         self.settings = settings
         self.policy = policy
         self.estimator = estimator or Estimator()
+        self.telemetry = telemetry or Telemetry()
         self.devices: dict[str, DeviceState] = {d.name: DeviceState(d, DeviceMemory(d.weight_budget))
                                                 for d in devices}
         self.kinds = sorted({d.kind for d in devices})
         self.models: dict[str, ModelEntry] = {}
         self.inflight: dict[int, Action] = {}
+        self._active: set[str] = set()  # models that may have queued requests (pruned lazily)
+        # Where each model's weights are, derived from the devices' memory maps and kept with them.
+        self.ready_on: dict[str, set[str]] = {}  # model key -> devices holding it ready
+        self.placed_on: dict[str, set[str]] = {}  # model key -> devices holding or loading it
         self.pending = 0  # requests accepted and not yet finished
         self.counters: Counter[str] = Counter()  # monotonic event counts, read by stats and benchmarks
         self._expiry: list[tuple[float, int, InferenceRequest]] = []
@@ -131,8 +137,10 @@ class Scheduler:
         self.counters["cold_starts"] += req.cold_start
         req.status = RequestStatus.QUEUED
         entry.queue.push(req)
+        self._active.add(req.model.key)
         self.pending += 1
         heapq.heappush(self._expiry, (req.deadline - best, req.id, req))
+        self.policy.on_submit(self, req, now)
 
     def cancel(self, req: InferenceRequest, now: float) -> Decision:
         """The client went away. A queued request is dropped; a running one's answer is discarded."""
@@ -143,6 +151,17 @@ class Scheduler:
             req.status = RequestStatus.CANCELLED  # the result is dropped when it comes back
             self.pending -= 1
         return self._take()
+
+    def active(self) -> list[ModelEntry]:
+        """The models with queued requests: what policies need to look at, not every model."""
+        out = []
+        for key in list(self._active):
+            entry = self.models.get(key)
+            if entry is None or not entry.queue.requests:
+                self._active.discard(key)
+            else:
+                out.append(entry)
+        return out
 
     def best_case(self, req: InferenceRequest) -> float:
         """The shortest time `req` could take on an idle device with its model loaded."""
@@ -179,8 +198,9 @@ class Scheduler:
             if req.status != RequestStatus.QUEUED:
                 continue
             best = self.best_case(req)
-            if now + best <= req.deadline:  # the estimate improved since it was queued
-                heapq.heappush(heap, (req.deadline - best, req.id, req))
+            if now + best <= req.deadline:  # still feasible (the estimate improved since it was queued)
+                # strictly later than now, or a request exactly at its boundary would spin here
+                heapq.heappush(heap, (max(req.deadline - best, now + 1e-6), req.id, req))
                 continue
             self.models[req.model.key].queue.discard(req)
             self._finish(req, RequestStatus.FAILED, self.deadline_error(req, now), now)
@@ -201,6 +221,7 @@ class Scheduler:
         req.finished_at = now
         self.pending -= 1
         self._decision.finished.append(req)
+        self.telemetry.request(req)
         if status == RequestStatus.SUCCEEDED:
             self.counters["succeeded"] += 1
             self.counters["met_deadline" if now <= req.deadline else "missed_deadline"] += 1
@@ -234,6 +255,7 @@ class Scheduler:
     def issue_load(self, spec: ModelSpec, dev: DeviceState, now: float) -> Action:
         entry = self.models[spec.key]
         dev.memory.reserve(spec.key, entry.weight_bytes)
+        self.placed_on.setdefault(spec.key, set()).add(dev.name)
         self.counters["loads"] += 1
         dev.load_inflight += 1
         dev.busy[spec.key] += 1
@@ -243,9 +265,18 @@ class Scheduler:
 
     def issue_unload(self, spec: ModelSpec, dev: DeviceState, now: float) -> Action:
         dev.memory.release(spec.key)
+        self._unplace(spec.key, dev.name)
         dev.load_inflight += 1
         self.counters["unloads"] += 1
         return self.issue(Action(ActionKind.UNLOAD, spec, dev.name, now, float("inf"), expected_start=now), now)
+
+    def _unplace(self, key: str, device: str) -> None:
+        for index in (self.ready_on, self.placed_on):
+            devs = index.get(key)
+            if devs is not None:
+                devs.discard(device)
+                if not devs:
+                    del index[key]
 
     def fail_request(self, req: InferenceRequest, error: EscapementError, now: float) -> None:
         """Finish a request the policy has taken out of its queue."""
@@ -259,6 +290,7 @@ class Scheduler:
             log.error("result for an unknown action %r", result.action)
             return self._take()
         dev = self.devices[action.device]
+        self.telemetry.action(result)
         if action.kind == ActionKind.INFER:
             self._infer_done(action, dev, result, now)
         elif action.kind == ActionKind.LOAD:
@@ -267,6 +299,7 @@ class Scheduler:
             dev.load_inflight -= 1
             if not result.ok:
                 log.error("unload of %s on %s failed: %s", action.model.key, dev.name, result.error)
+        self.policy.on_result(self, result, now)
         return self._take()
 
     def _infer_done(self, action: Action, dev: DeviceState, result: Result, now: float) -> None:
@@ -303,6 +336,7 @@ class Scheduler:
                 self._finish(r, RequestStatus.FAILED, self.deadline_error(r, now), now)
         if retry and entry is not None:
             entry.queue.push_front(retry)
+            self._active.add(key)
 
     def _load_done(self, action: Action, dev: DeviceState, result: Result, now: float) -> None:
         dev.load_inflight -= 1
@@ -312,12 +346,14 @@ class Scheduler:
         if result.ok:
             self.estimator.observe_load(key, dev.kind, result.end - result.begin)
             dev.memory.loaded(key)
+            self.ready_on.setdefault(key, set()).add(dev.name)
             if entry is None:  # removed while loading
                 self.issue_unload(action.model, dev, now)
             else:
                 entry.load_failures = 0
             return
         dev.memory.release(key)
+        self._unplace(key, dev.name)
         self.counters["load_failures"] += 1
         log.error("load of %s on %s failed: %s", key, dev.name, result.error)
         if entry is not None:
@@ -343,6 +379,7 @@ class Scheduler:
         return {
             "policy": self.policy.name,
             "counters": dict(self.counters),
+            "telemetry": self.telemetry.summary(),
             "pending": self.pending,
             "inflight_actions": len(self.inflight),
             "queued": {k: e.queue.requests for k, e in self.models.items() if e.queue.requests},

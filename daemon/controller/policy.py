@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from daemon.actions import Result
 from daemon.config import ControllerSettings
+from daemon.request import InferenceRequest
 
 if TYPE_CHECKING:
     from daemon.controller.core import Scheduler
@@ -23,10 +25,22 @@ class Policy(Protocol):
 
     def next_wakeup(self, state: Scheduler, now: float) -> float | None: ...
 
+    def on_submit(self, state: Scheduler, req: InferenceRequest, now: float) -> None:
+        """A request was admitted (after it joined its queue)."""
+        ...
+
+    def on_result(self, state: Scheduler, result: Result, now: float) -> None:
+        """An action's result came back (after the scheduler applied it)."""
+        ...
+
 
 def make_policy(settings: ControllerSettings) -> Policy:
     if settings.policy == "dynamic":
         from daemon.controller.batching import DynamicBatchingPolicy
 
         return DynamicBatchingPolicy(max_queue_delay=settings.max_queue_delay_ms / 1000.0)
+    if settings.policy == "clockwork":
+        from daemon.controller.clockwork import ClockworkPolicy
+
+        return ClockworkPolicy(schedule_ahead=settings.schedule_ahead_ms / 1000.0)
     raise ValueError(f"unknown policy {settings.policy!r}")

@@ -1,18 +1,22 @@
-"""Per-model request queues, FIFO by arrival, counted in samples (slots) as well as requests."""
+"""Per-model request queues, most urgent first: by priority rank, then deadline, then arrival.
+
+Counted in samples (slots) as well as requests. Requests finished while queued (cancelled,
+expired) are dropped lazily when they reach the head.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 from collections.abc import Iterator
 
 from daemon.request import InferenceRequest, RequestStatus
 
 
 class ModelQueue:
-    __slots__ = ("_q", "requests", "samples")
+    __slots__ = ("_heap", "requests", "samples")
 
     def __init__(self) -> None:
-        self._q: deque[InferenceRequest] = deque()
+        self._heap: list[tuple[int, float, int, InferenceRequest]] = []
         self.samples = 0  # queued samples of live (QUEUED) requests
         self.requests = 0
 
@@ -20,26 +24,23 @@ class ModelQueue:
         return self.requests
 
     def push(self, req: InferenceRequest) -> None:
-        self._q.append(req)
+        heapq.heappush(self._heap, (req.rank, req.deadline, req.id, req))
         self.samples += req.samples
         self.requests += 1
 
     def push_front(self, reqs: list[InferenceRequest]) -> None:
-        """Return requests taken for an action that did not run, ahead of newer ones."""
-        for r in reversed(reqs):
-            self._q.appendleft(r)
-            self.samples += r.samples
-            self.requests += 1
+        """Return requests taken for an action that did not run (their place is their urgency)."""
+        for r in reqs:
+            self.push(r)
 
     def _skip_dead(self) -> None:
-        # Requests finished while queued (cancelled, expired) are left in place and dropped here.
-        q = self._q
-        while q and q[0].status != RequestStatus.QUEUED:
-            q.popleft()
+        h = self._heap
+        while h and h[0][3].status != RequestStatus.QUEUED:
+            heapq.heappop(h)
 
     def head(self) -> InferenceRequest | None:
         self._skip_dead()
-        return self._q[0] if self._q else None
+        return self._heap[0][3] if self._heap else None
 
     def discard(self, req: InferenceRequest) -> None:
         """Account for a queued request finished in place (its entry is dropped lazily)."""
@@ -48,10 +49,10 @@ class ModelQueue:
 
     def pop(self) -> InferenceRequest:
         self._skip_dead()
-        r = self._q.popleft()
+        r = heapq.heappop(self._heap)[3]
         self.samples -= r.samples
         self.requests -= 1
         return r
 
     def __iter__(self) -> Iterator[InferenceRequest]:
-        return (r for r in self._q if r.status == RequestStatus.QUEUED)
+        return (e[3] for e in sorted(self._heap) if e[3].status == RequestStatus.QUEUED)

@@ -33,7 +33,7 @@ class Histogram:
     PER_DECADE = 10
     LOW = 1e-7
 
-    __slots__ = ("neg", "pos", "zero", "count", "total", "min", "max")
+    __slots__ = ("count", "max", "min", "neg", "pos", "total", "zero")
 
     def __init__(self) -> None:
         self.neg: dict[int, int] = {}

@@ -43,6 +43,7 @@ class Lane:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.busy = False
+        self._free_since = 0.0  # when the lane finished its last action
 
     def start(self) -> None:
         self._thread.start()
@@ -98,6 +99,7 @@ class Lane:
         while (item := self._next()) is not None:
             action, received = item
             now = self._clock.now()
+            ready = max(action.earliest, received, self._free_since)
             if now > action.latest:
                 result = _refused(action, ResultStatus.TOO_LATE, received,
                                   f"could not start by latest (late by {(now - action.latest) * 1e3:.3f} ms)",
@@ -112,7 +114,9 @@ class Lane:
                     end = self._clock.now()
                     result = Result(action, ResultStatus.FAILED, received, now, end,
                                     error=f"{type(e).__name__}: {e}")
+            result.ready_at = ready
             self.busy = False
+            self._free_since = self._clock.now()
             self._post(result)
 
 

@@ -340,3 +340,15 @@ def test_estimates_learn_from_results() -> None:
     h.result(infer, duration=7 * MS)
     # a high percentile of the window: close to the slowest recent run
     assert 6.5 * MS < h.sched.estimate(spec.key, 1, "cpu") <= 7 * MS
+
+
+def test_a_request_exactly_at_its_boundary_does_not_spin() -> None:
+    h = Harness()
+    spec = h.add(make_spec(max_batch=1), b1=10 * MS, bmax=10 * MS)
+    h.use(spec)
+    h.request(spec, timeout=1.0)
+    (busy,) = h.step()
+    r = h.request(spec, timeout=20 * MS)
+    h.clock.set(r.deadline - 10 * MS)  # exactly deadline - best case: feasible only if it starts now
+    h.step()  # must return (it used to re-check the same instant forever)
+    assert r.status in (RequestStatus.QUEUED, RequestStatus.FAILED)
