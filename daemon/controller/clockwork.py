@@ -16,7 +16,10 @@ Following Clockwork (OSDI '20):
 - Memory: this policy alone decides LOADs and UNLOADs. It loads the models with the most unmet
   demand (queued work), evicting least-recently-used models with nothing queued first, and
   replicates a model onto another device when its arrival rate exceeds what its devices can
-  serve.
+  serve. Two guards against thrashing: while a device's copy lane is busy more than half the
+  time, a model is never evicted to load one that costs less to keep cold (its arrival rate
+  times its LOAD time: the copy work its cold starts make); and one idle model that frees
+  enough is evicted rather than many small ones.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
 
 LATEST_GRACE = 0.001  # the least room an action's window gets after its planned start
 LOAD_BANDWIDTH_GUESS = 4e9  # bytes/s, for a model's first LOAD before any is measured
+COPY_PRESSURE = 0.5  # copy-lane utilisation above which a load must not evict a model in more demand
 REPLICA_UTILISATION = 0.7  # replicate once demand exceeds this share of the devices' throughput
 REPLICA_COOLDOWN = 0.1  # seconds between replications of one model
 RATE_TAU = 1.0  # seconds: the time constant of the arrival-rate estimate
@@ -47,8 +51,8 @@ class RateMeter:
     rate: float = 0.0
     at: float = 0.0
 
-    def add(self, samples: int, now: float) -> None:
-        self.rate = self.value(now) + samples / RATE_TAU
+    def add(self, amount: float, now: float) -> None:
+        self.rate = self.value(now) + amount / RATE_TAU
         self.at = now
 
     def value(self, now: float) -> float:
@@ -63,6 +67,7 @@ class ClockworkPolicy:
         self.timelines: dict[str, DeviceTimeline] = {}
         self.rates: dict[str, RateMeter] = {}
         self.replicated_at: dict[str, float] = {}
+        self.copy_busy: dict[str, RateMeter] = {}  # device -> LOAD seconds per second
         self._wake: float | None = None
 
     # ---------------------------------------------------------------- hooks
@@ -77,6 +82,11 @@ class ClockworkPolicy:
         meter.add(req.samples, now)
 
     def on_result(self, state: Scheduler, result: Result, now: float) -> None:
+        if result.action.kind == ActionKind.LOAD and result.ok:
+            meter = self.copy_busy.get(result.action.device)
+            if meter is None:
+                meter = self.copy_busy[result.action.device] = RateMeter()
+            meter.add(result.end - result.begin, now)
         tl = self.timelines.get(result.action.device)
         if tl is None:
             return
@@ -96,7 +106,10 @@ class ClockworkPolicy:
         active = state.active()
         if not active:
             return
-        self._plan_memory(state, active, now)
+        # Inference first: a model whose LOAD just finished gets its batch (and is then busy)
+        # before any other LOAD may look for room.
+        self._plan_inference(state, active, now)
+        self._plan_memory(state, state.active(), now)
         self._plan_inference(state, state.active(), now)
 
     # ---------------------------------------------------------------- estimates
@@ -187,10 +200,34 @@ class ClockworkPolicy:
                 wanted.append((0.0, entry))
         wanted.sort(key=lambda w: w[0])
         limit = now + self.horizon
+        lanes_free = True
         for _, entry in wanted:
-            if all(self._timeline(d).copy.free_at(now) >= limit for d in state.devices.values()):
-                break  # every copy lane is busy: plan more loads as they drain
-            self._place(state, entry, now)
+            if lanes_free and all(self._timeline(d).copy.free_at(now) >= limit for d in state.devices.values()):
+                lanes_free = False  # every copy lane is busy: plan more loads as they drain
+            if lanes_free:
+                self._place(state, entry, now)
+            elif not state.placed_on.get(entry.spec.key):
+                self._drop_unloadable(state, entry, now)
+
+    def _drop_unloadable(self, state: Scheduler, entry: ModelEntry, now: float) -> None:
+        """Answer at once the queued requests of a cold model that no LOAD could serve in time."""
+        spec = entry.spec
+        best = math.inf
+        for dev in state.devices.values():
+            if dev.memory.budget < entry.weight_bytes:
+                continue
+            tl = self._timeline(dev)
+            ready = max(tl.copy.free_at(now) + self._load_est(state, entry, dev.kind), tl.exec.free_at(now))
+            best = min(best, ready + self._est(state, spec.key, 1, dev.kind))
+        while (h := entry.queue.head()) is not None and best > h.deadline:
+            entry.queue.pop()
+            state.fail_request(h, state.deadline_error(h, now), now)
+
+    def _cold_cost(self, state: Scheduler, entry: ModelEntry, kind: str, now: float) -> float:
+        """Copy-lane seconds per second the model would cost if every request found it cold."""
+        meter = self.rates.get(entry.spec.key)
+        rate = meter.value(now) if meter is not None else 0.0
+        return rate * self._load_est(state, entry, kind)
 
     def _backlog(self, state: Scheduler, entry: ModelEntry) -> float:
         """Seconds of work queued for a model, at its largest batch size."""
@@ -216,6 +253,14 @@ class ClockworkPolicy:
             e = state.models.get(k)
             return e is not None and e.queue.requests > 0
 
+        # Never evict a model that costs more to keep cold than this one: that only moves the
+        # cold starts, and makes more copy work than it saves.
+        mine = self._cold_cost(state, entry, dev_kind := next(iter(state.devices.values())).kind, now)
+
+        def demand(k: str) -> float:
+            e = state.models.get(k)
+            return self._cold_cost(state, e, dev_kind, now) if e is not None else 0.0
+
         options = []
         b1 = entry.spec.batch_size_for(head.samples) if head is not None else 1
         for dev in state.devices.values():
@@ -224,7 +269,17 @@ class ClockworkPolicy:
             tl = self._timeline(dev)
             if tl.copy.free_at(now) >= now + self.horizon:
                 continue  # its copy lane is busy: plan the load later
-            victims = dev.memory.victims(nbytes, evictable=lambda k, d=dev: d.busy[k] == 0, wanted=wanted)
+            meter = self.copy_busy.get(dev.name)
+            pressed = meter is not None and meter.value(now) > COPY_PRESSURE
+
+            def evictable(k: str, d: DeviceState = dev, p: bool = pressed) -> bool:
+                if d.busy[k]:
+                    return False
+                if wanted(k):  # it has requests waiting: only for a model in more demand
+                    return demand(k) < mine
+                return not p or demand(k) <= mine
+
+            victims = dev.memory.victims(nbytes, evictable=evictable, wanted=wanted)
             if victims is None:
                 continue
             ready = max(tl.copy.free_at(now) + self._load_est(state, entry, dev.kind), tl.exec.free_at(now))

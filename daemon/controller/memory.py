@@ -65,17 +65,24 @@ class DeviceMemory:
 
     def victims(self, nbytes: int, evictable: Callable[[str], bool],
                 wanted: Callable[[str], bool]) -> list[str] | None:
-        """Ready models to unload so that `nbytes` fit: least recently used among those nobody
-        wants first, then least recently used among the rest; None if they cannot fit."""
+        """Ready models to unload so that `nbytes` fit, or None if they cannot fit.
+
+        Least recently used among those nobody wants (nothing queued) first, then least recently
+        used among the rest. When one model nobody wants frees enough on its own, the least
+        recently used such model goes alone, rather than many small models as collateral.
+        """
         if nbytes > self.budget:
             return None
         need = nbytes - self.free
         if need <= 0:
             return []
         candidates = [k for k, (s, _) in self._models.items() if s == Residency.READY and evictable(k)]
-        ordered = [k for k in candidates if not wanted(k)] + [k for k in candidates if wanted(k)]
+        idle = [k for k in candidates if not wanted(k)]
+        for k in idle:
+            if self._models[k][1] >= need:
+                return [k]
         chosen: list[str] = []
-        for k in ordered:
+        for k in idle + [k for k in candidates if wanted(k)]:
             chosen.append(k)
             need -= self._models[k][1]
             if need <= 0:

@@ -45,7 +45,7 @@ class Histogram:
         self.max = -math.inf
 
     def _bucket(self, x: float) -> int:
-        return max(0, int(math.floor(math.log10(x / self.LOW) * self.PER_DECADE)))
+        return max(0, math.floor(math.log10(x / self.LOW) * self.PER_DECADE))
 
     def add(self, x: float) -> None:
         self.count += 1
