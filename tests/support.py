@@ -153,6 +153,17 @@ class DaemonThread:
             return fn(*args)
         return asyncio.run_coroutine_threadsafe(go(), self.loop).result(30)
 
+    def wait_idle(self, timeout: float = 30) -> int:
+        """Wait (on the controller's own idle event) until no request is pending; returns pending."""
+        assert self.loop is not None
+        svc = self.daemon.controller
+
+        async def go() -> int:
+            await asyncio.wait_for(svc._idle.wait(), timeout)
+            return svc.scheduler.pending
+
+        return asyncio.run_coroutine_threadsafe(go(), self.loop).result(timeout + 5)
+
     def stop(self, timeout: float = 60) -> None:
         if self.loop is not None and self._thread.is_alive():
             self.loop.call_soon_threadsafe(self.daemon.request_stop)

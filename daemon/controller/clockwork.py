@@ -137,10 +137,26 @@ class ClockworkPolicy:
             while (start := lane.free_at(now)) < limit:
                 if not self._dispatch(state, dev, mine, start, now, seen):
                     break
+            if start >= limit:
+                self._drop_late(state, dev, mine, start, now, seen)
             seen.update(e.spec.key for e in mine)
             if start >= limit and any(e.queue.requests for e in mine):
                 wake = start - self.horizon
                 self._wake = wake if self._wake is None else min(self._wake, wake)
+
+    def _drop_late(self, state: Scheduler, dev: DeviceState, mine: list[ModelEntry], start: float, now: float,
+                   seen: set[str]) -> None:
+        """Heads that cannot start in time even when this device (the soonest holding them) frees."""
+        for entry in mine:
+            key = entry.spec.key
+            if key in seen:
+                continue
+            while (head := entry.queue.head()) is not None:
+                run = self._est(state, key, entry.spec.batch_size_for(head.samples), dev.kind)
+                if start <= head.deadline - run:
+                    break
+                entry.queue.pop()
+                state.fail_request(head, state.deadline_error(head, now), now)
 
     def _dispatch(self, state: Scheduler, dev: DeviceState, mine: list[ModelEntry], start: float, now: float,
                   seen: set[str]) -> bool:
@@ -223,6 +239,22 @@ class ClockworkPolicy:
             entry.queue.pop()
             state.fail_request(h, state.deadline_error(h, now), now)
 
+    def _utilisation(self, state: Scheduler, dev: DeviceState, leaving: list[str], now: float) -> float:
+        """Seconds of work per second the models on `dev` bring it (their arrival rates times their
+        cost per sample at their largest batch, shared among their replicas), without `leaving`."""
+        total = 0.0
+        for k in dev.memory.models():
+            if k in leaving:
+                continue
+            entry = state.models.get(k)
+            meter = self.rates.get(k)
+            if entry is None or meter is None:
+                continue
+            b = entry.spec.max_batch_size
+            replicas = len(state.placed_on.get(k, ())) or 1
+            total += meter.value(now) * self._est(state, k, b, dev.kind) / b / replicas
+        return total
+
     def _cold_cost(self, state: Scheduler, entry: ModelEntry, kind: str, now: float) -> float:
         """Copy-lane seconds per second the model would cost if every request found it cold."""
         meter = self.rates.get(entry.spec.key)
@@ -283,11 +315,14 @@ class ClockworkPolicy:
             if victims is None:
                 continue
             ready = max(tl.copy.free_at(now) + self._load_est(state, entry, dev.kind), tl.exec.free_at(now))
-            options.append((sum(wanted(k) for k in victims), ready + self._est(state, key, b1, dev.kind), dev.name,
-                            dev, victims))
+            finish = ready + self._est(state, key, b1, dev.kind)
+            # Spread demand: the device with the least work per second already on it (in steps of
+            # 10% of a device), then the one that can serve this model soonest.
+            load = round(self._utilisation(state, dev, victims, now) * 10)
+            options.append((sum(wanted(k) for k in victims), load, finish, dev.name, dev, victims))
         if not options:
             return
-        finish = min(o[1] for o in options)
+        finish = min(o[2] for o in options)
         if head is not None and not any(d.memory.state(key) is not None for d in state.devices.values()):
             # Cold: a head that even the best LOAD cannot save is answered now; the load still
             # goes ahead if anyone behind it can make it.
@@ -296,7 +331,7 @@ class ClockworkPolicy:
                 state.fail_request(h, state.deadline_error(h, now), now)
             if entry.queue.head() is None:
                 return
-        *_, dev, victims = min(options, key=lambda o: o[:3])
+        *_, dev, victims = min(options, key=lambda o: o[:4])
         for k in victims:
             victim = state.models.get(k)
             if victim is not None:

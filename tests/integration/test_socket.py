@@ -118,4 +118,4 @@ def test_bad_frames_and_lying_lengths_do_not_disturb_other_clients(test_daemon: 
     s.close()
     with SocketClient(test_daemon.socket) as c:
         assert c.infer("tiny_pt2", {"INPUT__0": np.ones((1, 4), np.float32)}).outputs["OUTPUT__0"].shape == (1, 3)
-    assert test_daemon.call(lambda: test_daemon.daemon.controller.scheduler.pending) == 0
+    assert test_daemon.wait_idle() == 0

@@ -1,0 +1,204 @@
+"""The Clockwork policy, rule by rule, with a fake clock and hand-made results."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from daemon.actions import ActionKind, ResultStatus
+from daemon.controller.clockwork import ClockworkPolicy
+from daemon.controller.telemetry import Histogram
+from daemon.controller.timeline import LaneTimeline
+from daemon.errors import DeadlineExceeded
+from daemon.repository import ModelSpec
+from daemon.request import RequestStatus
+from tests.unit.harness import MS, Harness, kinds, make_spec
+
+
+def cw(**kw: float) -> Harness:
+    horizon = kw.pop("horizon", 5 * MS)
+    return Harness(policy=ClockworkPolicy(schedule_ahead=horizon), **kw)  # type: ignore[arg-type]
+
+
+def add(h: Harness, name: str, max_batch: int = 8, profile: dict[int, float] | None = None, nbytes: int = 100,
+        slo: float = 0.1) -> ModelSpec:
+    spec = make_spec(name, max_batch=max_batch, slo=slo)
+    prof = profile or {1: 1 * MS, max_batch: 8 * MS}
+    h.sched.add_model(spec, nbytes, prof, "cpu")
+    return spec
+
+
+def test_the_most_urgent_model_runs_first() -> None:
+    h = cw()
+    a, b = add(h, "a"), add(h, "b")
+    h.use(a)
+    h.use(b)
+    h.request(a, timeout=90 * MS)
+    urgent = h.request(b, timeout=30 * MS)
+    (first, *_) = h.step()
+    assert first.requests == [urgent]
+
+
+def test_priority_comes_before_deadline() -> None:
+    h = cw()
+    a, b = add(h, "a"), add(h, "b")
+    h.use(a)
+    h.use(b)
+    h.request(a, timeout=20 * MS, rank=10)
+    important = h.request(b, timeout=90 * MS, rank=1)
+    (first, *_) = h.step()
+    assert first.requests == [important]
+
+
+def test_the_largest_batch_that_meets_every_deadline() -> None:
+    h = cw()
+    spec = add(h, "m", max_batch=8, profile={1: 1 * MS, 2: 2 * MS, 4: 4 * MS, 8: 30 * MS})
+    h.use(spec)
+    reqs = [h.request(spec, timeout=20 * MS) for _ in range(8)]
+    first = h.step()[0]
+    assert first.requests == reqs[:4] and first.batch_size == 4  # 8 would take 30 ms > 20 ms
+    assert first.latest == pytest.approx(reqs[0].deadline - 4 * MS)  # the last start that meets them all
+    assert first.expected_duration == pytest.approx(4 * MS)
+
+
+def test_work_is_planned_only_a_horizon_ahead() -> None:
+    h = cw(horizon=5 * MS)
+    spec = add(h, "m", max_batch=1, profile={1: 4 * MS})
+    h.use(spec)
+    reqs = [h.request(spec, timeout=1.0) for _ in range(5)]
+    planned = h.step()
+    # free at now, now+4, now+8 ms: the two that start within 5 ms are planned
+    assert len(planned) == 2
+    assert [a.expected_start - h.now for a in planned] == pytest.approx([0.0, 4 * MS])
+    assert h.sched.next_wakeup(h.now) == pytest.approx(h.now + 8 * MS - 5 * MS)
+    assert all(r.status == RequestStatus.QUEUED for r in reqs[2:])
+
+
+def test_a_request_no_device_can_finish_in_time_is_answered_at_once() -> None:
+    h = cw()
+    spec = add(h, "m", max_batch=1, profile={1: 50 * MS})
+    h.use(spec)
+    h.request(spec, timeout=1.0)
+    h.step()  # the device is busy for 50 ms
+    hopeless = h.request(spec, timeout=60 * MS)  # could start at +50 ms and finish at +100 ms
+    h.step()
+    assert isinstance(hopeless.error, DeadlineExceeded)
+    assert hopeless.finished_at == h.now  # at once, not at its deadline
+
+
+def test_admission_refuses_what_even_an_idle_device_cannot_do() -> None:
+    h = cw()
+    spec = add(h, "m", profile={1: 10 * MS, 8: 20 * MS})
+    with pytest.raises(DeadlineExceeded):
+        h.request(spec, timeout=5 * MS)
+
+
+def test_a_refused_action_is_retried_if_its_requests_still_can_make_it() -> None:
+    h = cw()
+    spec = add(h, "m")
+    h.use(spec)
+    r = h.request(spec, timeout=50 * MS)
+    (infer,) = h.step()
+    (retry,) = h.result(infer, ResultStatus.TOO_LATE, duration=0.0)
+    assert retry.requests == [r]
+    h.result(retry)
+    assert r.ok
+
+
+def test_the_timeline_learns_from_results() -> None:
+    h = cw()
+    spec = add(h, "m", max_batch=1, profile={1: 4 * MS})
+    h.use(spec)
+    h.request(spec, timeout=1.0)
+    (infer,) = h.step()
+    lane = h.sched.policy.timelines["cpu:0"].exec
+    assert lane.free_at(h.now) == pytest.approx(h.now + 4 * MS)
+    h.result(infer, duration=1 * MS)  # it ran faster than planned
+    assert lane.free_at(h.now) == pytest.approx(h.now)
+    assert h.sched.estimator.infer(spec.key, 1, "cpu") < 4 * MS  # and the estimate moved
+
+
+def test_loads_follow_demand() -> None:
+    h = cw(budget=1000)
+    a, b = add(h, "a", nbytes=100), add(h, "b", nbytes=100)
+    h.request(a)
+    for _ in range(3):
+        h.request(b)
+    loads = [x for x in h.step() if x.kind == ActionKind.LOAD]
+    assert loads[0].model.name == "b"  # the most queued work first
+
+
+def test_eviction_takes_the_least_recently_used_idle_model() -> None:
+    h = cw(budget=250)
+    a, b, c = (add(h, n, nbytes=100) for n in "abc")
+    h.use(a)
+    h.use(b)
+    h.request(c)
+    acts = h.step()
+    assert kinds(acts)[:2] == ["UNLOAD", "LOAD"]
+    assert acts[0].model.name == "a" and acts[1].model.name == "c"
+
+
+def test_a_model_with_waiting_requests_is_not_evicted_for_one_in_less_demand() -> None:
+    h = cw(budget=150)
+    a, b = add(h, "a", max_batch=1, profile={1: 50 * MS}, nbytes=100), add(h, "b", nbytes=100)
+    h.use(a)
+    h.request(a, timeout=1.0)
+    h.step()  # a is running
+    for _ in range(4):  # and busy for a while: these wait
+        h.request(a, timeout=1.0)
+    h.request(b, timeout=1.0)
+    assert "LOAD" not in kinds(h.step())  # a has more demand: b waits rather than evicting it
+
+
+def test_a_hot_model_is_replicated_onto_another_device() -> None:
+    h = cw(devices=2, budget=1000)
+    spec = add(h, "hot", max_batch=4, profile={1: 5 * MS, 4: 20 * MS})  # 200 samples/s per device
+    h.use(spec)
+    for _ in range(5):  # ~450 samples/s arriving
+        for _ in range(45):
+            h.request(spec, timeout=1.0)
+        h.clock.advance(0.1)
+    loads = [a for a in h.step() if a.kind == ActionKind.LOAD]
+    assert [a.device for a in loads] == ["cpu:1"]
+
+
+def test_cold_requests_a_load_cannot_save_are_answered_at_once() -> None:
+    h = cw(budget=10**9)
+    spec = add(h, "m", nbytes=4 * 10**8)  # ~100 ms to load at the first guess of 4 GB/s
+    r = h.request(spec, timeout=50 * MS)
+    h.step()
+    assert isinstance(r.error, DeadlineExceeded) and r.finished_at == h.now
+
+
+# ------------------------------------------------------------------ timelines and histograms
+
+
+def test_lane_timeline() -> None:
+    lane = LaneTimeline(lag=0.010)
+    assert lane.free_at(1.0) == 1.0
+    assert lane.add(1, 0.004, 1.0) == 1.0
+    assert lane.add(2, 0.006, 1.0) == pytest.approx(1.004)
+    assert lane.free_at(1.0) == pytest.approx(1.010)
+    lane.done(1, 1.005)  # ran 1 ms late: the rest starts from its real end
+    assert lane.free_at(1.005) == pytest.approx(1.011)
+    assert lane.free_at(1.030) == pytest.approx(1.030)  # the head overran by more than lag
+    lane.done(2, 1.031)
+    assert lane.free_at(1.031) == 1.031 and len(lane) == 0
+
+
+def test_histogram_percentiles_are_close_and_never_above_max() -> None:
+    h = Histogram()
+    for i in range(1, 1001):
+        h.add(i * 1e-6)  # 1 µs .. 1 ms
+    assert h.count == 1000
+    assert h.percentile(50) == pytest.approx(500e-6, rel=0.3)
+    assert h.percentile(99) == pytest.approx(990e-6, rel=0.3)
+    assert h.percentile(100) == pytest.approx(1e-3)
+    s = Histogram()
+    for x in (-0.002, -0.001, 0.0, 0.001):
+        s.add(x)
+    assert s.percentile(1) < 0 < s.percentile(99)
+    s.merge(h)
+    assert s.count == 1004 and math.isclose(s.max, 0.001)

@@ -1,0 +1,76 @@
+"""The controller at scale on simulated devices, in virtual time: 1,000 models on 8 devices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from daemon.controller.batching import DynamicBatchingPolicy
+from daemon.controller.clockwork import ClockworkPolicy
+from daemon.sim import CLOCKWORK_V100, SimProfile, Simulation, Slowdown, clockwork_models
+
+GIB = 2**30
+
+
+def poisson(rate: float, seconds: float, n: int, seed: int = 0, s: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    times = np.cumsum(rng.exponential(1 / rate, int(rate * seconds)))
+    w = 1 / np.arange(1, n + 1) ** s
+    return times, rng.choice(n, size=len(times), p=w / w.sum())
+
+
+def run(policy: str, models: int = 1000, devices: int = 8, rate: float = 2000, seconds: float = 2.0,
+        budget: int = int(21.5 * GIB), seed: int = 0, **kw: object) -> Simulation:
+    ms = clockwork_models(models)
+    sim = Simulation(ms, devices, ClockworkPolicy() if policy == "clockwork" else DynamicBatchingPolicy(),
+                     weight_budget=budget, seed=seed, **kw)  # type: ignore[arg-type]
+    times, targets = poisson(rate, seconds, models, seed)
+    sim.result = sim.run(times, targets, [m[0].key for m in ms])  # type: ignore[attr-defined]
+    return sim
+
+
+def test_a_thousand_models_on_eight_devices_every_request_answered_once() -> None:
+    # ~half the devices' capacity: most of the 1000 models see a request at a time (batch 1)
+    sim = run("clockwork", rate=1000, seconds=3.0, budget=32 * GIB)
+    r = sim.result.records  # type: ignore[attr-defined]
+    assert len(r.arrival) > 2500
+    assert not np.isnan(r.finish).any()  # every request got its one answer
+    assert set(np.unique(r.status)) <= {200, 504}
+    assert sim.result.slo_attainment > 0.99  # type: ignore[attr-defined]
+    assert sim.scheduler.pending == 0 and not sim.scheduler.inflight
+    assert sim.result.controller_s > 0  # type: ignore[attr-defined]
+    # Everything fits (~185 GB of weights, 8 x 32 GiB): each model is loaded once, where needed.
+    assert sim.scheduler.counters["unloads"] == 0
+
+
+def test_a_run_is_deterministic_for_a_seed() -> None:
+    a, b = run("clockwork", models=200, seed=3, noise=0.05), run("clockwork", models=200, seed=3, noise=0.05)
+    ra, rb = a.result.records, b.result.records  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(ra.status, rb.status)
+    np.testing.assert_array_equal(ra.finish, rb.finish)
+    assert a.scheduler.counters == b.scheduler.counters
+
+
+def test_clockwork_beats_the_baseline_when_memory_is_tight() -> None:
+    cw = run("clockwork", models=300, devices=4, rate=1000, budget=2 * GIB)
+    dyn = run("dynamic", models=300, devices=4, rate=1000, budget=2 * GIB)
+    assert cw.result.slo_attainment > dyn.result.slo_attainment + 0.1  # type: ignore[attr-defined]
+    assert cw.scheduler.counters["loads"] < dyn.scheduler.counters["loads"]
+
+
+def test_a_slow_device_shows_up_as_refusals_and_misses_but_loses_nothing() -> None:
+    sim = run("clockwork", models=100, devices=2, rate=600, seconds=3.0,
+              slowdowns=[Slowdown("sim:0", factor=4.0, start=1.0, end=2.0)])
+    c = sim.scheduler.counters
+    r = sim.result.records  # type: ignore[attr-defined]
+    assert not np.isnan(r.finish).any()
+    assert c["infer_too_late"] + c["failed_DeadlineExceeded"] > 0
+    late = sim.scheduler.telemetry.duration_error
+    assert late.max > 2.0  # measured durations 4x the prediction while it lasted
+
+
+def test_sim_profiles_interpolate() -> None:
+    p = CLOCKWORK_V100["resnet50"]
+    assert p.infer(16) == pytest.approx(17.33e-3)
+    assert p.infer(3) == pytest.approx((4.05e-3 + 5.88e-3) / 2)
+    assert SimProfile(1, 1e-3, {1: 1e-3}).infer(4) == pytest.approx(4e-3)
