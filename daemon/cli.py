@@ -1,4 +1,4 @@
-"""`escapement serve | infer | models | demo | config`."""
+"""`escapement serve | infer | models | profile | demo | config`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -56,6 +57,41 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"demo models in {args.out}: {len(built)} built, {len(demo.MODELS) - len(built)} already there"
           if not args.only else f"built {built}")
     return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from daemon import log as daemon_log
+    from daemon.clock import MonotonicClock
+    from daemon.repository import scan
+    from daemon.runtime.devices import plan_cores, resolve_devices
+    from daemon.runtime.executor import make_backend
+    from daemon.runtime.profiler import profile_program, write_profile
+    from daemon.runtime.program import ProgramError, load_program
+
+    daemon_log.setup("warning")
+    settings = _settings(args)
+    (device,) = resolve_devices([args.on], settings.runtime.weight_budget)
+    plan, rest = plan_cores([device], os.sched_getaffinity(0), settings.runtime.pin_threads)
+    if rest is not None:
+        os.sched_setaffinity(0, rest)
+    result = scan(settings.models.repository, settings.models.default_slo_ms)
+    failed = 0
+    for spec in result.models:
+        if args.only and spec.name not in args.only:
+            continue
+        try:
+            program = load_program(spec, pin=device.kind == "cuda")
+            backend = make_backend(device, settings.runtime.cpu_threads, plan.get(device.name))
+            entry = profile_program(program, device, backend, MonotonicClock(), args.reps)
+        except (ProgramError, RuntimeError) as e:
+            print(f"{spec.key}: not profiled: {e}", file=sys.stderr)
+            failed += 1
+            continue
+        stored = write_profile(spec, device.kind, entry)
+        sizes = "  ".join(f"b{b}={ms:.3f}" for b, ms in entry["infer_ms"].items())
+        print(f"{spec.key:<24} load {entry['load_ms']:.3f} ms  infer p99 ms: {sizes}"
+              + ("" if stored else "  (not stored: repository read-only)"))
+    return 1 if failed else 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -182,6 +218,13 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the effective settings with their documentation")
     _add_server_flags(p)
     p.set_defaults(fn=cmd_config)
+
+    p = sub.add_parser("profile", help="measure each model's LOAD and INFER times and store them (profile.json)")
+    _add_server_flags(p)
+    p.add_argument("--on", default="cpu:0", metavar="DEVICE", help="the device to measure on (default cpu:0)")
+    p.add_argument("--reps", type=int, default=20, help="runs per batch size (default 20)")
+    p.add_argument("--only", action="append", help="profile only this model (repeatable)")
+    p.set_defaults(fn=cmd_profile)
 
     p = sub.add_parser("demo", help="build the demo model repository (offline)")
     p.add_argument("--out", default="models", help="repository directory (default: models)")

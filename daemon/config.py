@@ -106,6 +106,8 @@ class RuntimeSettings:
     cpu_threads: int = doc("Intra-op torch threads per cpu device.", 1)
     weight_budget: int = doc("Bytes of model weights each device may hold (or '1GiB'); 0 = "
                              "the whole device on CUDA, 1GiB on CPU.", 0)
+    warmup_reps: int = doc("Runs per batch size when a model without a stored profile for a device kind is "
+                           "measured at start-up (its warm-up), before it is reported ready.", 5)
     pin_threads: bool = doc(
         "Give each CPU device's INFER thread a core of its own and the event loop the other cores, "
         "when there are more cores than CPU devices.", True)
@@ -121,6 +123,7 @@ class RuntimeSettings:
         _need(len(set(self.devices)) == len(self.devices), "runtime.devices", self.devices,
               "a device is listed twice")
         _need(1 <= self.cpu_threads <= 256, "runtime.cpu_threads", self.cpu_threads, "must be in 1..256")
+        _need(1 <= self.warmup_reps <= 1000, "runtime.warmup_reps", self.warmup_reps, "must be in 1..1000")
         _need(50 <= self.gil_switch_interval_us <= 100_000, "runtime.gil_switch_interval_us",
               self.gil_switch_interval_us, "must be in 50..100000")
 

@@ -36,6 +36,7 @@ from daemon.repository import ModelSpec, scan
 from daemon.request import InferenceRequest
 from daemon.runtime.devices import Device, plan_cores, resolve_devices
 from daemon.runtime.executor import Executor, make_backend
+from daemon.runtime.profiler import profile_program, read_profile, seeds, write_profile
 from daemon.runtime.program import Program, ProgramError, load_program
 
 log = logging.getLogger("escapement.server")
@@ -65,6 +66,7 @@ class Daemon:
         self.http_port: int | None = None
         self._controller: ControllerService | None = None
         self._trace: TraceWriter | None = None
+        self._cores: dict[str, int] = {}
         self.overload = LagTracker(settings.server.shed_lag_ms / 1000.0)
         self._monitor: LoopMonitor | None = None
         self._stop = asyncio.Event()
@@ -141,6 +143,7 @@ class Daemon:
                               telemetry=Telemetry(self._trace))
         self._controller = ControllerService(scheduler, self.executors, self.clock, loop)
         plan, rest = plan_cores(self.devices, os.sched_getaffinity(0), s.runtime.pin_threads)
+        self._cores = plan
         if rest is not None:
             # The loop thread (and threads it starts later, such as the load lanes) keep off the
             # cores given to devices; each INFER thread pins itself to its own core.
@@ -184,7 +187,6 @@ class Daemon:
         for name, why in result.broken.items():
             self.registry.set_broken(name, why)
         pin = any(d.kind == "cuda" for d in self.devices)
-        has_cpu = any(d.kind == "cpu" for d in self.devices)
         largest = max(d.weight_budget for d in self.devices)
         for spec in result.models:
             self.registry.add(spec, ModelState.LOADING)
@@ -202,11 +204,38 @@ class Daemon:
                 log.error("model %s is not served: %s", spec.key, why)
                 continue
             self.programs[spec.key] = program
-            self.controller.scheduler.add_model(spec, program.weight_bytes,
-                                                program.seed_timings if has_cpu else None, "cpu")
+            self.controller.scheduler.add_model(spec, program.weight_bytes)
+            try:
+                await self._profile(spec, program)
+            except Exception as e:  # a model that cannot even be warmed up is not served
+                self.registry.set_state(spec, ModelState.UNAVAILABLE, f"warm-up failed: {e}")
+                self._forget(spec)
+                log.error("model %s is not served: warm-up failed: %s", spec.key, e)
+                continue
             self.registry.set_state(spec, ModelState.READY)
             log.info("model %s ready (%s, %.1f MiB of weights)", spec.key, spec.format,
                      program.weight_bytes / 2**20)
+
+    async def _profile(self, spec: ModelSpec, program: Program) -> None:
+        """Seed estimates from the stored profile, measuring (and storing) what is missing."""
+        stored = await asyncio.to_thread(read_profile, spec)
+        sched = self.controller.scheduler
+        for kind in sorted({d.kind for d in self.devices}):
+            entry = stored.get(kind)
+            if entry is None:
+                dev = next(d for d in self.devices if d.kind == kind)
+                backend = make_backend(dev, self.settings.runtime.cpu_threads, self._cores.get(dev.name))
+                entry = await asyncio.to_thread(profile_program, program, dev, backend, self.clock,
+                                                self.settings.runtime.warmup_reps)
+                stored_ok = await asyncio.to_thread(write_profile, spec, kind, entry)
+                log.info("model %s: profiled on %s in its warm-up%s", spec.key, dev.name,
+                         "" if stored_ok else " (repository read-only: not stored)")
+            infer, load = seeds(entry)
+            sched.seed(spec.key, kind, infer, load)
+
+    def _forget(self, spec: ModelSpec) -> None:
+        self.programs.pop(spec.key, None)
+        self.controller.scheduler.models.pop(spec.key, None)
 
     # ---------------------------------------------------------------- shutdown
 

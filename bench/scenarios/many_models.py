@@ -36,6 +36,9 @@ def build_repo(n: int, base_repo: Path, out: Path) -> list[str]:
         (d / "1").mkdir(parents=True)
         shutil.copy(base_repo / base / "config.toml", d / "config.toml")
         (d / "1" / "model.pt2").symlink_to(base_repo / base / "1" / "model.pt2")
+        profile = base_repo / base / "1" / "profile.json"
+        if profile.exists():  # the same program on the same machine: no warm-up needed
+            shutil.copy(profile, d / "1" / "profile.json")
         names.append(d.name)
     return names
 

@@ -100,6 +100,13 @@ class Scheduler:
         if seeds:
             self.estimator.seed_infer(spec.key, seed_kind, seeds, spec.batch_sizes)
 
+    def seed(self, key: str, kind: str, infer: dict[int, float], load: float | None) -> None:
+        """Seed a model's estimates on one device kind from a profile (measured, or stored)."""
+        entry = self.models[key]
+        self.estimator.seed_infer(key, kind, infer, entry.spec.batch_sizes)
+        if load is not None:
+            self.estimator.observe_load(key, kind, load)
+
     def remove_model(self, key: str, now: float) -> Decision:
         """Stop serving a model: fail its queued requests and unload it everywhere."""
         entry = self.models.pop(key, None)

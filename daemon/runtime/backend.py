@@ -55,6 +55,10 @@ class Backend(Protocol):
 
     def free(self, block: torch.Tensor) -> None: ...
 
+    def trim(self, limit: int) -> None:
+        """Keep at most `limit` bytes of freed blocks for reuse (the rest of the budget is live)."""
+        ...
+
     def copy_weights(self, host: torch.Tensor, dst: torch.Tensor) -> float: ...
 
     def make_io(self, spec: ModelSpec, batch: int) -> IOBuffers: ...
@@ -64,6 +68,41 @@ class Backend(Protocol):
         ...
 
 
+class BlockPool:
+    """Freed weight blocks kept for reuse by size, as a GPU allocator keeps its pages.
+
+    A fresh block of host memory costs a page fault per 4 KiB page on first touch (a 52 MB
+    LOAD took ~100 ms instead of ~10 ms); a reused block is already mapped. Kept blocks count
+    against the device's budget with the live ones: `trim` releases them to the OS as needed.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self.cached = 0
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        blocks = self._free.get(nbytes)
+        if not blocks:
+            return None
+        self.cached -= nbytes
+        return blocks.pop()
+
+    def give(self, block: torch.Tensor) -> None:
+        n = block.numel()
+        self._free.setdefault(n, []).append(block)
+        self.cached += n
+
+    def trim(self, limit: int) -> None:
+        """Release kept blocks (largest first) until at most `limit` bytes are kept."""
+        for n in sorted(self._free, reverse=True):
+            blocks = self._free[n]
+            while blocks and self.cached > limit:
+                blocks.pop()
+                self.cached -= n
+            if not blocks:
+                del self._free[n]
+
+
 class CpuBackend:
     """A CPU worker standing in for a GPU: weights copied into blocks the budget accounts."""
 
@@ -71,6 +110,7 @@ class CpuBackend:
         self.device = device
         self.threads = threads
         self.core = core  # the core the INFER thread is pinned to, if any
+        self.pool = BlockPool()
 
     def thread_setup(self, role: str) -> None:
         # Intra-op threads are per calling thread under OpenMP; set them on each executor thread.
@@ -79,10 +119,14 @@ class CpuBackend:
             os.sched_setaffinity(0, {self.core})  # this thread only
 
     def alloc(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        block = self.pool.take(nbytes)
+        return block if block is not None else torch.empty(nbytes, dtype=torch.uint8)
 
     def free(self, block: torch.Tensor) -> None:
-        del block
+        self.pool.give(block)
+
+    def trim(self, limit: int) -> None:
+        self.pool.trim(limit)
 
     def copy_weights(self, host: torch.Tensor, dst: torch.Tensor) -> float:
         t0 = time.perf_counter()

@@ -39,6 +39,11 @@ class CudaBackend:
         self.exec_stream.synchronize()
         del block
 
+    def trim(self, limit: int) -> None:
+        # The caching allocator keeps freed blocks; return what the budget no longer leaves room for.
+        if torch.cuda.memory_reserved(self.torch_device) - torch.cuda.memory_allocated(self.torch_device) > limit:
+            torch.cuda.empty_cache()
+
     def copy_weights(self, host: torch.Tensor, dst: torch.Tensor) -> float:
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)

@@ -194,6 +194,8 @@ class Executor:
                           error=f"{key} is already on {self.device.name}")
         nbytes = program.weight_bytes
         with self._lock:
+            # kept blocks and live weights together stay within the budget
+            self.backend.trim(self.device.weight_budget - self.used_bytes - nbytes)
             if self.used_bytes + nbytes > self.device.weight_budget:
                 return Result(action, ResultStatus.FAILED, received, begin, begin,
                               error=f"insufficient weight memory on {self.device.name}: {nbytes} bytes "

@@ -78,3 +78,16 @@ def test_serve_infer_models_and_sigterm(demo_repo: Path, sock_dir: Path) -> None
 def test_cannot_reach_the_daemon(sock_dir: Path) -> None:
     r = run("infer", "digits_mlp", "--socket", str(sock_dir / "none.sock"))
     assert r.returncode == 1 and "cannot reach the daemon" in r.stderr
+
+
+def test_profile_command_stores_profiles(test_repo: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    shutil.copytree(test_repo / "tiny_pt2", tmp_path / "tiny_pt2")
+    (tmp_path / "tiny_pt2" / "1" / "profile.json").unlink(missing_ok=True)
+    r = run("profile", "--models", str(tmp_path), "--reps", "3")
+    assert r.returncode == 0, r.stderr
+    assert "tiny_pt2:1" in r.stdout and "infer p99 ms" in r.stdout
+    stored = json.loads((tmp_path / "tiny_pt2" / "1" / "profile.json").read_text())
+    assert stored["cpu"]["device"] == "cpu:0"

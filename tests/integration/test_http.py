@@ -313,3 +313,14 @@ def test_a_lagging_loop_sheds_new_inference_with_503(test_daemon: DaemonThread) 
     assert raw(test_daemon, "POST", "/v2/models/tiny_pt2/infer", infer_body(x))[0] == 200
     stats = orjson.loads(raw(test_daemon, "GET", "/v2/controller/stats")[2])
     assert stats["loop"]["shed"] >= 1
+
+
+def test_models_were_profiled_in_their_warm_up(test_daemon: DaemonThread, test_repo: Path) -> None:
+    import json
+
+    for name in ("tiny_pt2", "tiny_ts", "all_types"):
+        profile = json.loads((test_repo / name / "1" / "profile.json").read_text())
+        assert set(profile["cpu"]["infer_ms"]) >= {"1", "2", "4"}
+    stats = orjson.loads(raw(test_daemon, "GET", "/v2/controller/stats")[2])
+    assert stats["policy"] == "clockwork"
+    assert {"executor_lateness_ms", "duration_error", "start_error_ms"} <= set(stats["telemetry"])

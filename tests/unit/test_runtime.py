@@ -222,3 +222,39 @@ def test_core_plan_gives_cpu_devices_their_own_cores() -> None:
     assert plan_cores(cpu, {0, 1}, True) == ({}, None)  # no core would be left for the loop
     assert plan_cores(cpu[:1], {0, 1}, False) == ({}, None)
     assert plan_cores([Device("cuda:0", "cuda", 0, 1)], {0, 1}, True) == ({}, None)
+
+
+def test_freed_blocks_are_reused_and_trimmed_to_the_budget() -> None:
+    from daemon.runtime.backend import BlockPool
+
+    pool = BlockPool()
+    a = torch.empty(100, dtype=torch.uint8)
+    pool.give(a)
+    assert pool.take(50) is None
+    assert pool.take(100) is a and pool.cached == 0
+    pool.give(torch.empty(100, dtype=torch.uint8))
+    pool.give(torch.empty(30, dtype=torch.uint8))
+    pool.trim(40)  # largest first
+    assert pool.cached == 30 and pool.take(100) is None
+
+
+def test_profiling_measures_every_batch_size_and_round_trips(programs: dict[str, Program], tmp_path: Path) -> None:
+    import shutil
+
+    from daemon.repository import scan as scan_repo
+    from daemon.runtime.profiler import profile_program, read_profile, seeds, write_profile
+
+    p = programs["tiny_pt2:1"]
+    dev = Device("cpu:0", "cpu", 0, 1 << 20)
+    entry = profile_program(p, dev, CpuBackend(dev), MonotonicClock(), reps=3)
+    assert set(entry["infer_ms"]) == {"1", "2", "4", "8"}
+    assert all(v > 0 for v in entry["infer_ms"].values()) and entry["load_ms"] > 0
+    # stored beside a copy of the model file, read back, turned into seeds
+    shutil.copytree(p.spec.path.parent.parent, tmp_path / "tiny_pt2")
+    (tmp_path / "tiny_pt2" / "1" / "profile.json").unlink(missing_ok=True)  # a daemon may have stored one
+    (spec,) = [m for m in scan_repo(tmp_path).models]
+    assert read_profile(spec) == {}
+    assert write_profile(spec, "cpu", entry)
+    assert read_profile(spec)["cpu"]["infer_ms"] == entry["infer_ms"]
+    infer, load = seeds(read_profile(spec)["cpu"])
+    assert infer[8] == pytest.approx(entry["infer_ms"]["8"] / 1e3) and load == pytest.approx(entry["load_ms"] / 1e3)
