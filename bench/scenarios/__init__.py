@@ -12,6 +12,7 @@ SCENARIOS = {
     "many-models": "bench.scenarios.many_models",
     "policies": "bench.scenarios.policies",
     "peers": "bench.scenarios.peers",
+    "simulate": "bench.scenarios.simulate",
 }
 
 

@@ -1,7 +1,9 @@
 """`policies`: the same workloads through every controller policy in the project, in one run.
 
 Two workloads per policy: the `many-models` mix (loads, evictions, cold starts) and one model
-at rising load (batching). Rows are labelled with the policy and carry `load_fraction`.
+at rising load (batching). Rows are labelled with the policy and carry `load_fraction`. The
+many-models capacity is measured once, with the default policy, and every policy is offered
+the same absolute loads (fractions of it).
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ def run(quick: bool = False, json_out: str | None = None, n: int | None = None,
     fractions = [0.3, 0.6, 0.9] if quick else [0.3, 0.5, 0.7, 0.9]
     rows: list[dict[str, Any]] = []
     summary: dict[str, Any] = {"policies": policies}
+    capacity: float | None = None  # measured once, with the first policy (the default); the same loads for all
     for p in policies:
-        mm_rows, _ = many_models.workload(n, p, fractions, seconds)
+        mm_rows, facts = many_models.workload(n, p, fractions, seconds, capacity=capacity,
+                                              probe_s=3.0 if quick else 5.0)
+        capacity = facts["capacity_at_slo_rps"]
+        summary["many_models_capacity_rps"] = capacity
         for r in mm_rows:
             r["workload"] = f"many-models ({n})"
         rows += mm_rows

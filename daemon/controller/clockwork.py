@@ -13,8 +13,8 @@ Following Clockwork (OSDI '20):
 - INFER actions carry a window: `earliest` is now (the lane runs them in order), `latest` is
   the last start that still meets every deadline in the batch; an executor that cannot start
   in time refuses instead of running late.
-- Memory: this policy alone decides LOADs and UNLOADs. It loads the models with the most unmet
-  demand (queued work), evicting least-recently-used models with nothing queued first, and
+- Memory: this policy alone decides LOADs and UNLOADs. It loads the models with the most urgent
+  unmet demand (the earliest deadline among cold models' requests, then the most queued work), evicting least-recently-used models with nothing queued first, and
   replicates a model onto another device when its arrival rate exceeds what its devices can
   serve. Two guards against thrashing: while a device's copy lane is busy more than half the
   time, a model is never evicted to load one that costs less to keep cold (its arrival rate
@@ -205,19 +205,25 @@ class ClockworkPolicy:
     # ---------------------------------------------------------------- memory
 
     def _plan_memory(self, state: Scheduler, active: list[ModelEntry], now: float) -> None:
-        wanted: list[tuple[float, ModelEntry]] = []
+        wanted: list[tuple[float, float, ModelEntry]] = []
         for entry in active:
             key = entry.spec.key
             placed = state.placed_on.get(key)
+            head = entry.queue.head()
+            if head is None:
+                continue
             if not placed:
-                wanted.append((-self._backlog(state, entry), entry))  # cold: most queued work first
+                # Cold: the most urgent unmet demand first (a load takes a copy lane for a while,
+                # and a model whose requests expire first must not wait behind newer ones), then
+                # the most queued work.
+                wanted.append((head.deadline, -self._backlog(state, entry), entry))
             elif (len(placed) < len(state.devices) and entry.queue.samples >= entry.spec.max_batch_size
                   and self._needs_replica(state, entry, [state.devices[n] for n in placed], now)):
-                wanted.append((0.0, entry))
-        wanted.sort(key=lambda w: w[0])
+                wanted.append((head.deadline, 0.0, entry))
+        wanted.sort(key=lambda w: w[:2])
         limit = now + self.horizon
         lanes_free = True
-        for _, entry in wanted:
+        for *_, entry in wanted:
             if lanes_free and all(self._timeline(d).copy.free_at(now) >= limit for d in state.devices.values()):
                 lanes_free = False  # every copy lane is busy: plan more loads as they drain
             if lanes_free:
@@ -319,10 +325,10 @@ class ClockworkPolicy:
             # Spread demand: the device with the least work per second already on it (in steps of
             # 10% of a device), then the one that can serve this model soonest.
             load = round(self._utilisation(state, dev, victims, now) * 10)
-            options.append((sum(wanted(k) for k in victims), load, finish, dev.name, dev, victims))
+            options.append((sum(wanted(k) for k in victims), len(victims) > 0, load, finish, dev.name, dev, victims))
         if not options:
             return
-        finish = min(o[2] for o in options)
+        finish = min(o[3] for o in options)
         if head is not None and not any(d.memory.state(key) is not None for d in state.devices.values()):
             # Cold: a head that even the best LOAD cannot save is answered now; the load still
             # goes ahead if anyone behind it can make it.
@@ -331,7 +337,7 @@ class ClockworkPolicy:
                 state.fail_request(h, state.deadline_error(h, now), now)
             if entry.queue.head() is None:
                 return
-        *_, dev, victims = min(options, key=lambda o: o[:4])
+        *_, dev, victims = min(options, key=lambda o: o[:5])
         for k in victims:
             victim = state.models.get(k)
             if victim is not None:

@@ -126,7 +126,17 @@ def test_loads_follow_demand() -> None:
     for _ in range(3):
         h.request(b)
     loads = [x for x in h.step() if x.kind == ActionKind.LOAD]
-    assert loads[0].model.name == "b"  # the most queued work first
+    assert loads[0].model.name == "b"  # equally urgent: the most queued work first
+
+
+def test_the_most_urgent_cold_model_is_loaded_first() -> None:
+    h = cw(budget=1000)
+    a, b = add(h, "a", nbytes=4 * 10**6), add(h, "b", nbytes=4 * 10**6)  # ~1 ms each at the first guess
+    for _ in range(3):
+        h.request(b, timeout=90 * MS)
+    h.request(a, timeout=30 * MS)
+    loads = [x for x in h.step() if x.kind == ActionKind.LOAD]
+    assert loads[0].model.name == "a"  # its request expires first
 
 
 def test_eviction_takes_the_least_recently_used_idle_model() -> None:
