@@ -130,7 +130,7 @@ def test_loads_follow_demand() -> None:
 
 
 def test_the_most_urgent_cold_model_is_loaded_first() -> None:
-    h = cw(budget=1000)
+    h = cw(budget=10**8)
     a, b = add(h, "a", nbytes=4 * 10**6), add(h, "b", nbytes=4 * 10**6)  # ~1 ms each at the first guess
     for _ in range(3):
         h.request(b, timeout=90 * MS)
