@@ -13,13 +13,14 @@ Following Clockwork (OSDI '20):
 - INFER actions carry a window: `earliest` is now (the lane runs them in order), `latest` is
   the last start that still meets every deadline in the batch; an executor that cannot start
   in time refuses instead of running late.
-- Memory: this policy alone decides LOADs and UNLOADs. It loads the models with the most urgent
-  unmet demand (the earliest deadline among cold models' requests, then the most queued
-  work), evicting least-recently-used models with nothing queued first, and replicates a
-  model onto another device when its arrival rate exceeds what its devices can serve. Two guards against thrashing: while a device's copy lane is busy more than half the
-  time, a model is never evicted to load one that costs less to keep cold (its arrival rate
-  times its LOAD time: the copy work its cold starts make); and one idle model that frees
-  enough is evicted rather than many small ones.
+- Memory: this policy alone decides LOADs and UNLOADs. It loads the models with the most
+  urgent unmet demand (the earliest deadline among cold models' requests, then the most
+  queued work), evicting least-recently-used models with nothing queued first, and replicates
+  a model onto another device when its arrival rate exceeds what its devices can serve. Two
+  guards against thrashing: while a device's copy lane is busy more than half the time, a
+  model is never evicted to load one that costs less to keep cold (its arrival rate times its
+  LOAD time: the copy work its cold starts make); and one idle model that frees enough is
+  evicted rather than many small ones.
 """
 
 from __future__ import annotations
