@@ -168,9 +168,8 @@ class SimExecutor:
         if action.kind == ActionKind.INFER:
             if key not in self.resident:
                 return ResultStatus.FAILED, f"weights of {key} are not on {self.device.name}", 0.0, None, 0
-            rows = action.samples
-            return ResultStatus.OK, "", self._duration(prof.infer(action.batch_size), now), \
-                (self.sim.zeros[:rows],), 0
+            rows = action.samples  # simulated devices run exactly the filled rows, like CPU ones
+            return ResultStatus.OK, "", self._duration(prof.infer(rows), now), (self.sim.zeros[:rows],), 0
         if action.kind == ActionKind.LOAD:
             if key in self.resident:
                 return ResultStatus.FAILED, "already loaded", 0.0, None, 0

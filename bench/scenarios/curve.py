@@ -13,6 +13,7 @@ from typing import Any
 
 from bench import loadgen, raw, results
 from bench.scenarios.common import Frontend, command, demo_repo, measure, spec_of
+from bench.scenarios.many_models import predictability, stats
 from bench.servers import Escapement
 
 
@@ -49,11 +50,12 @@ def run(quick: bool = False, json_out: str | None = None, model: str = "cnn_heav
             if not above:
                 break
             point((cap + min(above)) / 2 if cap else min(above) / 2, seed=100 + i)
+        telemetry = stats(server.port)["telemetry"]
     rows.sort(key=lambda r: r["offered_rps"])
     cap = results.capacity_at_slo(rows)
     summary = {"model": model, "policy": policy, "frontend": frontend, "slo_ms": spec.slo_s * 1e3,
                "capacity_at_slo_rps": cap, "raw_limit_samples_per_s": limit, "raw_limit_batch_size": best_b,
-               "fraction_of_limit": cap / limit if limit else 0.0}
+               "fraction_of_limit": cap / limit if limit else 0.0, **predictability(telemetry)}
     config = {"command": command("curve", quick, {"model": model} if model != "cnn_heavy" else None),
               "model": model, "frontend": frontend, "policy": policy, "seconds_per_point": seconds,
               "arrivals": "poisson", "load_fractions": fractions, "raw_samples_per_s_by_batch": per_size,

@@ -52,6 +52,14 @@ def stats(port: int) -> dict[str, Any]:
         conn.close()
 
 
+def predictability(telemetry: dict[str, Any]) -> dict[str, Any]:
+    """The headline predictability figures from the daemon's telemetry (/v2/controller/stats)."""
+    lat, dur, start = telemetry["executor_lateness_ms"], telemetry["duration_error"], telemetry["start_error_ms"]
+    return {"executor_lateness_p99_ms": lat.get("p99"), "executor_lateness_p50_ms": lat.get("p50"),
+            "duration_error_p99": dur.get("p99"), "duration_error_p1": dur.get("p1"),
+            "start_error_p99_ms": start.get("p99"), "actions_measured": lat.get("count", 0)}
+
+
 def _meets_slo(r: dict[str, Any]) -> bool:
     return r["slo_attainment"] >= 0.99 and r["p99_ms"] <= r["slo_ms"] and not r["generator_bound"]
 
@@ -126,6 +134,7 @@ def workload(n: int, policy: str, fractions: list[float], seconds: float, seed: 
                 # every model's own SLO counts: attainment from the daemon's met/missed counters too
                 r["daemon_slo_attainment"] = d.get("met_deadline", 0) / max(d.get("admitted", 0), 1)
                 rows.append(r)
+            facts.update(predictability(stats(server.port)["telemetry"]))
         return rows, facts
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -137,7 +146,7 @@ def run(quick: bool = False, json_out: str | None = None, n: int | None = None, 
     seconds = seconds or (6.0 if quick else 20.0)
     fractions = [0.5, 0.7, 1.0] if quick else [0.3, 0.5, 0.7, 0.8, 0.9, 1.0, 1.2]
     rows, facts = workload(n, policy, fractions, seconds, probe_s=3.0 if quick else 5.0)
-    summary = {"policy": policy, **facts,
+    summary = {"policy": policy, **facts, "capacity_at_slo_rps": facts["capacity_at_slo_rps"],
                "slo_attainment_by_load_fraction": {f"{r['load_fraction']:g}": r["slo_attainment"] for r in rows},
                "cold_start_rate_by_load_fraction": {f"{r['load_fraction']:g}": r["cold_start_rate"] for r in rows},
                "loads_per_s_max": max(r["loads_per_s"] for r in rows),

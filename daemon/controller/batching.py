@@ -81,7 +81,7 @@ class DynamicBatchingPolicy:
             return False
         while True:  # drop what cannot finish in time; the batch may then shrink
             b = spec.batch_size_for(samples)
-            est = state.estimate(spec.key, b, dev.kind)
+            est = state.estimate(spec.key, samples, dev.kind)
             keep = [r for r in taken if now + est <= r.deadline]
             for r in taken:
                 if now + est > r.deadline:

@@ -115,8 +115,8 @@ class ClockworkPolicy:
 
     # ---------------------------------------------------------------- estimates
 
-    def _est(self, state: Scheduler, key: str, batch: int, kind: str) -> float:
-        return state.estimate(key, batch, kind)
+    def _est(self, state: Scheduler, key: str, samples: int, kind: str) -> float:
+        return state.estimate(key, samples, kind)
 
     def _load_est(self, state: Scheduler, entry: ModelEntry, kind: str) -> float:
         est = state.estimator.load(entry.spec.key, kind)
@@ -153,7 +153,7 @@ class ClockworkPolicy:
             if key in seen:
                 continue
             while (head := entry.queue.head()) is not None:
-                run = self._est(state, key, entry.spec.batch_size_for(head.samples), dev.kind)
+                run = self._est(state, key, head.samples, dev.kind)
                 if start <= head.deadline - run:
                     break
                 entry.queue.pop()
@@ -166,7 +166,7 @@ class ClockworkPolicy:
         for entry in mine:
             key = entry.spec.key
             while (head := entry.queue.head()) is not None:
-                run = self._est(state, key, entry.spec.batch_size_for(head.samples), dev.kind)
+                run = self._est(state, key, head.samples, dev.kind)
                 latest_start = head.deadline - run
                 if start <= latest_start:
                     break
@@ -188,8 +188,7 @@ class ClockworkPolicy:
         taken: list[InferenceRequest] = []
         samples, deadline, run = 0, math.inf, 0.0
         while (h := q.head()) is not None and samples + h.samples <= spec.max_batch_size:
-            b = spec.batch_size_for(samples + h.samples)
-            est = self._est(state, spec.key, b, dev.kind)
+            est = self._est(state, spec.key, samples + h.samples, dev.kind)
             d = min(deadline, h.deadline)
             if start + est > d:
                 break  # a bigger batch would make someone late
@@ -301,7 +300,7 @@ class ClockworkPolicy:
             return self._cold_cost(state, e, dev_kind, now) if e is not None else 0.0
 
         options = []
-        b1 = entry.spec.batch_size_for(head.samples) if head is not None else 1
+        b1 = head.samples if head is not None else 1
         for dev in state.devices.values():
             if dev.memory.state(key) is not None or dev.memory.budget < nbytes:
                 continue

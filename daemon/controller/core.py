@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from daemon.actions import Action, ActionKind, Result, ResultStatus
 from daemon.config import ControllerSettings
-from daemon.controller.estimates import Estimator
+from daemon.controller.estimates import EXACT_ROW_KINDS, Estimator
 from daemon.controller.memory import DeviceMemory
 from daemon.controller.queues import ModelQueue
 from daemon.controller.telemetry import Telemetry
@@ -172,14 +172,21 @@ class Scheduler:
 
     def best_case(self, req: InferenceRequest) -> float:
         """The shortest time `req` could take on an idle device with its model loaded."""
-        b = req.model.batch_size_for(req.samples)
-        ests = [e for k in self.kinds if (e := self.estimator.infer(req.model.key, b, k)) is not None]
+        ests = [e for k in self.kinds if (e := self._infer_est(req.model, req.samples, k)) is not None]
         return min(ests) if ests else 0.0
 
-    def estimate(self, key: str, batch: int, kind: str) -> float:
-        est = self.estimator.infer(key, batch, kind)
+    def _infer_est(self, spec: ModelSpec, samples: int, kind: str) -> float | None:
+        rows = samples if kind in EXACT_ROW_KINDS else spec.batch_size_for(samples)
+        return self.estimator.infer(spec.key, rows, kind)
+
+    def estimate(self, key: str, samples: int, kind: str) -> float:
+        """Seconds to run `samples` samples of a model on a device of `kind` (padded where it pads)."""
+        spec = self.models[key].spec if key in self.models else None
+        if spec is None:
+            return 0.0
+        est = self._infer_est(spec, samples, kind)
         if est is None:  # unseen here: borrow any kind's estimate rather than assume zero
-            known = [e for k in self.kinds if (e := self.estimator.infer(key, batch, k)) is not None]
+            known = [e for k in self.kinds if (e := self._infer_est(spec, samples, k)) is not None]
             est = max(known) if known else 0.0
         return est
 
@@ -315,7 +322,8 @@ class Scheduler:
         key = action.model.key
         if result.ok:
             assert result.outputs is not None
-            self.estimator.observe_infer(key, action.batch_size, dev.kind, result.end - result.begin)
+            rows = action.samples if dev.kind in EXACT_ROW_KINDS else action.batch_size
+            self.estimator.observe_infer(key, rows, dev.kind, result.end - result.begin)
             off = 0
             for r in action.requests:
                 n = r.samples

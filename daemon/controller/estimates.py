@@ -1,11 +1,17 @@
-"""Latency estimates: a sliding window per (model, batch size, device kind), read at a high
-percentile, so predictions are conservative and follow the device as it drifts."""
+"""Latency estimates: a sliding window per (model, rows, device kind), read at a high percentile,
+so predictions are conservative and follow the device as it drifts.
+
+`rows` is what the device runs: the batch size on devices that pad to fixed batch sizes (CUDA
+graphs), the number of samples on devices that run exactly the filled rows (CPU, simulated).
+Until a row count has been measured, it is interpolated from the profile.
+"""
 
 from __future__ import annotations
 
 import math
 from collections import deque
 
+EXACT_ROW_KINDS = frozenset({"cpu", "sim"})  # devices that run exactly the filled rows of a batch
 DEFAULT_WINDOW = 10
 DEFAULT_PERCENTILE = 0.99
 
@@ -49,11 +55,11 @@ class Estimator:
         self._seeds: dict[tuple[str, int, str], float] = {}
 
     def seed_infer(self, model: str, kind: str, timings: dict[int, float], batch_sizes: tuple[int, ...]) -> None:
-        """Seed every batch size from a few measured ones, interpolating linearly in between."""
+        """Seed every row count up to the largest batch size from a few measured ones, linearly."""
         known = sorted(timings.items())
         if not known:
             return
-        for b in batch_sizes:
+        for b in range(1, max(batch_sizes) + 1):
             lower = [(k, v) for k, v in known if k <= b]
             upper = [(k, v) for k, v in known if k >= b]
             if lower and upper:
