@@ -55,6 +55,7 @@ class InferenceRequest:
     dispatched_at: float = 0.0
     finished_at: float = 0.0
     compute_s: float = 0.0
+    queue_seq: int = 0  # the sequence number of its live entry in its model's queue (0: none)
 
     @property
     def ok(self) -> bool:

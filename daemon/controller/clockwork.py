@@ -25,6 +25,7 @@ Following Clockwork (OSDI '20):
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -145,6 +146,58 @@ class ClockworkPolicy:
                 wake = start - self.horizon
                 self._wake = wake if self._wake is None else min(self._wake, wake)
 
+    def _choose_batch(self, state: Scheduler, entry: ModelEntry, dev: DeviceState, start: float
+                      ) -> list[InferenceRequest]:
+        """The largest batch of this model whose requests all finish in time if it starts at `start`.
+
+        The head's own batch (the most urgent requests, in order) is taken unless a batch at
+        least twice as large can meet its deadlines without the requests too urgent for it
+        (Clockwork's INFER5 picks the largest feasible batch the same way). Under overload this
+        is what keeps throughput up: the most urgent requests would otherwise force ever smaller
+        batches while the backlog grows.
+        """
+        spec = entry.spec
+        cands = entry.queue.first(4 * spec.max_batch_size)
+        if not cands:
+            return []
+        rank = cands[0].rank
+        cands = [r for r in cands if r.rank == rank]  # one priority class per batch
+        key, kind, cap = spec.key, dev.kind, spec.max_batch_size
+
+        def fill(pool: list[InferenceRequest], rows: int) -> list[InferenceRequest]:
+            out, n = [], 0
+            for r in pool:
+                if n + r.samples > rows:
+                    break
+                out.append(r)
+                n += r.samples
+            return out
+
+        # The head's batch: requests in order of urgency while everyone still meets its deadline.
+        head_batch: list[InferenceRequest] = []
+        n, deadline = 0, math.inf
+        for r in cands:
+            if n + r.samples > cap:
+                break
+            d = min(deadline, r.deadline)
+            if start + self._est(state, key, n + r.samples, kind) > d:
+                break
+            head_batch.append(r)
+            n, deadline = n + r.samples, d
+        # The largest feasible batch over those who can wait for it (deadlines are ascending).
+        deadlines = [r.deadline for r in cands]
+        suffix = [0] * (len(cands) + 1)
+        for i in range(len(cands) - 1, -1, -1):
+            suffix[i] = suffix[i + 1] + cands[i].samples
+        best_rows, best_at = 0, 0
+        for rows in range(1, cap + 1):
+            i = bisect.bisect_left(deadlines, start + self._est(state, key, rows, kind))
+            if suffix[i] >= rows:
+                best_rows, best_at = rows, i
+        if best_rows >= 2 * max(n, 1) and best_at > 0:
+            return fill(cands[best_at:], best_rows)
+        return head_batch
+
     def _drop_late(self, state: Scheduler, dev: DeviceState, mine: list[ModelEntry], start: float, now: float,
                    seen: set[str]) -> None:
         """Heads that cannot start in time even when this device (the soonest holding them) frees."""
@@ -185,17 +238,14 @@ class ClockworkPolicy:
             return False
         entry = best[1]
         spec, q = entry.spec, entry.queue
-        taken: list[InferenceRequest] = []
-        samples, deadline, run = 0, math.inf, 0.0
-        while (h := q.head()) is not None and samples + h.samples <= spec.max_batch_size:
-            est = self._est(state, spec.key, samples + h.samples, dev.kind)
-            d = min(deadline, h.deadline)
-            if start + est > d:
-                break  # a bigger batch would make someone late
-            taken.append(q.pop())
-            samples, deadline, run = samples + h.samples, d, est
+        taken = self._choose_batch(state, entry, dev, start)
         if not taken:
             return False
+        for r in taken:
+            q.take(r)
+        samples = sum(r.samples for r in taken)
+        deadline = min(r.deadline for r in taken)
+        run = self._est(state, spec.key, samples, dev.kind)
         b = spec.batch_size_for(samples)
         latest = max(deadline - run, start + LATEST_GRACE)
         action = state.issue_infer(spec, dev, taken, b, now, earliest=now, latest=latest, expected=run)

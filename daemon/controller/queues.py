@@ -1,15 +1,20 @@
 """Per-model request queues, most urgent first: by priority rank, then deadline, then arrival.
 
-Counted in samples (slots) as well as requests. Requests finished while queued (cancelled,
-expired) are dropped lazily when they reach the head.
+Counted in samples (slots) as well as requests. Entries are invalidated rather than removed
+(a request finished while queued, or taken from the middle for a batch, leaves a dead entry
+that is dropped when it reaches the head); each entry carries the sequence number it was
+pushed with, so a request pushed again after an action was refused is never there twice.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Iterator
 
 from daemon.request import InferenceRequest, RequestStatus
+
+_seq = itertools.count(1)
 
 
 class ModelQueue:
@@ -23,8 +28,13 @@ class ModelQueue:
     def __len__(self) -> int:
         return self.requests
 
+    @staticmethod
+    def _live(e: tuple[int, float, int, InferenceRequest]) -> bool:
+        return e[3].status == RequestStatus.QUEUED and e[3].queue_seq == e[2]
+
     def push(self, req: InferenceRequest) -> None:
-        heapq.heappush(self._heap, (req.rank, req.deadline, req.id, req))
+        req.queue_seq = seq = next(_seq)
+        heapq.heappush(self._heap, (req.rank, req.deadline, seq, req))
         self.samples += req.samples
         self.requests += 1
 
@@ -35,7 +45,7 @@ class ModelQueue:
 
     def _skip_dead(self) -> None:
         h = self._heap
-        while h and h[0][3].status != RequestStatus.QUEUED:
+        while h and not self._live(h[0]):
             heapq.heappop(h)
 
     def head(self) -> InferenceRequest | None:
@@ -50,9 +60,28 @@ class ModelQueue:
     def pop(self) -> InferenceRequest:
         self._skip_dead()
         r = heapq.heappop(self._heap)[3]
+        r.queue_seq = 0
         self.samples -= r.samples
         self.requests -= 1
         return r
 
+    def take(self, req: InferenceRequest) -> None:
+        """Remove a queued request from anywhere in the queue (for a batch)."""
+        req.queue_seq = 0  # its entry is dead now
+        self.samples -= req.samples
+        self.requests -= 1
+
+    def first(self, n: int) -> list[InferenceRequest]:
+        """Up to `n` live requests, most urgent first, without removing them."""
+        self._skip_dead()
+        out: list[InferenceRequest] = []
+        k = n
+        while len(out) < n and k <= 4 * len(self._heap) + n:
+            out = [e[3] for e in heapq.nsmallest(k, self._heap) if self._live(e)][:n]
+            if k >= len(self._heap):
+                break
+            k *= 2
+        return out
+
     def __iter__(self) -> Iterator[InferenceRequest]:
-        return (e[3] for e in sorted(self._heap) if e[3].status == RequestStatus.QUEUED)
+        return (e[3] for e in sorted(self._heap) if self._live(e))

@@ -214,3 +214,25 @@ def test_histogram_percentiles_are_close_and_never_above_max() -> None:
     assert s.percentile(1) < 0 < s.percentile(99)
     s.merge(h)
     assert s.count == 1004 and math.isclose(s.max, 0.001)
+
+
+def test_under_overload_the_largest_feasible_batch_skips_requests_too_urgent_for_it() -> None:
+    h = cw()
+    spec = add(h, "m", max_batch=8, profile={1: 2 * MS, 8: 16 * MS})  # 2 ms per sample
+    h.use(spec)
+    urgent = h.request(spec, timeout=5 * MS)  # can only run in a batch of 2 or fewer
+    patient = [h.request(spec, timeout=90 * MS) for _ in range(8)]
+    first = h.step()[0]
+    assert urgent not in first.requests and first.requests == patient  # 8 > 2 x 2
+    # after that batch nothing can finish it in time: answered at once, not left to expire
+    assert isinstance(urgent.error, DeadlineExceeded) and urgent.finished_at == h.now
+
+
+def test_the_head_keeps_its_batch_when_that_is_not_much_smaller() -> None:
+    h = cw()
+    spec = add(h, "m", max_batch=8, profile={1: 2 * MS, 8: 16 * MS})
+    h.use(spec)
+    urgent = h.request(spec, timeout=9 * MS)  # fits a batch of 4 (8 ms)
+    patient = [h.request(spec, timeout=90 * MS) for _ in range(4)]
+    first = h.step()[0]
+    assert first.requests == [urgent, *patient[:3]]  # 4 is not less than half of 5
