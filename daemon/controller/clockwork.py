@@ -150,11 +150,11 @@ class ClockworkPolicy:
                       ) -> list[InferenceRequest]:
         """The largest batch of this model whose requests all finish in time if it starts at `start`.
 
-        The head's own batch (the most urgent requests, in order) is taken unless a batch at
-        least twice as large can meet its deadlines without the requests too urgent for it
-        (Clockwork's INFER5 picks the largest feasible batch the same way). Under overload this
-        is what keeps throughput up: the most urgent requests would otherwise force ever smaller
-        batches while the backlog grows.
+        The head's own batch (the most urgent requests, in order) is taken unless serving it
+        first would shrink the largest feasible batch that follows by more than a quarter: then
+        the largest batch goes now, without the requests too urgent for it (Clockwork's INFER5
+        also picks the largest feasible batch). Under overload this keeps throughput up; the
+        most urgent requests would otherwise force ever smaller batches while the backlog grows.
         """
         spec = entry.spec
         cands = entry.queue.first(4 * spec.max_batch_size)
@@ -184,19 +184,29 @@ class ClockworkPolicy:
                 break
             head_batch.append(r)
             n, deadline = n + r.samples, d
-        # The largest feasible batch over those who can wait for it (deadlines are ascending).
-        deadlines = [r.deadline for r in cands]
-        suffix = [0] * (len(cands) + 1)
-        for i in range(len(cands) - 1, -1, -1):
-            suffix[i] = suffix[i + 1] + cands[i].samples
+        best_rows, best_at = self._largest(state, key, kind, cap, cands, start)
+        if best_at == 0 or best_rows <= n:
+            return head_batch  # the largest batch starts with the head anyway
+        rest = cands[len(head_batch):]
+        after, _ = self._largest(state, key, kind, cap, rest, start + self._est(state, key, max(n, 1), kind))
+        if head_batch and after >= 0.75 * best_rows:
+            return head_batch  # serving the most urgent first costs the next batch little
+        return fill(cands[best_at:], best_rows)
+
+    def _largest(self, state: Scheduler, key: str, kind: str, cap: int, pool: list[InferenceRequest],
+                 start: float) -> tuple[int, int]:
+        """(rows, first index) of the largest batch from `pool` (ascending deadlines) that finishes
+        in time when it starts at `start`: the requests from that index on can all wait for it."""
+        deadlines = [r.deadline for r in pool]
+        suffix = [0] * (len(pool) + 1)
+        for i in range(len(pool) - 1, -1, -1):
+            suffix[i] = suffix[i + 1] + pool[i].samples
         best_rows, best_at = 0, 0
         for rows in range(1, cap + 1):
             i = bisect.bisect_left(deadlines, start + self._est(state, key, rows, kind))
             if suffix[i] >= rows:
                 best_rows, best_at = rows, i
-        if best_rows >= 2 * max(n, 1) and best_at > 0:
-            return fill(cands[best_at:], best_rows)
-        return head_batch
+        return best_rows, best_at
 
     def _drop_late(self, state: Scheduler, dev: DeviceState, mine: list[ModelEntry], start: float, now: float,
                    seen: set[str]) -> None:

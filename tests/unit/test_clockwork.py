@@ -220,19 +220,21 @@ def test_under_overload_the_largest_feasible_batch_skips_requests_too_urgent_for
     h = cw()
     spec = add(h, "m", max_batch=8, profile={1: 2 * MS, 8: 16 * MS})  # 2 ms per sample
     h.use(spec)
-    urgent = h.request(spec, timeout=5 * MS)  # can only run in a batch of 2 or fewer
-    patient = [h.request(spec, timeout=90 * MS) for _ in range(8)]
+    urgent = h.request(spec, timeout=7 * MS)  # can only run in a batch of 3 or fewer (6 ms)
+    patient = [h.request(spec, timeout=16.5 * MS) for _ in range(8)]  # a full batch of 8 just fits now
     first = h.step()[0]
-    assert urgent not in first.requests and first.requests == patient  # 8 > 2 x 2
+    # Serving the urgent one's batch first would leave room for only 5 of the 8: overload.
+    assert urgent not in first.requests and first.requests == patient
     # after that batch nothing can finish it in time: answered at once, not left to expire
     assert isinstance(urgent.error, DeadlineExceeded) and urgent.finished_at == h.now
 
 
-def test_the_head_keeps_its_batch_when_that_is_not_much_smaller() -> None:
+def test_the_head_goes_first_when_the_rest_can_wait() -> None:
     h = cw()
     spec = add(h, "m", max_batch=8, profile={1: 2 * MS, 8: 16 * MS})
     h.use(spec)
-    urgent = h.request(spec, timeout=9 * MS)  # fits a batch of 4 (8 ms)
-    patient = [h.request(spec, timeout=90 * MS) for _ in range(4)]
+    urgent = h.request(spec, timeout=5 * MS)  # fits a batch of 2 (4 ms)
+    patient = [h.request(spec, timeout=90 * MS) for _ in range(8)]
     first = h.step()[0]
-    assert first.requests == [urgent, *patient[:3]]  # 4 is not less than half of 5
+    # after 4 ms the 8 patient ones still make a full batch: the urgent pair goes first
+    assert first.requests == [urgent, patient[0]]
