@@ -150,11 +150,12 @@ class ClockworkPolicy:
                       ) -> list[InferenceRequest]:
         """The largest batch of this model whose requests all finish in time if it starts at `start`.
 
-        The head's own batch (the most urgent requests, in order) is taken unless serving it
-        first would shrink the largest feasible batch that follows by more than a quarter: then
-        the largest batch goes now, without the requests too urgent for it (Clockwork's INFER5
-        also picks the largest feasible batch). Under overload this keeps throughput up; the
-        most urgent requests would otherwise force ever smaller batches while the backlog grows.
+        As Clockwork's INFER5 does: for each batch size, the requests that can wait for it (their
+        deadline is after it would finish); the largest size that enough of them fill wins, and
+        requests too urgent for it are left out (and answered once nothing can finish them). At
+        light load the largest batch includes the most urgent request anyway; under overload
+        this is what keeps throughput up, where serving the most urgent first would force ever
+        smaller batches while the backlog grows (measured: goodput fell to 40% of capacity).
         """
         spec = entry.spec
         cands = entry.queue.first(4 * spec.max_batch_size)
@@ -173,7 +174,8 @@ class ClockworkPolicy:
                 n += r.samples
             return out
 
-        # The head's batch: requests in order of urgency while everyone still meets its deadline.
+        # The head's batch: requests in order of urgency while everyone still meets its deadline
+        # (what runs when the largest batch starts with the head).
         head_batch: list[InferenceRequest] = []
         n, deadline = 0, math.inf
         for r in cands:
@@ -187,10 +189,6 @@ class ClockworkPolicy:
         best_rows, best_at = self._largest(state, key, kind, cap, cands, start)
         if best_at == 0 or best_rows <= n:
             return head_batch  # the largest batch starts with the head anyway
-        rest = cands[len(head_batch):]
-        after, _ = self._largest(state, key, kind, cap, rest, start + self._est(state, key, max(n, 1), kind))
-        if head_batch and after >= 0.75 * best_rows:
-            return head_batch  # serving the most urgent first costs the next batch little
         return fill(cands[best_at:], best_rows)
 
     def _largest(self, state: Scheduler, key: str, kind: str, cap: int, pool: list[InferenceRequest],

@@ -229,12 +229,11 @@ def test_under_overload_the_largest_feasible_batch_skips_requests_too_urgent_for
     assert isinstance(urgent.error, DeadlineExceeded) and urgent.finished_at == h.now
 
 
-def test_the_head_goes_first_when_the_rest_can_wait() -> None:
+def test_the_head_rides_in_the_largest_batch_when_it_can_wait_for_it() -> None:
     h = cw()
     spec = add(h, "m", max_batch=8, profile={1: 2 * MS, 8: 16 * MS})
     h.use(spec)
-    urgent = h.request(spec, timeout=5 * MS)  # fits a batch of 2 (4 ms)
-    patient = [h.request(spec, timeout=90 * MS) for _ in range(8)]
+    head = h.request(spec, timeout=20 * MS)  # a full batch (16 ms) still meets it
+    rest = [h.request(spec, timeout=90 * MS) for _ in range(8)]
     first = h.step()[0]
-    # after 4 ms the 8 patient ones still make a full batch: the urgent pair goes first
-    assert first.requests == [urgent, patient[0]]
+    assert first.requests == [head, *rest[:7]]
