@@ -113,7 +113,7 @@ class RuntimeSettings:
         "when there are more cores than CPU devices.", True)
     gil_switch_interval_us: int = doc(
         "Python's GIL switch interval. The default 5000 µs lets busy frontend code delay an "
-        "executor thread by milliseconds; a shorter interval keeps action starts on time.", 500)
+        "executor thread by milliseconds; a shorter interval keeps action starts on time.", 200)
 
     def __post_init__(self) -> None:
         _need(len(self.devices) > 0, "runtime.devices", self.devices, "list at least one device")

@@ -18,7 +18,7 @@ from bench.servers import Escapement
 
 
 def run(quick: bool = False, json_out: str | None = None, model: str = "cnn_heavy", frontend: Frontend = "socket",
-        policy: str = "dynamic", seconds: float | None = None, refine: int | None = None) -> dict[str, Any]:
+        policy: str = "clockwork", seconds: float | None = None, refine: int | None = None) -> dict[str, Any]:
     seconds = seconds or (6.0 if quick else 20.0)
     refine = 1 if quick and refine is None else (refine if refine is not None else 3)
     repo = demo_repo()

@@ -204,7 +204,8 @@ class Executor:
         try:
             block = self.backend.alloc(program.layout.nbytes)
             duration = self.backend.copy_weights(program.host_block, block)
-            runner = program.bind(program.layout.views(block), native=self.device.kind == "cpu")
+            runner = program.bind(program.layout.views(block), native=self.device.kind == "cpu",
+                                  owner=self.device.name)
             io = {b: self.backend.make_io(program.spec, b) for b in program.spec.batch_sizes}
         except BaseException:
             with self._lock:
@@ -219,6 +220,7 @@ class Executor:
         if res is None:
             return Result(action, ResultStatus.FAILED, received, begin, begin,
                           error=f"{action.model.key} is not on {self.device.name}")
+        res.program.release(self.device.name)
         self.backend.free(res.block)
         nbytes = res.program.weight_bytes
         with self._lock:

@@ -27,6 +27,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
@@ -37,7 +38,10 @@ from daemon.runtime.weights import WeightLayout, pack
 log = logging.getLogger("escapement.repository")
 
 Runner = Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]]
-Binder = Callable[[list[torch.Tensor]], Runner]
+
+
+class Binder(Protocol):
+    def __call__(self, views: list[torch.Tensor], owner: str | None = None) -> Runner: ...
 
 
 class ProgramError(ValueError):
@@ -61,11 +65,20 @@ class Program:
     def weight_bytes(self) -> int:
         return self.layout.nbytes
 
-    def bind(self, views: list[torch.Tensor], native: bool) -> Runner:
-        """A runner over `views`; `native` picks the GIL-free runner when there is one."""
+    releasers: list[Callable[[str], None]] = field(default_factory=list)
+
+    def bind(self, views: list[torch.Tensor], native: bool, owner: str | None = None) -> Runner:
+        """A runner over `views`; `native` picks the GIL-free runner when there is one. An `owner`
+        (a device) keeps one instance and re-points it at each new set of views, so what the
+        instance learned on its first calls (TorchScript's profiling) is not paid again."""
         binder = (self.bind_native or self.bind_graph) if native else (self.bind_graph or self.bind_native)
         assert binder is not None
-        return binder(views)
+        return binder(views, owner)
+
+    def release(self, owner: str) -> None:
+        """Drop the owner's instance's references to its views (its weights were unloaded)."""
+        for r in self.releasers:
+            r(owner)
 
 
 def _as_tuple(out: object, spec: ModelSpec) -> tuple[torch.Tensor, ...]:
@@ -107,16 +120,21 @@ def _owned_tensors(module: torch.nn.Module) -> list[tuple[str, str, torch.Tensor
 
 
 def _script_binder(module: torch.jit.ScriptModule, spec: ModelSpec, slot: Callable[[str, str, torch.Tensor], int]
-                   ) -> Binder:
-    """A binder that copies a weightless shell of `module` and points its tensors at the views."""
+                   ) -> tuple[Binder, Callable[[str], None]]:
+    """A binder that points a weightless copy of `module` at the views, and its releaser."""
     owners = [(path, attr, slot(path, attr, t)) for path, attr, t in _owned_tensors(module)]
+    empties = {(path, attr): torch.empty(0, dtype=t.dtype) for path, attr, t in _owned_tensors(module)}
     shell = copy.deepcopy(module)
     for path, attr, _ in owners:  # drop the shell's own copies of the weights
-        sub = _submodule(shell, path)
-        _set_tensor(sub, attr, torch.empty(0, dtype=getattr(sub, attr).dtype))
+        _set_tensor(_submodule(shell, path), attr, empties[(path, attr)])
+    instances: dict[str, torch.jit.ScriptModule] = {}  # owner -> its instance (one per device)
 
-    def bind(views: list[torch.Tensor]) -> Runner:
-        inst = copy.deepcopy(shell)
+    def bind(views: list[torch.Tensor], owner: str | None = None) -> Runner:
+        inst = instances.get(owner) if owner is not None else None
+        if inst is None:
+            inst = copy.deepcopy(shell)
+            if owner is not None:
+                instances[owner] = inst
         for path, attr, s in owners:
             _set_tensor(_submodule(inst, path), attr, views[s])
 
@@ -124,7 +142,13 @@ def _script_binder(module: torch.jit.ScriptModule, spec: ModelSpec, slot: Callab
             return _as_tuple(inst(*xs), spec)
         return run
 
-    return bind
+    def release(owner: str) -> None:
+        inst = instances.get(owner)
+        if inst is not None:
+            for path, attr, _ in owners:
+                _set_tensor(_submodule(inst, path), attr, empties[(path, attr)])
+
+    return bind, release
 
 
 # ------------------------------------------------------------------ model.pt2
@@ -165,7 +189,7 @@ def _load_exported(spec: ModelSpec, pin: bool) -> Program:
     layout, block = pack(weights, pin=pin)
     simple = plan == list(range(len(layout.entries))) + [-(k + 1) for k in range(n_inputs)]
 
-    def bind_graph(views: list[torch.Tensor]) -> Runner:
+    def bind_graph(views: list[torch.Tensor], owner: str | None = None) -> Runner:
         if simple:
             def run(xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
                 return _as_tuple(gm(*views, *xs), spec)
@@ -175,11 +199,14 @@ def _load_exported(spec: ModelSpec, pin: bool) -> Program:
                 return _as_tuple(gm(*args), spec)
         return run
 
-    bind_native = _trace_binder(ep, spec, layout)
-    return Program(spec, layout, block, bind_graph, bind_native)
+    native = _trace_binder(ep, spec, layout)
+    if native is None:
+        return Program(spec, layout, block, bind_graph, None)
+    return Program(spec, layout, block, bind_graph, native[0], releasers=[native[1]])
 
 
-def _trace_binder(ep: torch.export.ExportedProgram, spec: ModelSpec, layout: WeightLayout) -> Binder | None:
+def _trace_binder(ep: torch.export.ExportedProgram, spec: ModelSpec, layout: WeightLayout
+                  ) -> tuple[Binder, Callable[[str], None]] | None:
     """A TorchScript trace of the program over the same weight slots, or None if it cannot be made."""
     slots = {e.name: i for i, e in enumerate(layout.entries)}
 
@@ -214,8 +241,8 @@ def _load_torchscript(spec: ModelSpec, pin: bool) -> Program:
             ids[id(t)] = len(weights)
             weights.append((f"{path}.{attr}" if path else attr, t))
     layout, block = pack(weights, pin=pin)
-    bind = _script_binder(module, spec, lambda _p, _a, t: ids[id(t)])
-    return Program(spec, layout, block, None, bind)
+    bind, release = _script_binder(module, spec, lambda _p, _a, t: ids[id(t)])
+    return Program(spec, layout, block, None, bind, releasers=[release])
 
 
 # ------------------------------------------------------------------ loading and checking
