@@ -1,4 +1,4 @@
-"""`escapement serve | infer | models | profile | demo | config`."""
+"""`escapement serve | infer | models | profile | train-parity | demo | config`."""
 
 from __future__ import annotations
 
@@ -92,6 +92,52 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(f"{spec.key:<24} load {entry['load_ms']:.3f} ms  infer p99 ms: {sizes}"
               + ("" if stored else "  (not stored: repository read-only)"))
     return 1 if failed else 0
+
+
+def cmd_train_parity(args: argparse.Namespace) -> int:
+    from daemon.coding import trainer
+    from daemon.repository import scan
+    from daemon.runtime.program import ProgramError, load_program
+
+    settings = _settings(args)
+    result = scan(settings.models.repository, settings.models.default_slo_ms)
+    versions = [m for m in result.models if m.name == args.model]
+    if args.version is not None:
+        versions = [m for m in versions if m.version == args.version]
+    if not versions:
+        why = result.broken.get(args.model, "not in the repository")
+        print(f"escapement: model {args.model}: {why}", file=sys.stderr)
+        return 2
+    spec = max(versions, key=lambda m: m.version)
+    try:
+        program = load_program(spec)
+        data = trainer.load_dataset(spec, args.data)
+    except (ProgramError, ValueError, OSError) as e:
+        print(f"escapement: {e}", file=sys.stderr)
+        return 2
+
+    def progress(row: dict[str, float]) -> None:
+        if row["epoch"] % max(1, args.epochs // 10) == 0 or row["epoch"] == args.epochs:
+            deg = f"  degraded {row['degraded_accuracy']:.4f}" if "degraded_accuracy" in row else ""
+            print(f"epoch {row['epoch']:>4}/{args.epochs}  loss {row['loss']:.4f}  "
+                  f"reconstruction {row['reconstruction_accuracy']:.4f}{deg}", flush=True)
+
+    try:
+        parity, report = trainer.train(spec, program.host_runner, data, args.k, args.encoder, args.epochs,
+                                       progress=progress)
+    except ValueError as e:
+        print(f"escapement: {e}", file=sys.stderr)
+        return 2
+    file = f"parity-k{args.k}.pt2"
+    trainer.export(parity, spec, spec.path.parent / file)
+    trainer.set_parity_section(spec.path.parent.parent / "config.toml",
+                               trainer.parity_section(args.k, args.encoder, file, report))
+    avail = f"{report.available_accuracy:.4f}" if report.available_accuracy is not None else "-"
+    deg = f"{report.degraded_accuracy:.4f}" if report.degraded_accuracy is not None else "-"
+    print(f"{spec.key}: parity model k={args.k} ({args.encoder}) written to {spec.path.parent / file}; best epoch "
+          f"{report.best_epoch}: reconstruction {report.reconstruction_accuracy:.4f}, degraded-mode {deg} "
+          f"(available {avail}); [parity] set in config.toml")
+    return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -225,6 +271,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=20, help="runs per batch size (default 20)")
     p.add_argument("--only", action="append", help="profile only this model (repeatable)")
     p.set_defaults(fn=cmd_profile)
+
+    p = sub.add_parser("train-parity", help="train a ParM parity model for a repository model")
+    _add_server_flags(p)
+    p.add_argument("model")
+    p.add_argument("--k", type=int, default=2, help="data batches per coding group (default 2)")
+    p.add_argument("--encoder", choices=["sum", "concat"], default="sum")
+    p.add_argument("--data", metavar="FILE.npz", help="inputs: x [and y] (split 80/20) or x_train/x_test "
+                   "[y_train/y_test]; default: the demo digits")
+    p.add_argument("--epochs", type=int, default=100)
+    p.add_argument("--version", type=int, help="the model version (default: the newest)")
+    p.set_defaults(fn=cmd_train_parity)
 
     p = sub.add_parser("demo", help="build the demo model repository (offline)")
     p.add_argument("--out", default="models", help="repository directory (default: models)")

@@ -210,7 +210,11 @@ def build(out: str | Path, force: bool = False, only: list[str] | None = None) -
         model_dir = out / m.name
         model_file = model_dir / "1" / f"model.{m.fmt}"
         if model_file.exists() and (model_dir / "config.toml").exists() and not force:
-            log.info("%s: already built", m.name)
+            if m.name in PARITY_DEMO and not (model_file.parent / "parity-k2.pt2").exists():
+                log.info("%s: already built; parity model added%s", m.name, _build_parity(out, m.name))
+                built.append(m.name)
+            else:
+                log.info("%s: already built", m.name)
             continue
         t0 = time.perf_counter()
         model, meta = m.build()
@@ -218,6 +222,25 @@ def build(out: str | Path, force: bool = False, only: list[str] | None = None) -
         save_model(model, m.fmt, example, m.max_batch_size, model_file)
         (model_dir / "config.toml").write_text(config_text(m, meta), encoding="utf-8")
         acc = f", test accuracy {meta['test_accuracy']:.4f}" if "test_accuracy" in meta else ""
+        if m.name in PARITY_DEMO:
+            acc += _build_parity(out, m.name)
         log.info("%s: built in %.1f s%s", m.name, time.perf_counter() - t0, acc)
         built.append(m.name)
     return built
+
+
+PARITY_DEMO = ("digits_mlp", "digits_cnn")  # the demo classifiers get a parity model (k = 2)
+
+
+def _build_parity(out: Path, name: str, k: int = 2, epochs: int = 100) -> str:
+    from daemon.coding import trainer
+    from daemon.repository import scan
+    from daemon.runtime.program import load_program
+
+    spec = next(m for m in scan(out).models if m.name == name)
+    parity, report = trainer.train(spec, load_program(spec).host_runner, trainer.load_dataset(spec, None), k,
+                                   epochs=epochs)
+    file = f"parity-k{k}.pt2"
+    trainer.export(parity, spec, spec.path.parent / file)
+    trainer.set_parity_section(out / name / "config.toml", trainer.parity_section(k, "sum", file, report))
+    return f"; parity k={k}: degraded-mode accuracy {report.degraded_accuracy:.4f}"

@@ -37,7 +37,8 @@ log = logging.getLogger("escapement.repository")
 ModelFormat = Literal["pt2", "ts"]
 MODEL_FILES: dict[str, ModelFormat] = {"model.pt2": "pt2", "model.ts": "ts"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
-_KNOWN_KEYS = {"name", "description", "max_batch_size", "slo_ms", "inputs", "outputs", "metadata"}
+_KNOWN_KEYS = {"name", "description", "max_batch_size", "slo_ms", "inputs", "outputs", "metadata", "parity"}
+_PARITY_KEYS = {"k", "encoder", "file", "enabled", "flush_ms", "accuracy"}
 
 
 class ModelConfigError(ValueError):
@@ -67,6 +68,16 @@ class TensorSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ParitySpec:
+    """ParM coded resilience for a model: k data batches per coding group, one parity batch."""
+
+    k: int
+    encoder: str  # "sum" or "concat"
+    file: str  # the parity model, in the same version directory as the model
+    flush_ms: float  # how long a partial group waits for its k-th batch before it is flushed
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     """One servable version of a model, as its config and files describe it."""
 
@@ -80,6 +91,7 @@ class ModelSpec:
     slo_s: float
     description: str = ""
     metadata: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    parity: ParitySpec | None = None
     key: str = field(init=False, compare=False)  # "name:version", used on every hot path
 
     def __post_init__(self) -> None:
@@ -143,6 +155,29 @@ def _tensor_specs(raw: Any, what: str, model: str) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
+def _parity(raw: Any, name: str, slo_ms: float) -> ParitySpec | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{name}: [parity] must be a table")
+    unknown = set(raw) - _PARITY_KEYS
+    if unknown:
+        raise ModelConfigError(f"{name}: unknown keys in [parity]: {sorted(unknown)}")
+    if raw.get("enabled", True) is False:
+        return None
+    k, enc, file = raw.get("k"), raw.get("encoder", "sum"), raw.get("file")
+    if isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= 8:
+        raise ModelConfigError(f"{name}: [parity] k = {k!r}: expected an integer in 2..8")
+    if enc not in ("sum", "concat"):
+        raise ModelConfigError(f"{name}: [parity] encoder = {enc!r}: expected 'sum' or 'concat'")
+    if not isinstance(file, str) or "/" in file or not file.endswith(".pt2"):
+        raise ModelConfigError(f"{name}: [parity] file = {file!r}: expected a .pt2 file name in the version directory")
+    flush = raw.get("flush_ms", slo_ms / 4)
+    if isinstance(flush, bool) or not isinstance(flush, int | float) or flush <= 0:
+        raise ModelConfigError(f"{name}: [parity] flush_ms = {flush!r}: expected a positive number of milliseconds")
+    return ParitySpec(k, enc, file, float(flush))
+
+
 def parse_model_config(model_dir: Path, default_slo_ms: float) -> dict[str, Any]:
     """The validated contents of `<model_dir>/config.toml` (everything but versions)."""
     name = model_dir.name
@@ -171,6 +206,7 @@ def parse_model_config(model_dir: Path, default_slo_ms: float) -> dict[str, Any]
     desc = raw.get("description", "")
     if not isinstance(desc, str):
         raise ModelConfigError(f"{name}: description must be a string")
+    parity = _parity(raw.get("parity"), name, float(slo))
     return {
         "name": name,
         "inputs": _tensor_specs(raw.get("inputs"), "inputs", name),
@@ -179,6 +215,7 @@ def parse_model_config(model_dir: Path, default_slo_ms: float) -> dict[str, Any]
         "slo_s": float(slo) / 1000.0,
         "description": desc,
         "metadata": meta,
+        "parity": parity,
     }
 
 
@@ -211,7 +248,12 @@ def scan(root: str | Path, default_slo_ms: float = 100.0) -> ScanResult:
                 raise ModelConfigError(f"{name!r}: model names must be letters, digits, '_', '.', '-'")
             cfg = parse_model_config(model_dir, default_slo_ms)
             for version, path, fmt in _versions(model_dir):
-                models.append(ModelSpec(version=version, path=path, format=fmt, **cfg))
+                cfg_v = cfg
+                if cfg["parity"] is not None and not (path.parent / cfg["parity"].file).is_file():
+                    log.warning("%s:%d: parity file %s is missing: served without parity", name, version,
+                                cfg["parity"].file)
+                    cfg_v = {**cfg, "parity": None}
+                models.append(ModelSpec(version=version, path=path, format=fmt, **cfg_v))
         except (ModelConfigError, OSError) as e:
             broken[name] = str(e)
             log.error("model %s is not served: %s", name, e)
@@ -221,3 +263,10 @@ def scan(root: str | Path, default_slo_ms: float = 100.0) -> ScanResult:
 def write_model_config(model_dir: Path, text: str) -> None:
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.toml").write_text(text, encoding="utf-8")
+
+
+def parity_model(spec: ModelSpec) -> ModelSpec:
+    """The spec of a model's parity model: same inputs and outputs, its own file and key."""
+    assert spec.parity is not None
+    return ModelSpec(f"{spec.name}.parity", spec.version, spec.path.parent / spec.parity.file, "pt2", spec.inputs,
+                     spec.outputs, spec.max_batch_size, spec.slo_s, f"parity model (k={spec.parity.k}) of {spec.name}")

@@ -42,7 +42,11 @@ PERCENTILE = 99
 
 
 def profile_path(spec: ModelSpec) -> Path:
-    return spec.path.parent / PROFILE_FILE
+    """`profile.json` beside model.pt2 / model.ts; `<stem>.profile.json` beside other files
+    (a parity model shares its model's version directory)."""
+    if spec.path.stem == "model":
+        return spec.path.parent / PROFILE_FILE
+    return spec.path.parent / f"{spec.path.stem}.{PROFILE_FILE}"
 
 
 def read_profile(spec: ModelSpec) -> dict[str, dict[str, Any]]:
@@ -70,7 +74,7 @@ def write_profile(spec: ModelSpec, kind: str, entry: dict[str, Any]) -> bool:
     p = profile_path(spec)
     data = read_profile(spec)
     data[kind] = entry
-    tmp = p.with_name(f".{PROFILE_FILE}.tmp")
+    tmp = p.with_name(f".{p.name}.tmp")
     try:
         tmp.write_text(json.dumps(data, indent=2) + "\n")
         tmp.replace(p)

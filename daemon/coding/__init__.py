@@ -1,0 +1,1 @@
+"""ParM coded resilience: parity codes shared by training and serving, and the parity trainer."""

@@ -1,0 +1,88 @@
+"""Parity codes, one implementation for training and serving so the two cannot disagree.
+
+A coding group is k data batches of one model; its parity batch is `encode(k inputs)`, served
+by a parity model trained so that F_P(encode(X_1..X_k)) ≈ F(X_1) + ... + F(X_k). When one data
+output is missing, `decode` gives F_P(P) - Σ of the other k-1 outputs (on logits).
+
+- `sum`: the parity is the elementwise sum of the k inputs (any input shape).
+- `concat`: for images [B, C, H, W] (H, W even) and k = 2 or 4: each image is downsampled by
+  area averaging to half width (k = 2) or half height and width (k = 4) and tiled side by side
+  (k = 2) or in quadrants (k = 4). Channels are kept apart: channel c of the parity comes from
+  channel c of every member (the original ParM trainer mixed channels across images; see
+  reference/parm.md).
+
+Members of a group may fill different numbers of rows; rows a member lacks count as zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+ENCODERS = ("sum", "concat")
+
+
+def encode_sum(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    out = xs[0].clone()
+    for x in xs[1:]:
+        out += x
+    return out
+
+
+def encode_concat(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    k = len(xs)
+    x0 = xs[0]
+    if x0.dim() != 4:
+        raise ValueError(f"the concat encoder takes images [B, C, H, W], not shape {list(x0.shape)}")
+    _, _, h, w = x0.shape
+    if h % 2 or w % 2:
+        raise ValueError(f"the concat encoder needs an even height and width, not {h}x{w}")
+    if k == 2:
+        small = [F.avg_pool2d(x, kernel_size=(1, 2)) for x in xs]  # [B, C, H, W/2]
+        return torch.cat(small, dim=3)
+    if k == 4:
+        small = [F.avg_pool2d(x, kernel_size=2) for x in xs]  # [B, C, H/2, W/2]
+        return torch.cat([torch.cat(small[:2], dim=3), torch.cat(small[2:], dim=3)], dim=2)
+    raise ValueError(f"the concat encoder supports k = 2 or 4, not {k}")
+
+
+def encoder(name: str) -> Callable[[Sequence[torch.Tensor]], torch.Tensor]:
+    if name == "sum":
+        return encode_sum
+    if name == "concat":
+        return encode_concat
+    raise ValueError(f"unknown encoder {name!r}; encoders: {', '.join(ENCODERS)}")
+
+
+def check(name: str, k: int, sample_shape: Sequence[int]) -> None:
+    """Raise ValueError if `name` with `k` cannot encode inputs of `sample_shape` (no batch dim)."""
+    if not 2 <= k <= 8:
+        raise ValueError(f"k = {k}: a coding group has 2 to 8 data batches")
+    if name == "concat":
+        if k not in (2, 4):
+            raise ValueError(f"the concat encoder supports k = 2 or 4, not {k}")
+        if len(sample_shape) != 3 or sample_shape[1] % 2 or sample_shape[2] % 2:
+            raise ValueError(f"the concat encoder needs [C, H, W] inputs with even H and W, not {list(sample_shape)}")
+    elif name != "sum":
+        raise ValueError(f"unknown encoder {name!r}; encoders: {', '.join(ENCODERS)}")
+
+
+def decode(parity_out: torch.Tensor, others: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The missing member's output: the parity output minus the k-1 other outputs."""
+    out = parity_out.clone()
+    for o in others:
+        out -= o
+    return out
+
+
+def stack_members(members: Sequence[torch.Tensor], rows: int) -> list[torch.Tensor]:
+    """Members padded with zero rows to `rows` rows (a member may fill fewer rows than others)."""
+    out = []
+    for m in members:
+        if m.shape[0] < rows:
+            pad = torch.zeros((rows - m.shape[0], *m.shape[1:]), dtype=m.dtype)
+            m = torch.cat([m, pad])
+        out.append(m)
+    return out
