@@ -46,9 +46,15 @@ class Action:
     id: int = field(default_factory=lambda: next(_ids))
     issued_at: float = 0.0
     expected_start: float = 0.0
+    # A parity batch: the k members' requests, whose inputs the executor encodes with `encoder`.
+    coded: list[list[InferenceRequest]] | None = None
+    encoder: str = ""
+    replica_of: int = 0  # a replica of this action (the same requests, on another device)
 
     @property
     def samples(self) -> int:
+        if self.coded is not None:
+            return max((sum(r.samples for r in m) for m in self.coded), default=0)
         return sum(r.samples for r in self.requests)
 
     def __lt__(self, other: Action) -> bool:  # executor queues are ordered by earliest start
@@ -56,6 +62,7 @@ class Action:
 
     def __repr__(self) -> str:
         extra = f" b={self.batch_size} n={self.samples}" if self.kind == ActionKind.INFER else ""
+        extra += " parity" if self.coded is not None else " replica" if self.replica_of else ""
         return (f"<{self.kind.name} #{self.id} {self.model.key} on {self.device}{extra} "
                 f"[{self.earliest:.6f}, {self.latest:.6f}]>")
 

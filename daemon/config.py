@@ -71,6 +71,8 @@ class ServerSettings:
     shed_lag_ms: float = doc("Refuse new inference with 503 while the event loop runs this far behind "
                              "(requests are then waiting unseen in socket buffers); 0 disables.", 25.0)
     log_level: LogLevel = doc("Log level: debug, info, warning or error.", "info")
+    admin_token: str = doc("Bearer token for management endpoints; when empty they are open on a loopback "
+                           "listener and refused on any other.", "")
 
     def __post_init__(self) -> None:
         if self.http:
@@ -156,6 +158,36 @@ class ControllerSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class FaultSettings:
+    """An injected fault on one device (tests, demos, benchmarks); see daemon/runtime/faults.py."""
+
+    device: str = doc("The device, e.g. cpu:0.", "")
+    slowdown: float = doc("Factor on INFER durations (>= 1).", 1.0)
+    add_ms: float = doc("Milliseconds added to each INFER.", 0.0)
+    mode: Literal["sustained", "periodic", "random"] = doc("When the slowdown applies.", "sustained")
+    period_s: float = doc("periodic: the cycle, seconds.", 1.0)
+    duty: float = doc("periodic: the slowed share of a cycle; random: the chance a window is slowed.", 0.5)
+    burst_s: float = doc("random: the window length, seconds.", 0.1)
+    fail_probability: float = doc("The chance an INFER fails.", 0.0)
+    hang: bool = doc("INFER blocks until the fault is cleared.", False)
+    seed: int = doc("Seed of the random choices.", 0)
+
+    def __post_init__(self) -> None:
+        _need(re.fullmatch(r"(cpu|cuda):\d+", self.device) is not None, "faults.device", self.device,
+              "expected a device name such as cpu:0")
+        try:
+            self.spec()
+        except ValueError as e:
+            raise ConfigError(f"faults for {self.device}: {e}") from None
+
+    def spec(self) -> Any:
+        from daemon.runtime.faults import FaultSpec
+
+        return FaultSpec(self.slowdown, self.add_ms, self.mode, self.period_s, self.duty, self.burst_s,
+                         self.fail_probability, self.hang, self.seed)
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """Everything the daemon reads at start-up."""
 
@@ -163,6 +195,8 @@ class Settings:
     models: ModelSettings = doc("The model repository.", default_factory=ModelSettings)
     runtime: RuntimeSettings = doc("Devices and executors.", default_factory=RuntimeSettings)
     controller: ControllerSettings = doc("Scheduling.", default_factory=ControllerSettings)
+    faults: tuple[FaultSettings, ...] = doc("Injected faults, one [[faults]] table each; none by default.",
+                                            default_factory=tuple)
 
 
 def parse_hostport(value: str, key: str) -> tuple[str, int]:
@@ -192,6 +226,8 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         (item_tp, _ellipsis) = typing.get_args(tp)
         if not isinstance(value, list):
             raise ConfigError(f"{key} = {value!r}: expected a list")
+        if dataclasses.is_dataclass(item_tp):
+            return tuple(_convert(v, item_tp, key) for v in value)
         return tuple(_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
     if origin in (typing.Union, types.UnionType):
         for arg in typing.get_args(tp):
@@ -295,7 +331,9 @@ def with_overrides(
     if policy is not None:
         ctrl["policy"] = policy
     runtime["devices"] = list(runtime["devices"])
-    return settings_from_dict({"server": server, "runtime": runtime, "models": model_s, "controller": ctrl})
+    faults = [dataclasses.asdict(f) for f in settings.faults]
+    return settings_from_dict({"server": server, "runtime": runtime, "models": model_s, "controller": ctrl,
+                               "faults": faults})
 
 
 def describe(cls: Any = Settings, prefix: str = "") -> list[tuple[str, Any, str]]:
@@ -303,6 +341,8 @@ def describe(cls: Any = Settings, prefix: str = "") -> list[tuple[str, Any, str]
     out: list[tuple[str, Any, str]] = []
     for f in dataclasses.fields(cls):
         key = f"{prefix}.{f.name}" if prefix else f.name
+        if f.name == "faults":
+            continue  # an array of tables, none by default
         if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type.endswith("Settings")):
             sub = typing.get_type_hints(cls)[f.name]
             out.extend(describe(sub, key))

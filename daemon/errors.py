@@ -5,6 +5,7 @@
     EscapementError
      ├── ClientError ................ the caller's mistake: 4xx, never logged as a failure
      │    ├── BadRequest ............ 400 malformed body, wrong shape, datatype or byte count
+     │    ├── Forbidden ............. 403 a management endpoint without its token
      │    ├── NotFound .............. 404 unknown model, version or path
      │    ├── MethodNotAllowed ...... 405
      │    ├── PayloadTooLarge ....... 413 body or frame over the configured limit
@@ -38,6 +39,10 @@ class ClientError(EscapementError):
 
 class BadRequest(ClientError):
     status = 400
+
+
+class Forbidden(ClientError):
+    status = 403
 
 
 class NotFound(ClientError):

@@ -37,7 +37,8 @@ log = logging.getLogger("escapement.repository")
 ModelFormat = Literal["pt2", "ts"]
 MODEL_FILES: dict[str, ModelFormat] = {"model.pt2": "pt2", "model.ts": "ts"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
-_KNOWN_KEYS = {"name", "description", "max_batch_size", "slo_ms", "inputs", "outputs", "metadata", "parity"}
+_KNOWN_KEYS = {"name", "description", "max_batch_size", "slo_ms", "inputs", "outputs", "metadata", "parity",
+               "preload_replicas"}
 _PARITY_KEYS = {"k", "encoder", "file", "enabled", "flush_ms", "accuracy"}
 
 
@@ -92,6 +93,7 @@ class ModelSpec:
     description: str = ""
     metadata: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     parity: ParitySpec | None = None
+    preload_replicas: int = 0  # devices to load it onto at start-up (its parity model onto another)
     key: str = field(init=False, compare=False)  # "name:version", used on every hot path
 
     def __post_init__(self) -> None:
@@ -207,6 +209,9 @@ def parse_model_config(model_dir: Path, default_slo_ms: float) -> dict[str, Any]
     if not isinstance(desc, str):
         raise ModelConfigError(f"{name}: description must be a string")
     parity = _parity(raw.get("parity"), name, float(slo))
+    preload = raw.get("preload_replicas", 0)
+    if isinstance(preload, bool) or not isinstance(preload, int) or not 0 <= preload <= 64:
+        raise ModelConfigError(f"{name}: preload_replicas = {preload!r}: expected an integer in 0..64")
     return {
         "name": name,
         "inputs": _tensor_specs(raw.get("inputs"), "inputs", name),
@@ -216,6 +221,7 @@ def parse_model_config(model_dir: Path, default_slo_ms: float) -> dict[str, Any]
         "description": desc,
         "metadata": meta,
         "parity": parity,
+        "preload_replicas": preload,
     }
 
 
@@ -263,6 +269,10 @@ def scan(root: str | Path, default_slo_ms: float = 100.0) -> ScanResult:
 def write_model_config(model_dir: Path, text: str) -> None:
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.toml").write_text(text, encoding="utf-8")
+
+
+def parity_key(spec: ModelSpec) -> str:
+    return f"{spec.name}.parity:{spec.version}"
 
 
 def parity_model(spec: ModelSpec) -> ModelSpec:

@@ -24,6 +24,7 @@ import numpy as np
 from daemon.api.http import HttpFrontend
 from daemon.api.uds import SocketFrontend
 from daemon.clock import Clock, MonotonicClock
+from daemon.coding import codes
 from daemon.config import Settings, parse_hostport
 from daemon.controller.core import Scheduler
 from daemon.controller.policy import make_policy
@@ -32,7 +33,7 @@ from daemon.controller.telemetry import Telemetry, TraceWriter
 from daemon.errors import BadRequest, ConfigError, Overloaded
 from daemon.overload import LagTracker, LoopMonitor
 from daemon.registry import ModelRegistry, ModelState
-from daemon.repository import ModelSpec, scan
+from daemon.repository import ModelSpec, parity_key, parity_model, scan
 from daemon.request import InferenceRequest
 from daemon.runtime.devices import Device, plan_cores, resolve_devices
 from daemon.runtime.executor import Executor, make_backend
@@ -155,6 +156,11 @@ class Daemon:
                           self._controller.post_result, self.programs)
             ex.start()
             self.executors[d.name] = ex
+        for f in s.faults:
+            if f.device not in self.executors:
+                raise ConfigError(f"faults: device {f.device} is not one of {sorted(self.executors)}")
+            self.executors[f.device].faults.set(f.spec())
+            log.warning("fault injected on %s: %s", f.device, f.spec())
         log.info("devices: %s", ", ".join(f"{d.name} ({d.weight_budget / 2**20:.0f} MiB for weights)"
                                           for d in self.devices))
         await self.load_repository()
@@ -212,9 +218,35 @@ class Daemon:
                 self._forget(spec)
                 log.error("model %s is not served: warm-up failed: %s", spec.key, e)
                 continue
+            if spec.parity is not None:
+                await self._load_parity(spec, pin)
+            if spec.preload_replicas:
+                placed = self.controller.preload(spec.key, spec.preload_replicas)
+                pkey = parity_key(spec)
+                if pkey in self.controller.scheduler.models:
+                    self.controller.preload(pkey, 1, avoid=set(placed))
             self.registry.set_state(spec, ModelState.READY)
             log.info("model %s ready (%s, %.1f MiB of weights)", spec.key, spec.format,
                      program.weight_bytes / 2**20)
+
+    async def _load_parity(self, spec: ModelSpec, pin: bool) -> None:
+        """Load a model's parity model; a problem with it disables parity, not the model."""
+        assert spec.parity is not None
+        pspec = parity_model(spec)
+        try:
+            if len(spec.inputs) != 1 or len(spec.outputs) != 1:
+                raise ValueError("parity needs a model with one input and one output")
+            codes.check(spec.parity.encoder, spec.parity.k, spec.inputs[0].sample_shape)
+            program = await asyncio.to_thread(load_program, pspec, pin)
+            self.programs[pspec.key] = program
+            self.controller.scheduler.add_model(pspec, program.weight_bytes)
+            await self._profile(pspec, program)
+        except (ValueError, ProgramError, RuntimeError) as e:
+            self.programs.pop(pspec.key, None)
+            self.controller.scheduler.models.pop(pspec.key, None)
+            log.warning("model %s is served without parity: %s", spec.key, e)
+            return
+        log.info("model %s: parity k=%d (%s) with %s", spec.key, spec.parity.k, spec.parity.encoder, pspec.path.name)
 
     async def _profile(self, spec: ModelSpec, program: Program) -> None:
         """Seed estimates from the stored profile, measuring (and storing) what is missing."""

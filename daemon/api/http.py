@@ -20,6 +20,8 @@ from daemon.api.codec import WireTensor, assemble_inputs, check_shape, select_ou
 from daemon.errors import (
     BadRequest,
     EscapementError,
+    Forbidden,
+    NotFound,
     NotImplementedByServer,
     PayloadTooLarge,
     message_of,
@@ -104,6 +106,9 @@ class HttpFrontend:
             r.add_get(base + "/ready", self.model_ready)
             r.add_get(base + "/config", self.model_config)
         r.add_post("/v2/repository/index", self.repository_index)
+        r.add_get("/v2/admin/faults", self.get_faults)
+        r.add_post("/v2/admin/faults", self.set_fault)
+        r.add_delete("/v2/admin/faults/{device}", self.clear_fault)
         r.add_get("/v2/controller/stats", self.controller_stats)
         r.add_post("/v2/repository/{repo}/index", self.named_repository)
         self.runner: web.AppRunner | None = None
@@ -181,6 +186,48 @@ class HttpFrontend:
 
     async def controller_stats(self, request: web.Request) -> web.Response:
         return json_response(self.daemon.statistics())
+
+    # ---------------------------------------------------------------- management
+
+    def _authorize(self, request: web.Request) -> None:
+        token = self.daemon.settings.server.admin_token
+        if token:
+            if request.headers.get("Authorization", "") != f"Bearer {token}":
+                raise Forbidden("a management endpoint: Authorization: Bearer <server.admin_token> is required")
+        elif not is_loopback(self.daemon.settings.server.http):
+            raise Forbidden("management endpoints on a non-loopback listener need server.admin_token to be set")
+
+    async def get_faults(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        return json_response({name: (ex.faults.spec.as_json() if ex.faults.spec else None)
+                              for name, ex in self.daemon.executors.items()})
+
+    async def set_fault(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        from daemon.runtime.faults import FaultSpec
+
+        obj = _parse_json(await request.read(), "the request body")
+        if not isinstance(obj, dict) or not isinstance(obj.get("device"), str):
+            raise BadRequest('expected {"device": "cpu:0", "slowdown": 3.0, ...}')
+        ex = self.daemon.executors.get(obj.pop("device"))
+        if ex is None:
+            raise NotFound(f"no such device; devices: {sorted(self.daemon.executors)}")
+        try:
+            spec = FaultSpec(**obj)
+        except (TypeError, ValueError) as e:
+            raise BadRequest(f"bad fault: {e}") from None
+        ex.faults.set(spec)
+        log.warning("fault injected on %s: %s", ex.device.name, spec)
+        return json_response(spec.as_json())
+
+    async def clear_fault(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        ex = self.daemon.executors.get(request.match_info["device"])
+        if ex is None:
+            raise NotFound("no such device")
+        ex.faults.set(None)
+        log.warning("faults cleared on %s", ex.device.name)
+        return json_response({"device": ex.device.name, "faults": None})
 
     async def named_repository(self, request: web.Request) -> web.Response:
         raise NotImplementedByServer("'repository_name' specification is not supported")
@@ -317,6 +364,11 @@ class HttpFrontend:
             return web.Response(body=header, content_type="application/json")
         return web.Response(body=b"".join([header, *chunks]), content_type="application/octet-stream",
                             headers={HEADER_LEN: str(len(header))})
+
+
+def is_loopback(hostport: str) -> bool:
+    host = hostport.rpartition(":")[0].strip("[]")
+    return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
 
 
 def model_config_json(spec: ModelSpec) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from daemon.actions import Result
+from daemon.actions import Action, Result
 from daemon.controller.core import LATEST_GRACE, DeviceState, ModelEntry
 from daemon.errors import Unavailable
 from daemon.request import InferenceRequest
@@ -37,6 +37,9 @@ class DynamicBatchingPolicy:
         pass
 
     def on_result(self, state: Scheduler, result: Result, now: float) -> None:
+        pass
+
+    def on_extra(self, state: Scheduler, action: Action, now: float) -> None:
         pass
 
     def schedule(self, state: Scheduler, now: float) -> None:
@@ -81,7 +84,7 @@ class DynamicBatchingPolicy:
             return False
         while True:  # drop what cannot finish in time; the batch may then shrink
             b = spec.batch_size_for(samples)
-            est = state.estimate(spec.key, samples, dev.kind)
+            est = state.estimate(spec.key, samples, dev)
             keep = [r for r in taken if now + est <= r.deadline]
             for r in taken:
                 if now + est > r.deadline:

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from daemon.actions import ActionKind, Result
+from daemon.actions import Action, ActionKind, Result
 from daemon.controller.core import DeviceState, ModelEntry
 from daemon.controller.timeline import DeviceTimeline
 from daemon.request import InferenceRequest
@@ -43,6 +43,7 @@ LOAD_BANDWIDTH_GUESS = 4e9  # bytes/s, for a model's first LOAD before any is me
 COPY_PRESSURE = 0.5  # copy-lane utilisation above which a load must not evict a model in more demand
 REPLICA_UTILISATION = 0.7  # replicate once demand exceeds this share of the devices' throughput
 REPLICA_COOLDOWN = 0.1  # seconds between replications of one model
+REPLICA_DROPS = 5.0  # requests/s dropped because its devices were too slow or busy: replicate (SMART)
 RATE_TAU = 1.0  # seconds: the time constant of the arrival-rate estimate
 
 
@@ -70,6 +71,7 @@ class ClockworkPolicy:
         self.rates: dict[str, RateMeter] = {}
         self.replicated_at: dict[str, float] = {}
         self.copy_busy: dict[str, RateMeter] = {}  # device -> LOAD seconds per second
+        self.drops: dict[str, RateMeter] = {}  # model -> requests/s its devices could not run in time
         self._wake: float | None = None
 
     # ---------------------------------------------------------------- hooks
@@ -95,6 +97,11 @@ class ClockworkPolicy:
         lane = tl.exec if result.action.kind == ActionKind.INFER else tl.copy
         lane.done(result.action.id, result.end)
 
+    def on_extra(self, state: Scheduler, action: Action, now: float) -> None:
+        # Parity batches and replicas take device time like any INFER: plan around them.
+        dev = state.devices[action.device]
+        action.expected_start = self._timeline(dev).exec.add(action.id, action.expected_duration, now)
+
     def _timeline(self, dev: DeviceState) -> DeviceTimeline:
         tl = self.timelines.get(dev.name)
         if tl is None:
@@ -116,8 +123,8 @@ class ClockworkPolicy:
 
     # ---------------------------------------------------------------- estimates
 
-    def _est(self, state: Scheduler, key: str, samples: int, kind: str) -> float:
-        return state.estimate(key, samples, kind)
+    def _est(self, state: Scheduler, key: str, samples: int, where: DeviceState | str) -> float:
+        return state.estimate(key, samples, where)
 
     def _load_est(self, state: Scheduler, entry: ModelEntry, kind: str) -> float:
         est = state.estimator.load(entry.spec.key, kind)
@@ -163,7 +170,7 @@ class ClockworkPolicy:
             return []
         rank = cands[0].rank
         cands = [r for r in cands if r.rank == rank]  # one priority class per batch
-        key, kind, cap = spec.key, dev.kind, spec.max_batch_size
+        key, kind, cap = spec.key, dev, spec.max_batch_size
 
         def fill(pool: list[InferenceRequest], rows: int) -> list[InferenceRequest]:
             out, n = [], 0
@@ -191,7 +198,7 @@ class ClockworkPolicy:
             return head_batch  # the largest batch starts with the head anyway
         return fill(cands[best_at:], best_rows)
 
-    def _largest(self, state: Scheduler, key: str, kind: str, cap: int, pool: list[InferenceRequest],
+    def _largest(self, state: Scheduler, key: str, kind: DeviceState | str, cap: int, pool: list[InferenceRequest],
                  start: float) -> tuple[int, int]:
         """(rows, first index) of the largest batch from `pool` (ascending deadlines) that finishes
         in time when it starts at `start`: the requests from that index on can all wait for it."""
@@ -214,11 +221,12 @@ class ClockworkPolicy:
             if key in seen:
                 continue
             while (head := entry.queue.head()) is not None:
-                run = self._est(state, key, head.samples, dev.kind)
+                run = self._est(state, key, head.samples, dev)
                 if start <= head.deadline - run:
                     break
                 entry.queue.pop()
                 state.fail_request(head, state.deadline_error(head, now), now)
+                self._dropped(key, now)
 
     def _dispatch(self, state: Scheduler, dev: DeviceState, mine: list[ModelEntry], start: float, now: float,
                   seen: set[str]) -> bool:
@@ -227,7 +235,7 @@ class ClockworkPolicy:
         for entry in mine:
             key = entry.spec.key
             while (head := entry.queue.head()) is not None:
-                run = self._est(state, key, head.samples, dev.kind)
+                run = self._est(state, key, head.samples, dev)
                 latest_start = head.deadline - run
                 if start <= latest_start:
                     break
@@ -237,6 +245,7 @@ class ClockworkPolicy:
                 # This is the soonest any device holding the model is free: answer at once.
                 entry.queue.pop()
                 state.fail_request(head, state.deadline_error(head, now), now)
+                self._dropped(key, now)
             if head is None:
                 continue
             urgency = (head.rank, latest_start)
@@ -253,7 +262,7 @@ class ClockworkPolicy:
             q.take(r)
         samples = sum(r.samples for r in taken)
         deadline = min(r.deadline for r in taken)
-        run = self._est(state, spec.key, samples, dev.kind)
+        run = self._est(state, spec.key, samples, dev)
         b = spec.batch_size_for(samples)
         latest = max(deadline - run, start + LATEST_GRACE)
         action = state.issue_infer(spec, dev, taken, b, now, earliest=now, latest=latest, expected=run)
@@ -275,8 +284,8 @@ class ClockworkPolicy:
                 # and a model whose requests expire first must not wait behind newer ones), then
                 # the most queued work.
                 wanted.append((head.deadline, -self._backlog(state, entry), entry))
-            elif (len(placed) < len(state.devices) and entry.queue.samples >= entry.spec.max_batch_size
-                  and self._needs_replica(state, entry, [state.devices[n] for n in placed], now)):
+            elif len(placed) < len(state.devices) and self._needs_replica(
+                    state, entry, [state.devices[n] for n in placed], now):
                 wanted.append((head.deadline, 0.0, entry))
         wanted.sort(key=lambda w: w[:2])
         limit = now + self.horizon
@@ -298,10 +307,16 @@ class ClockworkPolicy:
                 continue
             tl = self._timeline(dev)
             ready = max(tl.copy.free_at(now) + self._load_est(state, entry, dev.kind), tl.exec.free_at(now))
-            best = min(best, ready + self._est(state, spec.key, 1, dev.kind))
+            best = min(best, ready + self._est(state, spec.key, 1, dev))
         while (h := entry.queue.head()) is not None and best > h.deadline:
             entry.queue.pop()
             state.fail_request(h, state.deadline_error(h, now), now)
+
+    def _dropped(self, key: str, now: float) -> None:
+        meter = self.drops.get(key)
+        if meter is None:
+            meter = self.drops[key] = RateMeter()
+        meter.add(1, now)
 
     def _utilisation(self, state: Scheduler, dev: DeviceState, leaving: list[str], now: float) -> float:
         """Seconds of work per second the models on `dev` bring it (their arrival rates times their
@@ -316,7 +331,7 @@ class ClockworkPolicy:
                 continue
             b = entry.spec.max_batch_size
             replicas = len(state.placed_on.get(k, ())) or 1
-            total += meter.value(now) * self._est(state, k, b, dev.kind) / b / replicas
+            total += meter.value(now) * self._est(state, k, b, dev) / b / replicas
         return total
 
     def _cold_cost(self, state: Scheduler, entry: ModelEntry, kind: str, now: float) -> float:
@@ -333,12 +348,19 @@ class ClockworkPolicy:
         return entry.queue.samples * self._est(state, spec.key, b, kind) / b
 
     def _needs_replica(self, state: Scheduler, entry: ModelEntry, placed: list[DeviceState], now: float) -> bool:
+        """More arrivals than its devices can serve, or requests dropped because they were too
+        slow or busy (Clockwork's SMART scheduler replicates after drops the same way)."""
         key = entry.spec.key
+        if now - self.replicated_at.get(key, -math.inf) < REPLICA_COOLDOWN:
+            return False
+        drops = self.drops.get(key)
+        if drops is not None and drops.value(now) > REPLICA_DROPS:
+            return True
         meter = self.rates.get(key)
-        if meter is None or now - self.replicated_at.get(key, -math.inf) < REPLICA_COOLDOWN:
+        if meter is None or entry.queue.samples < entry.spec.max_batch_size:
             return False
         b = entry.spec.max_batch_size
-        capacity = sum(b / max(self._est(state, key, b, d.kind), 1e-9) for d in placed)
+        capacity = sum(b / max(self._est(state, key, b, d), 1e-9) for d in placed)
         return meter.value(now) > REPLICA_UTILISATION * capacity
 
     def _place(self, state: Scheduler, entry: ModelEntry, now: float) -> None:
@@ -379,7 +401,7 @@ class ClockworkPolicy:
             if victims is None:
                 continue
             ready = max(tl.copy.free_at(now) + self._load_est(state, entry, dev.kind), tl.exec.free_at(now))
-            finish = ready + self._est(state, key, b1, dev.kind)
+            finish = ready + self._est(state, key, b1, dev)
             # Spread demand: the device with the least work per second already on it (in steps of
             # 10% of a device), then the one that can serve this model soonest.
             load = round(self._utilisation(state, dev, victims, now) * 10)

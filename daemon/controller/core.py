@@ -21,14 +21,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from daemon.actions import Action, ActionKind, Result, ResultStatus
 from daemon.config import ControllerSettings
+from daemon.controller.coding import DECODE_MARGIN, Coding, Group, MemberState, Release, Save
 from daemon.controller.estimates import EXACT_ROW_KINDS, Estimator
 from daemon.controller.memory import DeviceMemory
 from daemon.controller.queues import ModelQueue
 from daemon.controller.telemetry import Telemetry
 from daemon.errors import DeadlineExceeded, EscapementError, InternalError, NotFound, Overloaded, Unavailable
-from daemon.repository import ModelSpec
+from daemon.repository import ModelSpec, parity_key
 from daemon.request import InferenceRequest, RequestStatus
 from daemon.runtime.devices import Device
 
@@ -78,6 +81,7 @@ class Scheduler:
         self.policy = policy
         self.estimator = estimator or Estimator()
         self.telemetry = telemetry or Telemetry()
+        self.coding = Coding()
         self.devices: dict[str, DeviceState] = {d.name: DeviceState(d, DeviceMemory(d.weight_budget))
                                                 for d in devices}
         self.kinds = sorted({d.kind for d in devices})
@@ -99,6 +103,21 @@ class Scheduler:
         self.models[spec.key] = ModelEntry(spec, weight_bytes)
         if seeds:
             self.estimator.seed_infer(spec.key, seed_kind, seeds, spec.batch_sizes)
+
+    def preload(self, key: str, replicas: int, now: float, avoid: set[str] | None = None) -> list[str]:
+        """Load a model onto up to `replicas` devices with room (not those in `avoid`), least used
+        first; returns the devices chosen. Used at start-up for models marked to preload."""
+        entry = self.models[key]
+        chosen: list[str] = []
+        devs = sorted(self.devices.values(), key=lambda d: (d.name in (avoid or set()), -d.memory.free, d.name))
+        for dev in devs:
+            if len(chosen) >= replicas:
+                break
+            if dev.memory.state(key) is not None or dev.memory.free < entry.weight_bytes:
+                continue
+            self.issue_load(entry.spec, dev, now)
+            chosen.append(dev.name)
+        return chosen
 
     def seed(self, key: str, kind: str, infer: dict[int, float], load: float | None) -> None:
         """Seed a model's estimates on one device kind from a profile (measured, or stored)."""
@@ -123,6 +142,7 @@ class Scheduler:
 
     def submit(self, req: InferenceRequest, now: float) -> None:
         """Admit a request or raise the error to answer with at once."""
+        self.estimator.now = now
         entry = self.models.get(req.model.key)
         if entry is None:
             raise NotFound(f"unknown model {req.model.name} version {req.model.version}")
@@ -172,19 +192,21 @@ class Scheduler:
 
     def best_case(self, req: InferenceRequest) -> float:
         """The shortest time `req` could take on an idle device with its model loaded."""
-        ests = [e for k in self.kinds if (e := self._infer_est(req.model, req.samples, k)) is not None]
+        ests = [e for d in self.devices.values() if (e := self._infer_est(req.model, req.samples, d.kind, d.name))
+                is not None]
         return min(ests) if ests else 0.0
 
-    def _infer_est(self, spec: ModelSpec, samples: int, kind: str) -> float | None:
+    def _infer_est(self, spec: ModelSpec, samples: int, kind: str, device: str | None = None) -> float | None:
         rows = samples if kind in EXACT_ROW_KINDS else spec.batch_size_for(samples)
-        return self.estimator.infer(spec.key, rows, kind)
+        return self.estimator.infer(spec.key, rows, kind, device)
 
-    def estimate(self, key: str, samples: int, kind: str) -> float:
-        """Seconds to run `samples` samples of a model on a device of `kind` (padded where it pads)."""
+    def estimate(self, key: str, samples: int, where: DeviceState | str) -> float:
+        """Seconds to run `samples` samples of a model on a device (or any device of a kind)."""
         spec = self.models[key].spec if key in self.models else None
         if spec is None:
             return 0.0
-        est = self._infer_est(spec, samples, kind)
+        kind, device = (where, None) if isinstance(where, str) else (where.kind, where.name)
+        est = self._infer_est(spec, samples, kind, device)
         if est is None:  # unseen here: borrow any kind's estimate rather than assume zero
             known = [e for k in self.kinds if (e := self._infer_est(spec, samples, k)) is not None]
             est = max(known) if known else 0.0
@@ -193,6 +215,11 @@ class Scheduler:
     # ---------------------------------------------------------------- scheduling
 
     def schedule(self, now: float) -> Decision:
+        self.estimator.now = now
+        flush, items = self.coding.due(now)
+        self._apply_coding(items, now)
+        for g in flush:
+            self._protect_partial(g, now)
         self._expire(now)
         self.policy.schedule(self, now)
         return self._take()
@@ -201,8 +228,8 @@ class Scheduler:
         """When `schedule` next has something to do without new requests or results."""
         while self._expiry and self._expiry[0][2].status != RequestStatus.QUEUED:
             heapq.heappop(self._expiry)
-        times = [t for t in (self._expiry[0][0] if self._expiry else None, self.policy.next_wakeup(self, now))
-                 if t is not None]
+        times = [t for t in (self._expiry[0][0] if self._expiry else None, self.policy.next_wakeup(self, now),
+                             self.coding.next_time()) if t is not None]
         return min(times) if times else None
 
     def _expire(self, now: float) -> None:
@@ -263,8 +290,14 @@ class Scheduler:
         self.counters["infer_actions"] += 1
         self.counters["infer_samples"] += sum(r.samples for r in requests)
         self.counters["infer_slots"] += batch_size
-        return self.issue(Action(ActionKind.INFER, spec, dev.name, earliest, latest, expected, batch_size,
-                                 requests, expected_start=earliest), now)
+        action = self.issue(Action(ActionKind.INFER, spec, dev.name, earliest, latest, expected, batch_size,
+                                   requests, expected_start=earliest), now)
+        if spec.parity is not None and parity_key(spec) in self.models:
+            group = self.coding.add(action, now)
+            if group is not None:
+                self.counters["coding_groups"] += 1
+                self._issue_parity(group, now)
+        return action
 
     def issue_load(self, spec: ModelSpec, dev: DeviceState, now: float) -> Action:
         entry = self.models[spec.key]
@@ -299,6 +332,7 @@ class Scheduler:
     # ---------------------------------------------------------------- results
 
     def on_result(self, result: Result, now: float) -> Decision:
+        self.estimator.now = now
         action = self.inflight.pop(result.action.id, None)
         if action is None:
             log.error("result for an unknown action %r", result.action)
@@ -320,27 +354,68 @@ class Scheduler:
         dev.infer_inflight -= 1
         dev.busy[action.model.key] -= 1
         key = action.model.key
+        role = self.coding.kind(action)
         if result.ok:
             assert result.outputs is not None
             rows = action.samples if dev.kind in EXACT_ROW_KINDS else action.batch_size
-            self.estimator.observe_infer(key, rows, dev.kind, result.end - result.begin)
-            off = 0
-            for r in action.requests:
-                n = r.samples
-                if r.status == RequestStatus.RUNNING:
-                    r.outputs = tuple(o[off : off + n] for o in result.outputs)
-                    r.compute_s = result.duration
-                    self._finish(r, RequestStatus.SUCCEEDED, None, now)
-                off += n
+            self.estimator.observe_infer(key, rows, dev.kind, result.end - result.begin, dev.name)
+        if role == "parity":
+            self.counters["parities_run" if result.ok else "parities_lost"] += 1
+            self._apply_coding(self.coding.parity_done(action, result.outputs if result.ok else None, now), now)
+            return
+        if role == "replica":
+            self.coding.replica_done(action)
+            if result.ok:
+                assert result.outputs is not None
+                self._answer(action, result.outputs, now, reconstructed=True, counter="replica_answers")
+            return  # a replica that failed changes nothing: the original is still running
+        if result.ok:
+            assert result.outputs is not None
+            self._answer(action, result.outputs, now, result.duration)
+            if role == "member":
+                self._apply_coding(self.coding.member_done(action, result.outputs, now), now)
             return
         live = [r for r in action.requests if r.status == RequestStatus.RUNNING]
         self.counters[f"infer_{result.status.name.lower()}"] += 1
+        if role == "member" and live and result.status != ResultStatus.CANCELLED:
+            # Hold its requests for a reconstruction: until the last moment a retry could still
+            # make it, or (past that) until their deadline is at hand.
+            deadline = min(r.deadline for r in live)
+            retry_by = deadline - max(self.best_case(r) for r in live)
+            held, saves = self.coding.member_lost(action, now, retry_by if retry_by > now else
+                                                  deadline - DECODE_MARGIN)
+            self._apply_coding(saves, now)
+            if held:
+                return
+        self._lost(action, result, now)
+
+    def _answer(self, action: Action, outputs: tuple[np.ndarray, ...], now: float, compute_s: float = 0.0,
+                reconstructed: bool = False, counter: str = "") -> None:
+        """Finish an action's requests that are still running with their rows of `outputs`."""
+        off = 0
+        answered = 0
+        for r in action.requests:
+            n = r.samples
+            if r.status == RequestStatus.RUNNING:
+                r.outputs = tuple(o[off : off + n] for o in outputs)
+                r.compute_s = compute_s
+                r.reconstructed = reconstructed
+                self._finish(r, RequestStatus.SUCCEEDED, None, now)
+                answered += 1
+            off += n
+        if counter and answered:
+            self.counters[counter] += answered
+
+    def _lost(self, action: Action, result: Result, now: float) -> None:
+        """An INFER that did not run, or failed: retry or fail its requests still running."""
+        key = action.model.key
+        live = [r for r in action.requests if r.status == RequestStatus.RUNNING]
         if result.status == ResultStatus.FAILED:
             log.error("%r failed: %s", action, result.error)
             for r in live:
                 self._finish(r, RequestStatus.FAILED, InternalError(f"inference failed: {result.error}"), now)
             return
-        # Refused for its window (or cancelled): back to the queue, if there is still time.
+        # Refused for its window, cancelled, or given up on: back to the queue if there is still time.
         entry = self.models.get(key)
         retry: list[InferenceRequest] = []
         for r in live:
@@ -352,6 +427,92 @@ class Scheduler:
         if retry and entry is not None:
             entry.queue.push_front(retry)
             self._active.add(key)
+
+    # ---------------------------------------------------------------- coding (ParM)
+
+    def _apply_coding(self, items: list[Save | Release], now: float) -> None:
+        for item in items:
+            if isinstance(item, Save):
+                self._answer(item.action, item.outputs, now, reconstructed=True, counter="reconstructions")
+                self.telemetry.decode_time.add(item.decode_s)
+            else:
+                self._lost(item.action, Result(item.action, ResultStatus.TOO_LATE, now, now, now), now)
+
+    def _issue_parity(self, group: Group, now: float) -> None:
+        """The group's parity batch, on a device other than its members' whenever there is one."""
+        pspec = self.models[parity_key(group.spec)].spec
+        pkey = pspec.key
+        member_devs = {m.action.device for m in group.members}
+        ready = [d for d in self.devices.values() if d.memory.is_ready(pkey)]
+        others = [d for d in ready if d.name not in member_devs]
+        if not others:
+            self._load_parity(pspec, member_devs, now)  # for the groups to come
+        if not ready:
+            self.coding.set_parity(group, None)
+            self.counters["parity_unavailable"] += 1
+            return
+        dev = min(others or ready, key=lambda d: (d.infer_inflight, d.name))
+        live = [r for m in group.members for r in m.action.requests if r.status == RequestStatus.RUNNING]
+        if not live:
+            self.coding.set_parity(group, None)
+            return
+        rows = max(m.action.samples for m in group.members)
+        est = self.estimate(pkey, rows, dev)
+        latest = max(min(r.deadline for r in live) - est - DECODE_MARGIN, now + LATEST_GRACE)
+        action = Action(ActionKind.INFER, pspec, dev.name, now, latest, est, group.batch_size, [],
+                        expected_start=now, coded=[m.action.requests for m in group.members],
+                        encoder=group.spec.parity.encoder if group.spec.parity else "sum")
+        dev.infer_inflight += 1
+        dev.busy[pkey] += 1
+        dev.memory.touch(pkey)
+        self.issue(action, now)
+        self.coding.set_parity(group, action)
+        self.counters["parities_issued"] += 1
+        self.policy.on_extra(self, action, now)
+
+    def _load_parity(self, pspec: ModelSpec, avoid: set[str], now: float) -> bool:
+        """Start loading a parity model, on a device other than `avoid` where one has room, unless
+        it is on (or loading onto) such a device already; True if it is or will be there."""
+        if self.placed_on.get(pspec.key, set()) - avoid:
+            return True
+        entry = self.models[pspec.key]
+        for dev in sorted(self.devices.values(), key=lambda d: (d.name in avoid, -d.memory.free)):
+            if dev.memory.state(pspec.key) is not None:
+                continue
+            victims = dev.memory.victims(entry.weight_bytes, evictable=lambda k, d=dev: d.busy[k] == 0,
+                                         wanted=lambda k: k in self.models and self.models[k].queue.requests > 0)
+            if victims is None:
+                continue
+            for k in victims:
+                self.issue_unload(self.models[k].spec, dev, now)
+            self.issue_load(pspec, dev, now)
+            return dev.name not in avoid
+        return False
+
+    def _protect_partial(self, group: Group, now: float) -> None:
+        """A group that did not fill in time: replicas of its running members on other devices."""
+        self.counters["groups_flushed"] += 1
+        for m in group.members:
+            live = [r for r in m.action.requests if r.status == RequestStatus.RUNNING]
+            if not live or m.state != MemberState.RUNNING:
+                continue
+            key = group.spec.key
+            others = [d for d in self.devices.values() if d.name != m.action.device and d.memory.is_ready(key)]
+            if not others:
+                self.counters["partial_unprotected"] += 1
+                continue
+            dev = min(others, key=lambda d: (d.infer_inflight, d.name))
+            est = self.estimate(key, m.action.samples, dev)
+            latest = max(min(r.deadline for r in live) - est, now + LATEST_GRACE)
+            replica = Action(ActionKind.INFER, group.spec, dev.name, now, latest, est, m.action.batch_size,
+                             m.action.requests, expected_start=now, replica_of=m.action.id)
+            dev.infer_inflight += 1
+            dev.busy[key] += 1
+            self.issue(replica, now)
+            self.coding.add_replica(replica, m.action)
+            self.counters["replicas"] += 1
+            self.policy.on_extra(self, replica, now)
+        self.coding.flushed(group)
 
     def _load_done(self, action: Action, dev: DeviceState, result: Result, now: float) -> None:
         dev.load_inflight -= 1
@@ -386,6 +547,7 @@ class Scheduler:
             for r in action.requests:
                 if r.status == RequestStatus.RUNNING:
                     self._finish(r, RequestStatus.FAILED, error, now)
+        self.coding = Coding()  # every member's requests are answered: no group is left to finish
         return self._take()
 
     # ---------------------------------------------------------------- views
@@ -395,6 +557,7 @@ class Scheduler:
             "policy": self.policy.name,
             "counters": dict(self.counters),
             "telemetry": self.telemetry.summary(),
+            "coding": self.coding.statistics(),
             "pending": self.pending,
             "inflight_actions": len(self.inflight),
             "queued": {k: e.queue.requests for k, e in self.models.items() if e.queue.requests},

@@ -1,5 +1,6 @@
-"""Latency estimates: a sliding window per (model, rows, device kind), read at a high percentile,
-so predictions are conservative and follow the device as it drifts.
+"""Latency estimates: a sliding window per (model, rows, device), read at a high percentile, so
+predictions are conservative and follow each device as it drifts; seeded per device kind from
+the model's profile.
 
 `rows` is what the device runs: the batch size on devices that pad to fixed batch sizes (CUDA
 graphs), the number of samples on devices that run exactly the filled rows (CPU, simulated).
@@ -14,21 +15,35 @@ from collections import deque
 EXACT_ROW_KINDS = frozenset({"cpu", "sim"})  # devices that run exactly the filled rows of a batch
 DEFAULT_WINDOW = 10
 DEFAULT_PERCENTILE = 0.99
+DEFAULT_MAX_AGE = 1.0  # seconds: older samples no longer count (a transient slowdown is forgotten)
 
 
 class SlidingWindow:
-    __slots__ = ("_cache", "_samples")
+    __slots__ = ("_cache", "_samples", "_times", "max_age")
 
-    def __init__(self, size: int = DEFAULT_WINDOW) -> None:
+    def __init__(self, size: int = DEFAULT_WINDOW, max_age: float = DEFAULT_MAX_AGE) -> None:
         self._samples: deque[float] = deque(maxlen=size)
+        self._times: deque[float] = deque(maxlen=size)
         self._cache: dict[float, float] = {}
+        self.max_age = max_age
 
-    def add(self, x: float) -> None:
+    def add(self, x: float, t: float = 0.0) -> None:
         self._samples.append(x)
+        self._times.append(t)
         self._cache.clear()
 
     def __len__(self) -> int:
         return len(self._samples)
+
+    def fresh(self, now: float) -> bool:
+        """Whether any sample is recent enough to count."""
+        return bool(self._times) and now - self._times[-1] <= self.max_age
+
+    def expire(self, now: float) -> None:
+        while self._times and now - self._times[0] > self.max_age:
+            self._times.popleft()
+            self._samples.popleft()
+            self._cache.clear()
 
     def percentile(self, q: float) -> float:
         """The interpolated q-quantile; with 10 samples, q=0.99 is nearly the max."""
@@ -45,11 +60,19 @@ class SlidingWindow:
 
 
 class Estimator:
-    """INFER and LOAD duration estimates in seconds. Unknown until seeded or observed."""
+    """INFER and LOAD duration estimates in seconds. Unknown until seeded or observed.
 
-    def __init__(self, window: int = DEFAULT_WINDOW, percentile: float = DEFAULT_PERCENTILE) -> None:
+    Observed INFER samples count for `max_age` seconds (`now` is set by the scheduler at each
+    step): after a transient slowdown the estimate returns to recent results or the profile,
+    instead of keeping a model off a device forever (no result would ever correct it).
+    """
+
+    def __init__(self, window: int = DEFAULT_WINDOW, percentile: float = DEFAULT_PERCENTILE,
+                 max_age: float = DEFAULT_MAX_AGE) -> None:
         self.window = window
         self.percentile = percentile
+        self.max_age = max_age
+        self.now = 0.0
         self._infer: dict[tuple[str, int, str], SlidingWindow] = {}
         self._load: dict[tuple[str, str], SlidingWindow] = {}
         self._seeds: dict[tuple[str, int, str], float] = {}
@@ -72,11 +95,13 @@ class Estimator:
                 v = upper[0][1]
             self._seeds[(model, b, kind)] = v
 
-    def observe_infer(self, model: str, batch: int, kind: str, seconds: float) -> None:
-        w = self._infer.get((model, batch, kind))
+    def observe_infer(self, model: str, batch: int, kind: str, seconds: float, device: str | None = None) -> None:
+        """A measured run, kept per device (a straggling device must not make its peers look slow)."""
+        key = (model, batch, device or kind)
+        w = self._infer.get(key)
         if w is None:
-            w = self._infer[(model, batch, kind)] = SlidingWindow(self.window)
-        w.add(seconds)
+            w = self._infer[key] = SlidingWindow(self.window, self.max_age)
+        w.add(seconds, self.now)
 
     def observe_load(self, model: str, kind: str, seconds: float) -> None:
         w = self._load.get((model, kind))
@@ -84,9 +109,16 @@ class Estimator:
             w = self._load[(model, kind)] = SlidingWindow(self.window)
         w.add(seconds)
 
-    def infer(self, model: str, batch: int, kind: str) -> float | None:
-        w = self._infer.get((model, batch, kind))
+    def infer(self, model: str, batch: int, kind: str, device: str | None = None) -> float | None:
+        """The device's recent runs if it has any, else the profile of its kind."""
+        w = self._infer.get((model, batch, device or kind))
         if w is not None and len(w):
+            if w.fresh(self.now):
+                w.expire(self.now)
+                return w.percentile(self.percentile)
+            seed = self._seeds.get((model, batch, kind))
+            if seed is not None:  # nothing recent: the profile, not a stale slow sample
+                return seed
             return w.percentile(self.percentile)
         return self._seeds.get((model, batch, kind))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from daemon.actions import Result
+from daemon.actions import Action, Result
 from daemon.config import ControllerSettings
 from daemon.request import InferenceRequest
 
@@ -31,6 +31,10 @@ class Policy(Protocol):
 
     def on_result(self, state: Scheduler, result: Result, now: float) -> None:
         """An action's result came back (after the scheduler applied it)."""
+        ...
+
+    def on_extra(self, state: Scheduler, action: Action, now: float) -> None:
+        """The scheduler issued an action the policy did not plan (a parity batch, a replica)."""
         ...
 
 

@@ -110,6 +110,11 @@ class ControllerService:
 
     # ---------------------------------------------------------------- lifecycle
 
+    def preload(self, key: str, replicas: int, avoid: set[str] | None = None) -> list[str]:
+        devices = self.scheduler.preload(key, replicas, self.clock.now(), avoid)
+        self.apply(self.scheduler._take())
+        return devices
+
     def apply(self, decision: Decision) -> None:
         """Carry out a decision made outside a step (model removal, for instance)."""
         self._deliver(decision)

@@ -143,6 +143,7 @@ class Telemetry:
         self.start_error = Histogram()  # actual start - planned start
         self.duration_error = Histogram()  # measured / expected - 1, INFER with an estimate
         self.load_time = Histogram()
+        self.decode_time = Histogram()  # ParM reconstructions
         self.trace = trace
 
     def request(self, req: InferenceRequest) -> None:
@@ -188,5 +189,6 @@ class Telemetry:
             "start_error_ms": self.start_error.summary(ms, (1, 50, 99)),
             "duration_error": self.duration_error.summary(1.0, (1, 50, 99)),
             "load_time_ms": self.load_time.summary(ms),
+            "decode_time_ms": self.decode_time.summary(ms),
             "trace_dropped": self.trace.dropped if self.trace else 0,
         }

@@ -31,6 +31,22 @@ class IOBuffers:
     filled: int = 0  # rows written by the last batch, so only stale rows get zeroed
     input_ptrs: frozenset[int] = field(default_factory=frozenset)
 
+    def fill_coded(self, members: Sequence[Sequence[InferenceRequest]], encoder: str) -> int:
+        """A parity batch: each member's rows, encoded (codes.py, the same code training used)."""
+        from daemon.coding.codes import encoder as make_encoder
+        from daemon.coding.codes import stack_members
+
+        enc = make_encoder(encoder)
+        rows = max((sum(r.samples for r in m) for m in members), default=0)
+        for i, buf in enumerate(self.host):
+            parts = [torch.from_numpy(np.concatenate([r.inputs[i] for r in m]) if m else
+                                      np.zeros((0, *buf.shape[1:]), dtype=buf.dtype)) for m in members]
+            buf[:rows] = enc(stack_members(parts, rows)).numpy()
+            if rows < self.filled:
+                buf[rows : self.filled] = 0
+        self.filled = rows
+        return rows
+
     def fill(self, requests: Sequence[InferenceRequest]) -> int:
         rows = 0
         for i, buf in enumerate(self.host):

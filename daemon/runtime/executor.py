@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ from daemon.actions import Action, ActionKind, Result, ResultStatus
 from daemon.clock import Clock
 from daemon.runtime.backend import Backend, IOBuffers
 from daemon.runtime.devices import Device
+from daemon.runtime.faults import Faults
 from daemon.runtime.program import Program, Runner
 
 log = logging.getLogger("escapement.executor")
@@ -145,6 +147,7 @@ class Executor:
         self.programs = programs
         self.resident: dict[str, Resident] = {}
         self.used_bytes = 0
+        self.faults = Faults()
         self._lock = threading.Lock()
         self.infer_lane = Lane(f"{device.name}/infer", self._infer, clock, post,
                                lambda: backend.thread_setup("infer"))
@@ -156,6 +159,7 @@ class Executor:
         self.load_lane.start()
 
     def stop(self, timeout: float = 5.0) -> None:
+        self.faults.release()  # a hung lane must not keep the daemon from stopping
         self.load_lane.stop(timeout)
         self.infer_lane.stop(timeout)
 
@@ -176,8 +180,12 @@ class Executor:
         if io is None or action.samples > action.batch_size:
             return Result(action, ResultStatus.FAILED, received, begin, begin,
                           error=f"invalid batch: {action.samples} samples at batch size {action.batch_size}")
-        rows = io.fill(action.requests)
+        self.faults.before()
+        rows = io.fill_coded(action.coded, action.encoder) if action.coded is not None else io.fill(action.requests)
         outputs, duration = self.backend.infer(res.runner, io, rows)
+        extra = self.faults.extra(self.clock.now() - begin, begin)
+        if extra > 0:
+            time.sleep(extra)  # an injected slowdown holds the device, as a slow device would
         return Result(action, ResultStatus.OK, received, begin, self.clock.now(), duration, outputs)
 
     def _load_or_unload(self, action: Action, received: float) -> Result:

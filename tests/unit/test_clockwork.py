@@ -118,7 +118,7 @@ def test_the_timeline_learns_from_results() -> None:
     assert lane.free_at(h.now) == pytest.approx(h.now + 4 * MS)
     h.result(infer, duration=1 * MS)  # it ran faster than planned
     assert lane.free_at(h.now) == pytest.approx(h.now)
-    assert h.sched.estimator.infer(spec.key, 1, "cpu") < 4 * MS  # and the estimate moved
+    assert h.sched.estimator.infer(spec.key, 1, "cpu", "cpu:0") < 4 * MS  # and that device's estimate moved
 
 
 def test_loads_follow_demand() -> None:
@@ -237,3 +237,17 @@ def test_the_head_rides_in_the_largest_batch_when_it_can_wait_for_it() -> None:
     rest = [h.request(spec, timeout=90 * MS) for _ in range(8)]
     first = h.step()[0]
     assert first.requests == [head, *rest[:7]]
+
+
+def test_a_straggling_device_does_not_make_its_peers_look_slow() -> None:
+    h = cw(devices=2)
+    spec = add(h, "m", max_batch=1, profile={1: 1 * MS})
+    est = h.sched.estimator
+    est.now = h.now
+    est.observe_infer(spec.key, 1, "cpu", 0.040, "cpu:0")  # one slow run on cpu:0
+    assert h.sched.estimate(spec.key, 1, h.sched.devices["cpu:0"]) == pytest.approx(0.040)
+    assert h.sched.estimate(spec.key, 1, h.sched.devices["cpu:1"]) == pytest.approx(1 * MS)  # the profile
+    r = h.request(spec, timeout=30 * MS)  # admitted: an idle cpu:1 can make it
+    assert r.status == RequestStatus.QUEUED
+    est.now = h.now + 1.5  # the slow sample ages out: cpu:0 is back to its profile
+    assert h.sched.estimate(spec.key, 1, h.sched.devices["cpu:0"]) == pytest.approx(1 * MS)

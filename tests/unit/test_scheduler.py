@@ -254,7 +254,7 @@ def test_estimates_learn_from_results() -> None:
     (infer,) = h.step()
     h.result(infer, duration=7 * MS)
     # a high percentile of the window: close to the slowest recent run
-    assert 6.5 * MS < h.sched.estimate(spec.key, 1, "cpu") <= 7 * MS
+    assert 6.5 * MS < h.sched.estimate(spec.key, 1, h.sched.devices["cpu:0"]) <= 7 * MS
 
 
 def test_a_request_exactly_at_its_boundary_does_not_spin() -> None:

@@ -1,0 +1,313 @@
+"""Coding groups: ParM's parity batches, as controller state. Pure code, driven by `now`.
+
+For a model with parity, every k consecutive INFER batches of one batch size form a group.
+When the k-th is issued the scheduler issues the group's parity batch (the members' inputs,
+encoded by the executor off the event loop) on the parity model, on another device when there
+is one. A member is **reconstructed** - its requests answered with
+`parity output - the other k-1 outputs`, flagged - when the other k outputs are in and it
+
+- failed or was refused (its requests are held for the reconstruction instead of being retried
+  or failed, until the last moment a retry could still make it), or
+- is going to miss its deadline: its predicted end is past it, or the deadline is at hand
+  (`DECODE_MARGIN` before it).
+
+Whatever arrives first wins: a reconstruction is ignored once the original answered, and the
+original once the reconstruction did.
+
+A group that has not filled within the model's `flush_ms` is flushed: a parity model trained on
+sums of k inputs would be out of its depth on fewer, so each of its members still running is
+protected by a **replica** instead: the same batch with the deployed model on another device,
+whose answer counts as a reconstruction. (At low load, when groups fill slowly, devices have
+room for replicas.) Groups leave no state behind: one is dropped as soon as all its members'
+requests are answered, and timers of dropped groups are ignored.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+import torch
+
+from daemon.actions import Action
+from daemon.coding.codes import decode
+from daemon.repository import ModelSpec
+from daemon.request import RequestStatus
+
+DECODE_MARGIN = 0.0005  # reconstruct this long before a deadline if the original is not back
+
+
+class MemberState(IntEnum):
+    RUNNING = 0  # in flight
+    DONE = 1  # its result came back and answered it
+    LOST = 2  # failed or refused: its requests wait for a reconstruction
+    SAVED = 3  # answered with a reconstruction
+
+
+@dataclass(slots=True, eq=False)
+class Member:
+    action: Action
+    state: MemberState = MemberState.RUNNING
+    outputs: tuple[np.ndarray, ...] | None = None
+
+    def live(self) -> bool:
+        return any(r.status == RequestStatus.RUNNING for r in self.action.requests)
+
+    @property
+    def deadline(self) -> float:
+        return min((r.deadline for r in self.action.requests if r.status == RequestStatus.RUNNING), default=0.0)
+
+
+@dataclass(slots=True, eq=False)
+class Group:
+    id: int
+    spec: ModelSpec  # the deployed model
+    batch_size: int
+    k: int
+    opened_at: float
+    members: list[Member] = field(default_factory=list)
+    parity: Action | None = None
+    parity_out: tuple[np.ndarray, ...] | None = None
+    parity_dead: bool = False  # failed, refused, or never issued
+    flushed: bool = False
+
+    @property
+    def full(self) -> bool:
+        return len(self.members) >= self.k
+
+    def others_in(self, m: Member) -> bool:
+        return all(o.outputs is not None for o in self.members if o is not m)
+
+
+@dataclass(slots=True)
+class Save:
+    """A member to answer with reconstructed outputs."""
+
+    action: Action
+    outputs: tuple[np.ndarray, ...]
+    decode_s: float = 0.0  # measured time the decode took
+
+
+@dataclass(slots=True)
+class Release:
+    """A lost member whose reconstruction cannot come in time: handle its requests as usual."""
+
+    action: Action
+
+
+class Timer(IntEnum):
+    FLUSH = 1
+    DECODE = 2  # decode a running member if its original is not back (deadline at hand)
+    GIVE_UP = 3  # release a lost member if no reconstruction came
+
+
+class Coding:
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self.open: dict[tuple[str, int], Group] = {}
+        self.groups: dict[int, Group] = {}
+        self.role: dict[int, tuple[Group, Member | None]] = {}  # action id -> (group, member | None: parity)
+        self.replicas: dict[int, Action] = {}  # replica action id -> the member action it protects
+        self._timers: list[tuple[float, int, Timer, int, int]] = []  # (t, seq, kind, group id, action id)
+        self._seq = itertools.count()
+
+    # ---------------------------------------------------------------- forming groups
+
+    def add(self, action: Action, now: float) -> Group | None:
+        """Add a data batch of a model with parity; returns its group when the group is full."""
+        spec = action.model
+        assert spec.parity is not None
+        key = (spec.key, action.batch_size)
+        g = self.open.get(key)
+        if g is None:
+            g = Group(next(self._ids), spec, action.batch_size, spec.parity.k, now)
+            self.open[key] = g
+            self.groups[g.id] = g
+            self._timer(now + spec.parity.flush_ms / 1000.0, Timer.FLUSH, g.id, 0)
+        m = Member(action)
+        g.members.append(m)
+        self.role[action.id] = (g, m)
+        if g.full:
+            del self.open[key]
+            return g
+        return None
+
+    def set_parity(self, g: Group, parity: Action | None) -> None:
+        g.parity = parity
+        if parity is None:
+            g.parity_dead = True
+            self._maybe_drop(g)
+        else:
+            self.role[parity.id] = (g, None)
+
+    def add_replica(self, replica: Action, member: Action) -> None:
+        self.replicas[replica.id] = member
+
+    # ---------------------------------------------------------------- results
+
+    def kind(self, action: Action) -> str | None:
+        if action.id in self.replicas:
+            return "replica"
+        entry = self.role.get(action.id)
+        if entry is None:
+            return None
+        return "member" if entry[1] is not None else "parity"
+
+    def member_done(self, action: Action, outputs: tuple[np.ndarray, ...] | None, now: float) -> list[Save]:
+        """A member's own result: OK (outputs) answered its requests. Others may now be saved."""
+        entry = self.role.get(action.id)
+        if entry is None:
+            return []
+        g, m = entry
+        assert m is not None
+        if m.state == MemberState.RUNNING:
+            m.state = MemberState.DONE
+        m.outputs = outputs
+        saves = self._try(g, now)
+        self._maybe_drop(g)
+        return saves
+
+    def member_lost(self, action: Action, now: float, latest_retry: float) -> tuple[bool, list[Save]]:
+        """A member failed or was refused. (held, saves): held means its requests wait for a
+        reconstruction (until `latest_retry`, when they are released to be retried or failed)."""
+        entry = self.role.get(action.id)
+        if entry is None:
+            return False, []
+        g, m = entry
+        assert m is not None
+        if m.state != MemberState.RUNNING:
+            return False, []
+        if g.parity_dead or any(o.state == MemberState.LOST for o in g.members if o is not m):
+            return False, []  # one parity can rebuild one member at most
+        m.state = MemberState.LOST
+        saves = self._try(g, now)
+        if m.state == MemberState.LOST:
+            self._timer(latest_retry, Timer.GIVE_UP, g.id, action.id)
+        return True, saves
+
+    def parity_done(self, action: Action, outputs: tuple[np.ndarray, ...] | None, now: float) -> list[Save | Release]:
+        entry = self.role.pop(action.id, None)
+        if entry is None:
+            return []
+        g = entry[0]
+        out: list[Save | Release] = []
+        if outputs is None:
+            g.parity_dead = True
+            out += [Release(m.action) for m in g.members if m.state == MemberState.LOST]
+            for m in g.members:
+                if m.state == MemberState.LOST:
+                    m.state = MemberState.DONE
+        else:
+            g.parity_out = outputs
+            out += self._try(g, now)
+        self._maybe_drop(g)
+        return out
+
+    # ---------------------------------------------------------------- decoding
+
+    def _try(self, g: Group, now: float) -> list[Save]:
+        """Save what can be saved now; arm a decode timer for running members that may be late."""
+        if g.parity_out is None or not g.full:
+            return []
+        saves = []
+        for m in g.members:
+            if m.state not in (MemberState.LOST, MemberState.RUNNING) or not g.others_in(m) or not m.live():
+                continue
+            a = m.action
+            predicted_end = a.expected_start + a.expected_duration
+            if m.state == MemberState.LOST or predicted_end > m.deadline - DECODE_MARGIN:
+                saves.append(self._save(g, m))
+            else:
+                self._timer(m.deadline - DECODE_MARGIN, Timer.DECODE, g.id, a.id)
+        return saves
+
+    def _save(self, g: Group, m: Member) -> Save:
+        t0 = time.perf_counter()  # a measurement for telemetry, not an input to any decision
+        assert g.parity_out is not None
+        rows = m.action.samples
+        outs = []
+        for i, p in enumerate(g.parity_out):
+            others = [torch.from_numpy(_rows(o.outputs[i], p.shape[0])) for o in g.members
+                      if o is not m and o.outputs is not None]
+            decoded = decode(torch.from_numpy(p), others).numpy()
+            outs.append(decoded[:rows])
+        m.state = MemberState.SAVED
+        m.outputs = tuple(outs)
+        return Save(m.action, tuple(outs), time.perf_counter() - t0)
+
+    # ---------------------------------------------------------------- timers
+
+    def _timer(self, t: float, kind: Timer, gid: int, aid: int) -> None:
+        heapq.heappush(self._timers, (t, next(self._seq), kind, gid, aid))
+
+    def next_time(self) -> float | None:
+        while self._timers and self._timers[0][3] not in self.groups:
+            heapq.heappop(self._timers)
+        return self._timers[0][0] if self._timers else None
+
+    def due(self, now: float) -> tuple[list[Group], list[Save | Release]]:
+        """Timers that came due: groups to flush, members to save or release."""
+        flush: list[Group] = []
+        out: list[Save | Release] = []
+        while self._timers and self._timers[0][0] <= now:
+            _, _, kind, gid, aid = heapq.heappop(self._timers)
+            g = self.groups.get(gid)
+            if g is None:
+                continue
+            if kind == Timer.FLUSH:
+                if not g.full and not g.flushed:
+                    g.flushed = True
+                    self.open.pop((g.spec.key, g.batch_size), None)
+                    flush.append(g)
+                continue
+            m = next((x for x in g.members if x.action.id == aid), None)
+            if m is None:
+                continue
+            if kind == Timer.DECODE and m.state == MemberState.RUNNING and m.live() and g.parity_out is not None \
+                    and g.others_in(m):
+                out.append(self._save(g, m))
+            elif kind == Timer.GIVE_UP and m.state == MemberState.LOST:
+                m.state = MemberState.DONE
+                out.append(Release(m.action))
+            self._maybe_drop(g)
+        return flush, out
+
+    # ---------------------------------------------------------------- cleanup
+
+    def _maybe_drop(self, g: Group) -> None:
+        """Forget a group once none of its members has a request left to answer."""
+        if (g.full or g.flushed) and not any(m.live() for m in g.members):
+            self.drop(g)
+
+    def drop(self, g: Group) -> None:
+        self.groups.pop(g.id, None)
+        if self.open.get((g.spec.key, g.batch_size)) is g:
+            del self.open[(g.spec.key, g.batch_size)]
+        for m in g.members:
+            self.role.pop(m.action.id, None)
+        if g.parity is not None:
+            self.role.pop(g.parity.id, None)
+
+    def replica_done(self, action: Action) -> None:
+        self.replicas.pop(action.id, None)
+
+    def flushed(self, g: Group) -> None:
+        """A flushed group gets no parity; forget it once its members are answered."""
+        g.parity_dead = True
+        self._maybe_drop(g)
+
+    def statistics(self) -> dict[str, int]:
+        return {"open_groups": len(self.open), "live_groups": len(self.groups), "tracked_actions": len(self.role),
+                "replicas_in_flight": len(self.replicas), "timers": len(self._timers)}
+
+
+def _rows(a: np.ndarray, rows: int) -> np.ndarray:
+    """`a` padded with zero rows to `rows` rows (members may fill fewer rows than the parity has)."""
+    if a.shape[0] >= rows:
+        return a[:rows]
+    pad = np.zeros((rows - a.shape[0], *a.shape[1:]), dtype=a.dtype)
+    return np.concatenate([a, pad])

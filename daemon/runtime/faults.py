@@ -1,0 +1,96 @@
+"""Fault injection for tests, demos and benchmarks: a device made slow, failing or hung.
+
+Per device: a slowdown (a factor on INFER durations and/or an added delay) that is sustained,
+periodic (the first `duty` of every `period_s`) or in random bursts (windows of `burst_s`, each
+slowed with probability `duty`, decided by a seeded hash so runs repeat); INFER failures with a
+probability; and a hang (INFER blocks until the fault is cleared). Off by default; set in the
+config (`[[faults]]`) or at run time (`POST /v2/admin/faults`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+FaultMode = Literal["sustained", "periodic", "random"]
+
+
+@dataclass(frozen=True, slots=True)
+class FaultSpec:
+    slowdown: float = 1.0  # factor on INFER durations
+    add_ms: float = 0.0  # added to each INFER
+    mode: FaultMode = "sustained"
+    period_s: float = 1.0  # periodic: the cycle
+    duty: float = 0.5  # periodic: the slowed share of each cycle; random: the chance a window is slowed
+    burst_s: float = 0.1  # random: the window length
+    fail_probability: float = 0.0
+    hang: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.slowdown < 1.0 or self.add_ms < 0 or not 0 <= self.duty <= 1 or self.period_s <= 0
+                or self.burst_s <= 0 or not 0 <= self.fail_probability <= 1):
+            raise ValueError(f"bad fault: {self}")
+        if self.mode not in ("sustained", "periodic", "random"):
+            raise ValueError(f"fault mode {self.mode!r}: expected sustained, periodic or random")
+
+    def slowed(self, t: float) -> bool:
+        if self.mode == "sustained":
+            return True
+        if self.mode == "periodic":
+            return (t % self.period_s) < self.duty * self.period_s
+        window = int(t // self.burst_s)
+        h = hashlib.blake2b(f"{self.seed}:{window}".encode(), digest_size=8).digest()
+        return int.from_bytes(h, "little") / 2**64 < self.duty
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Faults:
+    """The faults of one device; thread-safe (set from the loop, read by executor threads)."""
+
+    def __init__(self) -> None:
+        self._spec: FaultSpec | None = None
+        self._lock = threading.Lock()
+        self._unhang = threading.Event()
+        self._unhang.set()
+        self._rng = random.Random(0)
+
+    @property
+    def spec(self) -> FaultSpec | None:
+        return self._spec
+
+    def set(self, spec: FaultSpec | None) -> None:
+        with self._lock:
+            self._spec = spec
+            self._rng = random.Random(spec.seed if spec else 0)
+            if spec is not None and spec.hang:
+                self._unhang.clear()
+            else:
+                self._unhang.set()
+
+    def before(self) -> None:
+        """Called before an INFER runs: hang until cleared, or fail with the set probability."""
+        spec = self._spec
+        if spec is None:
+            return
+        if spec.hang:
+            self._unhang.wait()
+        with self._lock:
+            fail = spec.fail_probability > 0 and self._rng.random() < spec.fail_probability
+        if fail:
+            raise RuntimeError("injected failure")
+
+    def extra(self, duration: float, t: float) -> float:
+        """Seconds to add to an INFER that took `duration` and started at `t`."""
+        spec = self._spec
+        if spec is None or not spec.slowed(t):
+            return 0.0
+        return duration * (spec.slowdown - 1.0) + spec.add_ms / 1000.0
+
+    def release(self) -> None:
+        self._unhang.set()
