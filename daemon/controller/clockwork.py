@@ -138,7 +138,8 @@ class ClockworkPolicy:
         for e in active:
             for name in state.ready_on.get(e.spec.key, ()):
                 by_device.setdefault(name, []).append(e)
-        devices = sorted((state.devices[n] for n in by_device), key=lambda d: self._timeline(d).exec.free_at(now))
+        devices = sorted((state.devices[n] for n in by_device),
+                         key=lambda d: (self._timeline(d).exec.free_at(now), d.name))
         seen: set[str] = set()  # models a sooner-free device holding them has already looked at
         for dev in devices:
             mine = by_device[dev.name]

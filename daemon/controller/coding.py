@@ -187,6 +187,7 @@ class Coding:
         saves = self._try(g, now)
         if m.state == MemberState.LOST:
             self._timer(latest_retry, Timer.GIVE_UP, g.id, action.id)
+        self._maybe_drop(g)
         return True, saves
 
     def parity_done(self, action: Action, outputs: tuple[np.ndarray, ...] | None, now: float) -> list[Save | Release]:
@@ -245,9 +246,13 @@ class Coding:
         heapq.heappush(self._timers, (t, next(self._seq), kind, gid, aid))
 
     def next_time(self) -> float | None:
-        while self._timers and self._timers[0][3] not in self.groups:
+        while self._timers and self._stale(self._timers[0]):
             heapq.heappop(self._timers)
         return self._timers[0][0] if self._timers else None
+
+    def _stale(self, timer: tuple[float, int, Timer, int, int]) -> bool:
+        g = self.groups.get(timer[3])
+        return g is None or (timer[2] == Timer.FLUSH and (g.full or g.flushed))
 
     def due(self, now: float) -> tuple[list[Group], list[Save | Release]]:
         """Timers that came due: groups to flush, members to save or release."""
@@ -279,8 +284,10 @@ class Coding:
     # ---------------------------------------------------------------- cleanup
 
     def _maybe_drop(self, g: Group) -> None:
-        """Forget a group once none of its members has a request left to answer."""
-        if (g.full or g.flushed) and not any(m.live() for m in g.members):
+        """Forget a group once none of its members waits on it (running, or lost and held).
+        A saved or released member's requests are answered or handed back by the scheduler."""
+        if (g.full or g.flushed) and not any(
+                m.state in (MemberState.RUNNING, MemberState.LOST) and m.live() for m in g.members):
             self.drop(g)
 
     def drop(self, g: Group) -> None:

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("escapement.controller")
 
 LATEST_GRACE = 0.002  # an action may start this much after the plan before it is refused
+OVERDUE_GRACE = 0.005  # an INFER not back this long after its requests' deadline: answer them 504
 
 
 @dataclass(slots=True, eq=False)
@@ -94,6 +95,7 @@ class Scheduler:
         self.pending = 0  # requests accepted and not yet finished
         self.counters: Counter[str] = Counter()  # monotonic event counts, read by stats and benchmarks
         self._expiry: list[tuple[float, int, InferenceRequest]] = []
+        self._overdue: list[tuple[float, int, Action]] = []  # INFERs by when their requests are overdue
         self._decision = Decision()
 
     # ---------------------------------------------------------------- models
@@ -221,6 +223,7 @@ class Scheduler:
         for g in flush:
             self._protect_partial(g, now)
         self._expire(now)
+        self._watch_overdue(now)
         self.policy.schedule(self, now)
         return self._take()
 
@@ -228,8 +231,11 @@ class Scheduler:
         """When `schedule` next has something to do without new requests or results."""
         while self._expiry and self._expiry[0][2].status != RequestStatus.QUEUED:
             heapq.heappop(self._expiry)
+        while self._overdue and self._overdue[0][2].id not in self.inflight:
+            heapq.heappop(self._overdue)
         times = [t for t in (self._expiry[0][0] if self._expiry else None, self.policy.next_wakeup(self, now),
-                             self.coding.next_time()) if t is not None]
+                             self.coding.next_time(), self._overdue[0][0] if self._overdue else None)
+                 if t is not None]
         return min(times) if times else None
 
     def _expire(self, now: float) -> None:
@@ -245,6 +251,20 @@ class Scheduler:
                 continue
             self.models[req.model.key].queue.discard(req)
             self._finish(req, RequestStatus.FAILED, self.deadline_error(req, now), now)
+
+    def _watch_overdue(self, now: float) -> None:
+        """Answer the requests of INFERs a device has not returned by their deadline (plus a grace):
+        a hung or lost device must not keep a request unanswered."""
+        heap = self._overdue
+        while heap and heap[0][0] <= now:
+            _, _, action = heapq.heappop(heap)
+            if action.id not in self.inflight:
+                continue
+            for r in action.requests:
+                if r.status == RequestStatus.RUNNING:
+                    self.counters["overdue"] += 1
+                    self._finish(r, RequestStatus.FAILED, DeadlineExceeded(
+                        f"deadline missed: {action.device} did not answer in time"), now)
 
     @staticmethod
     def deadline_error(req: InferenceRequest, now: float) -> DeadlineExceeded:
@@ -292,6 +312,8 @@ class Scheduler:
         self.counters["infer_slots"] += batch_size
         action = self.issue(Action(ActionKind.INFER, spec, dev.name, earliest, latest, expected, batch_size,
                                    requests, expected_start=earliest), now)
+        if requests:
+            heapq.heappush(self._overdue, (max(r.deadline for r in requests) + OVERDUE_GRACE, action.id, action))
         if spec.parity is not None and parity_key(spec) in self.models:
             group = self.coding.add(action, now)
             if group is not None:

@@ -4,8 +4,8 @@ A lane's timeline is the work planned on it: the actions issued and not yet repo
 with its expected duration, after the moment the lane began that run of work. Results
 correct it: a reported end becomes the new beginning of what is left, so errors in the
 estimates never accumulate. A head action that runs longer than expected by more than `lag`
-is assumed to have started `lag` ago (as Clockwork's tracker does), so one slow action does
-not stall planning forever.
+is assumed to keep running for another `lag` (Clockwork's tracker assumes instead that it
+started `lag` ago, which makes a hung device look free and piles work onto it).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ class LaneTimeline:
             return now
         start = self.begin
         head = next(iter(self.outstanding.values()))
-        if now > start + head + self.lag:  # the head overran: assume it started `lag` ago
-            start = now - self.lag
+        if now > start + head + self.lag:  # the head overran: assume it runs on for another `lag`
+            return now + self.lag + (self.total - head)
         return max(now, start + self.total)
 
     def add(self, action_id: int, duration: float, now: float) -> float:

@@ -63,14 +63,13 @@ class Harness:
         return self._take(self.sched.schedule(self.now))
 
     def result(self, action: Action, status: ResultStatus = ResultStatus.OK, duration: float | None = None,
-               error: str = "") -> list[Action]:
+               error: str = "", outputs: tuple[np.ndarray, ...] | None = None) -> list[Action]:
         """Complete `action` after `duration` (default: as long as the scheduler expected)."""
         if duration is None:
             duration = action.expected_duration if action.kind == ActionKind.INFER else 1 * MS
         begin = self.now
         self.clock.advance(duration)
-        outputs = None
-        if action.kind == ActionKind.INFER and status == ResultStatus.OK:
+        if outputs is None and action.kind == ActionKind.INFER and status == ResultStatus.OK:
             outputs = (np.arange(action.samples, dtype=np.float32).reshape(-1, 1),)
         r = Result(action, status, begin, begin, self.now, duration, outputs, error)
         self._take(self.sched.on_result(r, self.now))

@@ -1,0 +1,95 @@
+"""ParM end to end: a CPU device hangs, and requests it holds come back reconstructed in time."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from daemon.client import AsyncSocketClient
+from daemon.demo import digits_split
+from tests.support import DaemonThread, settings, short_tmpdir
+
+
+@pytest.fixture
+def parity_daemon(demo_repo: Path) -> Iterator[DaemonThread]:
+    """digits_mlp (with its k=2 parity model) preloaded on cpu:0 and cpu:1, the parity on cpu:2.
+    A daemon per test: a hang leaves a device looking slow for a while, as it should."""
+    d = short_tmpdir()
+    repo = d / "repo"
+    shutil.copytree(demo_repo / "digits_mlp", repo / "digits_mlp")
+    cfg = repo / "digits_mlp" / "config.toml"
+    cfg.write_text("preload_replicas = 2\n" + cfg.read_text())
+    dt = DaemonThread(settings(repo, d, runtime={"devices": ["cpu:0", "cpu:1", "cpu:2"]})).start()
+    yield dt
+    dt.stop()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def call(dt: DaemonThread, method: str, path: str, body: object = None) -> tuple[int, object]:
+    host, port = dt.http.split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        c.request(method, path, body=orjson.dumps(body) if body is not None else None)
+        r = c.getresponse()
+        return r.status, orjson.loads(r.read() or b"null")
+    finally:
+        c.close()
+
+
+def test_requests_on_a_hung_device_come_back_reconstructed(parity_daemon: DaemonThread) -> None:
+    dt = parity_daemon
+    _, stats = call(dt, "GET", "/v2/controller/stats")
+    assert stats["devices"]["cpu:2"]["models"] == ["digits_mlp.parity:1"]
+    assert sorted(stats["devices"]["cpu:0"]["models"] + stats["devices"]["cpu:1"]["models"]) == ["digits_mlp:1"] * 2
+    _, _, x, y = digits_split()
+    status, _ = call(dt, "POST", "/v2/admin/faults", {"device": "cpu:0", "hang": True})
+    assert status == 200
+
+    async def load() -> list[object]:
+        async with AsyncSocketClient(dt.socket) as c:
+            async def one(i: int) -> object:
+                await asyncio.sleep(i * 0.004)  # the first batch goes to cpu:0 (both free: by name)
+                return await c.infer("digits_mlp", {"INPUT__0": x[i : i + 1]}, timeout_us=150_000)
+            return await asyncio.gather(*(one(i) for i in range(40)), return_exceptions=True)
+
+    results = asyncio.run(load())
+    call(dt, "DELETE", "/v2/admin/faults/cpu:0")
+    answered = [(i, r) for i, r in enumerate(results) if not isinstance(r, BaseException)]
+    rebuilt = [(i, r) for i, r in answered if r.reconstructed]
+    assert rebuilt, "requests stuck on the hung device were reconstructed"
+    assert len(answered) >= 0.9 * len(results)
+    # reconstructions are real predictions: mostly the right digit
+    hits = sum(int(r.outputs["OUTPUT__0"].argmax() == y[i]) for i, r in rebuilt)
+    assert hits >= 0.8 * len(rebuilt)
+    assert dt.wait_idle() == 0
+    _, stats = call(dt, "GET", "/v2/controller/stats")
+    assert stats["counters"]["reconstructions"] == len(rebuilt)
+    assert stats["coding"]["live_groups"] == 0 and stats["coding"]["tracked_actions"] == 0  # nothing leaked
+    assert stats["telemetry"]["decode_time_ms"]["count"] == len(rebuilt)
+
+
+def test_http_answers_say_when_they_were_reconstructed(parity_daemon: DaemonThread) -> None:
+    dt = parity_daemon
+    call(dt, "POST", "/v2/admin/faults", {"device": "cpu:0", "hang": True})
+    _, _, x, _ = digits_split()
+    body = {"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 64], "data": x[0].tolist()}],
+            "parameters": {"timeout": 150_000}}
+
+    async def burst() -> list[tuple[int, dict[str, object]]]:
+        loop = asyncio.get_running_loop()
+        return await asyncio.gather(*(loop.run_in_executor(None, call, dt, "POST", "/v2/models/digits_mlp/infer",
+                                                            body) for _ in range(40)))
+
+    replies = asyncio.run(burst())
+    call(dt, "DELETE", "/v2/admin/faults/cpu:0")
+    flagged = [r for s, r in replies if s == 200 and (r.get("parameters") or {}).get("reconstructed") is True]
+    assert flagged
+    assert all(np.argmax(r["outputs"][0]["data"]) == np.argmax(flagged[0]["outputs"][0]["data"]) for r in flagged)
+    assert dt.wait_idle() == 0

@@ -1,0 +1,167 @@
+"""ParM serving in the controller: coding groups, reconstructions, replicas, races, no leaks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from daemon.actions import Action, ActionKind, ResultStatus
+from daemon.controller.clockwork import ClockworkPolicy
+from daemon.controller.coding import DECODE_MARGIN
+from daemon.repository import ModelSpec, ParitySpec, parity_model
+from daemon.request import InferenceRequest, RequestStatus
+from tests.unit.harness import MS, Harness, make_spec
+
+
+def setup(k: int = 2, devices: int = 3, flush_ms: float = 25.0) -> tuple[Harness, ModelSpec]:
+    """A model with parity on cpu:0..cpu:(k-1) and its parity model on the last device."""
+    h = Harness(devices=devices, policy=ClockworkPolicy(), budget=1000)
+    spec = replace(make_spec("m", max_batch=4), parity=ParitySpec(k, "sum", "parity.pt2", flush_ms))
+    h.sched.add_model(spec, 100, {1: 2 * MS, 4: 5 * MS}, "cpu")
+    pspec = parity_model(spec)
+    h.sched.add_model(pspec, 100, {1: 2 * MS, 4: 5 * MS}, "cpu")
+    placed = h.sched.preload(spec.key, k, h.now)
+    h.sched.preload(pspec.key, 1, h.now, avoid=set(placed))
+    for load in h.sched._take().actions:
+        h.result(load)
+    return h, spec
+
+
+def two_members(h: Harness, spec: ModelSpec) -> tuple[Action, Action, Action, InferenceRequest, InferenceRequest]:
+    """Two single-request batches, one per data device, and the group's parity batch."""
+    a = h.request(spec, timeout=50 * MS)
+    (m0,) = [x for x in h.step() if x.kind == ActionKind.INFER]
+    b = h.request(spec, timeout=50 * MS)
+    acts = [x for x in h.step() if x.kind == ActionKind.INFER]
+    (m1,) = [x for x in acts if x.coded is None]
+    (parity,) = [x for x in acts if x.coded is not None]
+    return m0, m1, parity, a, b
+
+
+def out(v: float) -> tuple[np.ndarray, ...]:
+    return (np.array([[v]], dtype=np.float32),)
+
+
+def assert_no_state(h: Harness) -> None:
+    stats = h.sched.coding.statistics()
+    assert stats["live_groups"] == 0 and stats["tracked_actions"] == 0 and stats["replicas_in_flight"] == 0
+    assert h.sched.pending == 0
+
+
+def test_k_batches_form_a_group_and_its_parity_runs_on_another_device() -> None:
+    h, spec = setup()
+    m0, m1, parity, a, b = two_members(h, spec)
+    assert {m0.device, m1.device} == {"cpu:0", "cpu:1"}
+    assert parity.device == "cpu:2" and parity.model.name == "m.parity"
+    assert parity.coded == [[a], [b]] and parity.encoder == "sum" and parity.samples == 1
+    assert h.sched.counters["coding_groups"] == 1 and h.sched.counters["parities_issued"] == 1
+
+
+def test_a_failed_member_is_reconstructed_from_the_parity_and_the_others() -> None:
+    h, spec = setup()
+    m0, m1, parity, a, b = two_members(h, spec)
+    h.result(m0, ResultStatus.FAILED, duration=1 * MS, error="device error")
+    assert a.status == RequestStatus.RUNNING  # held for a reconstruction, not failed
+    h.result(m1, outputs=out(3.0))
+    h.result(parity, outputs=out(10.0))
+    assert a.ok and a.reconstructed and float(a.outputs[0][0, 0]) == 7.0  # 10 - 3
+    assert b.ok and not b.reconstructed
+    assert h.sched.counters["reconstructions"] == 1
+    assert h.sched.telemetry.decode_time.count == 1
+    assert_no_state(h)
+
+
+def test_a_refused_member_is_reconstructed_too() -> None:
+    h, spec = setup()
+    m0, m1, parity, a, b = two_members(h, spec)
+    h.result(m1, outputs=out(1.0))
+    h.result(parity, outputs=out(5.0))
+    h.result(m0, ResultStatus.TOO_LATE, duration=0.0)
+    assert a.ok and a.reconstructed and float(a.outputs[0][0, 0]) == 4.0
+    assert_no_state(h)
+
+
+def test_a_member_about_to_miss_its_deadline_is_reconstructed_and_the_late_original_ignored() -> None:
+    h, spec = setup()
+    m0, m1, parity, a, b = two_members(h, spec)
+    h.result(m1, outputs=out(2.0))
+    h.result(parity, outputs=out(6.0))
+    assert a.status == RequestStatus.RUNNING  # predicted on time: wait for the original
+    wake = h.sched.next_wakeup(h.now)
+    assert wake == pytest.approx(a.deadline - DECODE_MARGIN)
+    h.clock.set(wake)
+    h.step()
+    assert a.ok and a.reconstructed and float(a.outputs[0][0, 0]) == 4.0 and a.finished_at < a.deadline
+    h.result(m0, outputs=out(99.0))  # the original, too late: it changes nothing
+    assert float(a.outputs[0][0, 0]) == 4.0
+    assert_no_state(h)
+
+
+def test_the_original_wins_when_it_arrives_first() -> None:
+    h, spec = setup()
+    m0, m1, parity, a, b = two_members(h, spec)
+    h.result(m0, outputs=out(1.0))
+    h.result(m1, outputs=out(2.0))
+    assert a.ok and not a.reconstructed and b.ok and not b.reconstructed
+    h.result(parity, outputs=out(3.0))
+    assert h.sched.counters["reconstructions"] == 0
+    assert_no_state(h)
+
+
+def test_a_lost_parity_releases_a_held_member_to_be_retried() -> None:
+    h, spec = setup()
+    m0, m1, parity, a, b = two_members(h, spec)
+    h.result(m0, ResultStatus.TOO_LATE, duration=0.0)
+    assert a.status == RequestStatus.RUNNING
+    acts = h.result(parity, ResultStatus.FAILED, duration=1 * MS)
+    retry = [x for x in acts if x.kind == ActionKind.INFER and a in x.requests]
+    assert retry, "the held request goes back to the queue and runs again"
+    h.result(m1)
+    h.result(retry[0])
+    assert a.ok and not a.reconstructed
+    h.clock.advance(30 * MS)  # the retry opened a group of its own: flushed, with nothing left to protect
+    h.step()
+    assert_no_state(h)
+
+
+def test_a_partial_group_is_flushed_and_protected_by_a_replica() -> None:
+    h, spec = setup(flush_ms=10.0)
+    a = h.request(spec, timeout=50 * MS)
+    (m0,) = [x for x in h.step() if x.kind == ActionKind.INFER]
+    assert h.sched.next_wakeup(h.now) == pytest.approx(h.now + 10 * MS)
+    h.clock.advance(10 * MS)
+    (replica,) = [x for x in h.step() if x.replica_of]
+    assert replica.replica_of == m0.id and replica.device != m0.device and replica.requests == [a]
+    assert h.sched.counters["groups_flushed"] == 1 and h.sched.counters["replicas"] == 1
+    h.result(replica, outputs=out(8.0))
+    assert a.ok and a.reconstructed and float(a.outputs[0][0, 0]) == 8.0
+    h.result(m0, outputs=out(9.0))  # the original, later: ignored
+    assert float(a.outputs[0][0, 0]) == 8.0
+    assert_no_state(h)
+
+
+def test_without_a_parity_model_on_any_device_groups_go_unprotected_but_work() -> None:
+    h = Harness(devices=2, policy=ClockworkPolicy(), budget=150)
+    spec = replace(make_spec("m", max_batch=4), parity=ParitySpec(2, "sum", "parity.pt2", 25.0))
+    h.sched.add_model(spec, 100, {1: 2 * MS, 4: 5 * MS}, "cpu")
+    h.sched.add_model(parity_model(spec), 100, {1: 2 * MS, 4: 5 * MS}, "cpu")
+    for _ in range(4):
+        h.use(spec)
+    assert h.sched.counters["parity_unavailable"] >= 1
+    assert_no_state(h)
+
+
+def test_requests_of_an_action_that_never_returns_are_answered_after_their_deadline() -> None:
+    h, spec = setup()
+    m0, m1, parity, a, b = two_members(h, spec)
+    h.result(m1, outputs=out(1.0))
+    h.result(parity, ResultStatus.FAILED, duration=1 * MS)  # no reconstruction possible
+    h.clock.set(a.deadline + 0.006)  # m0's device never answers
+    h.step()
+    assert a.status == RequestStatus.FAILED and "did not answer in time" in a.error.message
+    assert h.sched.counters["overdue"] == 1
+    h.result(m0, outputs=out(5.0))  # it comes back at last: nothing changes
+    assert a.status == RequestStatus.FAILED
+    assert_no_state(h)
