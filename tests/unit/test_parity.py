@@ -75,7 +75,7 @@ def test_a_failed_member_is_reconstructed_from_the_parity_and_the_others() -> No
 
 def test_a_refused_member_is_reconstructed_too() -> None:
     h, spec = setup()
-    m0, m1, parity, a, b = two_members(h, spec)
+    m0, m1, parity, a, _b = two_members(h, spec)
     h.result(m1, outputs=out(1.0))
     h.result(parity, outputs=out(5.0))
     h.result(m0, ResultStatus.TOO_LATE, duration=0.0)
@@ -85,7 +85,7 @@ def test_a_refused_member_is_reconstructed_too() -> None:
 
 def test_a_member_about_to_miss_its_deadline_is_reconstructed_and_the_late_original_ignored() -> None:
     h, spec = setup()
-    m0, m1, parity, a, b = two_members(h, spec)
+    m0, m1, parity, a, _b = two_members(h, spec)
     h.result(m1, outputs=out(2.0))
     h.result(parity, outputs=out(6.0))
     assert a.status == RequestStatus.RUNNING  # predicted on time: wait for the original
@@ -112,7 +112,7 @@ def test_the_original_wins_when_it_arrives_first() -> None:
 
 def test_a_lost_parity_releases_a_held_member_to_be_retried() -> None:
     h, spec = setup()
-    m0, m1, parity, a, b = two_members(h, spec)
+    m0, m1, parity, a, _b = two_members(h, spec)
     h.result(m0, ResultStatus.TOO_LATE, duration=0.0)
     assert a.status == RequestStatus.RUNNING
     acts = h.result(parity, ResultStatus.FAILED, duration=1 * MS)
@@ -155,7 +155,7 @@ def test_without_a_parity_model_on_any_device_groups_go_unprotected_but_work() -
 
 def test_requests_of_an_action_that_never_returns_are_answered_after_their_deadline() -> None:
     h, spec = setup()
-    m0, m1, parity, a, b = two_members(h, spec)
+    m0, m1, parity, a, _b = two_members(h, spec)
     h.result(m1, outputs=out(1.0))
     h.result(parity, ResultStatus.FAILED, duration=1 * MS)  # no reconstruction possible
     h.clock.set(a.deadline + 0.006)  # m0's device never answers
