@@ -241,6 +241,20 @@ class Simulation:
         self._cpu = 0.0
         self._wake_at: float | None = None
 
+    def place(self, key: str, devices: Sequence[str]) -> None:
+        """Put a model's weights on devices before the run (as a preload would)."""
+        prof = self.profiles[key]
+        sched = self.scheduler
+        for name in devices:
+            dev = sched.devices[name]
+            dev.memory.reserve(key, prof.weight_bytes)
+            dev.memory.loaded(key)
+            sched.ready_on.setdefault(key, set()).add(name)
+            sched.placed_on.setdefault(key, set()).add(name)
+            ex = self.executors[name]
+            ex.resident.add(key)
+            ex.used += prof.weight_bytes
+
     # ---------------------------------------------------------------- events
 
     def at(self, t: float, fn: Callable[[], None]) -> None:
@@ -313,6 +327,22 @@ class Simulation:
                 self.at(max(wake, self.clock.now()), lambda: None)
         return SimResult(records, end, self._cpu, time.perf_counter() - wall0, sched,
                          {k: e.busy_s for k, e in self.executors.items()})
+
+
+def random_bursts(devices: Sequence[str], seconds: float, share: float, mean_s: float, factor: float,
+                  seed: int = 0) -> list[Slowdown]:
+    """Each device slowed `factor`x in bursts of mean length `mean_s` for about `share` of the time
+    (exponential gaps and lengths): load imbalance from background work, as ParM's shuffles make."""
+    rng = np.random.default_rng(seed)
+    out: list[Slowdown] = []
+    gap = mean_s * (1 - share) / max(share, 1e-9)
+    for d in devices:
+        t = float(rng.exponential(gap))
+        while t < seconds:
+            length = float(rng.exponential(mean_s))
+            out.append(Slowdown(d, factor=factor, start=t, end=t + length))
+            t += length + float(rng.exponential(gap))
+    return out
 
 
 def clockwork_models(n: int, slo_s: float = 0.1, max_batch: int = 16) -> list[tuple[ModelSpec, SimProfile]]:

@@ -154,12 +154,13 @@ class DaemonThread:
         return asyncio.run_coroutine_threadsafe(go(), self.loop).result(30)
 
     def wait_idle(self, timeout: float = 30) -> int:
-        """Wait (on the controller's own idle event) until no request is pending; returns pending."""
+        """Wait (on the controller's own event) until no request is pending, no action is in flight
+        and no coding group is left; returns pending."""
         assert self.loop is not None
         svc = self.daemon.controller
 
         async def go() -> int:
-            await asyncio.wait_for(svc._idle.wait(), timeout)
+            await asyncio.wait_for(svc.settled(), timeout)
             return svc.scheduler.pending
 
         return asyncio.run_coroutine_threadsafe(go(), self.loop).result(timeout + 5)

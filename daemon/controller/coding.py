@@ -1,6 +1,7 @@
 """Coding groups: ParM's parity batches, as controller state. Pure code, driven by `now`.
 
-For a model with parity, every k consecutive INFER batches of one batch size form a group.
+For a model with parity, k INFER batches of one batch size, issued one after another on
+different devices where the model has several, form a group.
 When the k-th is issued the scheduler issues the group's parity batch (the members' inputs,
 encoded by the executor off the event loop) on the parity model, on another device when there
 is one. A member is **reconstructed** - its requests answered with
@@ -8,8 +9,10 @@ is one. A member is **reconstructed** - its requests answered with
 
 - failed or was refused (its requests are held for the reconstruction instead of being retried
   or failed, until the last moment a retry could still make it), or
-- is going to miss its deadline: its predicted end is past it, or the deadline is at hand
-  (`DECODE_MARGIN` before it).
+- is a straggler: it has run past its predicted end (the timeline's) by more than a slack, or
+  that predicted end is past its deadline, or its deadline is at hand (`DECODE_MARGIN` before
+  it). With Clockwork's predictions a straggler is known as soon as it overruns; ParM, which has
+  none, reconstructs whenever the other k outputs are in.
 
 Whatever arrives first wins: a reconstruction is ignored once the original answered, and the
 original once the reconstruction did.
@@ -39,6 +42,8 @@ from daemon.repository import ModelSpec
 from daemon.request import RequestStatus
 
 DECODE_MARGIN = 0.0005  # reconstruct this long before a deadline if the original is not back
+MAX_OPEN_GROUPS = 16  # per model and batch size: bounds the state one busy device can leave
+STRAGGLER_SLACK = 0.001  # a member this much past its predicted end (and 50% of its run) is a straggler
 
 
 class MemberState(IntEnum):
@@ -108,7 +113,7 @@ class Timer(IntEnum):
 class Coding:
     def __init__(self) -> None:
         self._ids = itertools.count(1)
-        self.open: dict[tuple[str, int], Group] = {}
+        self.open: dict[tuple[str, int], list[Group]] = {}  # groups still taking members, oldest first
         self.groups: dict[int, Group] = {}
         self.role: dict[int, tuple[Group, Member | None]] = {}  # action id -> (group, member | None: parity)
         self.replicas: dict[int, Action] = {}  # replica action id -> the member action it protects
@@ -117,24 +122,42 @@ class Coding:
 
     # ---------------------------------------------------------------- forming groups
 
-    def add(self, action: Action, now: float) -> Group | None:
-        """Add a data batch of a model with parity; returns its group when the group is full."""
+    def add(self, action: Action, now: float, spread: int = 1) -> Group | None:
+        """Add a data batch of a model with parity, which is ready on `spread` devices; returns its
+        group when the group is full.
+
+        A batch joins the oldest open group with no member on its device: one device that hangs
+        or slows must cost a group one member, which its parity can rebuild, not two, which it
+        cannot. A batch that finds none opens a new group (which a replica protects if it does not
+        fill in time); on a single device, or past `MAX_OPEN_GROUPS`, it joins the oldest."""
         spec = action.model
         assert spec.parity is not None
         key = (spec.key, action.batch_size)
-        g = self.open.get(key)
+        waiting = self.open.setdefault(key, [])
+        g = next((o for o in waiting if all(m.action.device != action.device for m in o.members)), None)
+        if g is None and len(waiting) >= (1 if spread < 2 else MAX_OPEN_GROUPS):
+            g = waiting[0]
         if g is None:
             g = Group(next(self._ids), spec, action.batch_size, spec.parity.k, now)
-            self.open[key] = g
+            waiting.append(g)
             self.groups[g.id] = g
             self._timer(now + spec.parity.flush_ms / 1000.0, Timer.FLUSH, g.id, 0)
         m = Member(action)
         g.members.append(m)
         self.role[action.id] = (g, m)
         if g.full:
-            del self.open[key]
+            self._close(g)
             return g
         return None
+
+    def _close(self, g: Group) -> None:
+        """No more members for `g`."""
+        key = (g.spec.key, g.batch_size)
+        waiting = self.open.get(key)
+        if waiting is not None and g in waiting:
+            waiting.remove(g)
+            if not waiting:
+                del self.open[key]
 
     def set_parity(self, g: Group, parity: Action | None) -> None:
         g.parity = parity
@@ -158,7 +181,8 @@ class Coding:
         return "member" if entry[1] is not None else "parity"
 
     def member_done(self, action: Action, outputs: tuple[np.ndarray, ...] | None, now: float) -> list[Save]:
-        """A member's own result: OK (outputs) answered its requests. Others may now be saved."""
+        """A member's own result: OK (outputs) answered its requests; None: it failed or was refused
+        with nothing left to hold for it. Others may now be saved."""
         entry = self.role.get(action.id)
         if entry is None:
             return []
@@ -220,10 +244,12 @@ class Coding:
                 continue
             a = m.action
             predicted_end = a.expected_start + a.expected_duration
-            if m.state == MemberState.LOST or predicted_end > m.deadline - DECODE_MARGIN:
+            straggling_at = predicted_end + max(STRAGGLER_SLACK, 0.5 * a.expected_duration)
+            decide_at = min(straggling_at, m.deadline - DECODE_MARGIN)
+            if m.state == MemberState.LOST or predicted_end > m.deadline - DECODE_MARGIN or now >= decide_at:
                 saves.append(self._save(g, m))
             else:
-                self._timer(m.deadline - DECODE_MARGIN, Timer.DECODE, g.id, a.id)
+                self._timer(decide_at, Timer.DECODE, g.id, a.id)
         return saves
 
     def _save(self, g: Group, m: Member) -> Save:
@@ -266,7 +292,7 @@ class Coding:
             if kind == Timer.FLUSH:
                 if not g.full and not g.flushed:
                     g.flushed = True
-                    self.open.pop((g.spec.key, g.batch_size), None)
+                    self._close(g)
                     flush.append(g)
                 continue
             m = next((x for x in g.members if x.action.id == aid), None)
@@ -292,8 +318,7 @@ class Coding:
 
     def drop(self, g: Group) -> None:
         self.groups.pop(g.id, None)
-        if self.open.get((g.spec.key, g.batch_size)) is g:
-            del self.open[(g.spec.key, g.batch_size)]
+        self._close(g)
         for m in g.members:
             self.role.pop(m.action.id, None)
         if g.parity is not None:
@@ -308,7 +333,8 @@ class Coding:
         self._maybe_drop(g)
 
     def statistics(self) -> dict[str, int]:
-        return {"open_groups": len(self.open), "live_groups": len(self.groups), "tracked_actions": len(self.role),
+        return {"open_groups": sum(len(w) for w in self.open.values()), "live_groups": len(self.groups),
+                "tracked_actions": len(self.role),
                 "replicas_in_flight": len(self.replicas), "timers": len(self._timers)}
 
 

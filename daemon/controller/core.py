@@ -315,7 +315,7 @@ class Scheduler:
         if requests:
             heapq.heappush(self._overdue, (max(r.deadline for r in requests) + OVERDUE_GRACE, action.id, action))
         if spec.parity is not None and parity_key(spec) in self.models:
-            group = self.coding.add(action, now)
+            group = self.coding.add(action, now, len(self.ready_on.get(spec.key, ())))
             if group is not None:
                 self.counters["coding_groups"] += 1
                 self._issue_parity(group, now)
@@ -409,6 +409,8 @@ class Scheduler:
             self._apply_coding(saves, now)
             if held:
                 return
+        if role == "member":  # nothing to hold for: the group must not wait on this member
+            self._apply_coding(self.coding.member_done(action, None, now), now)
         self._lost(action, result, now)
 
     def _answer(self, action: Action, outputs: tuple[np.ndarray, ...], now: float, compute_s: float = 0.0,

@@ -39,6 +39,8 @@ class ControllerService:
         self._timer_at: float | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        self._settled = asyncio.Event()  # idle, and no coding group left waiting for a flush
+        self._settled.set()
 
     # ---------------------------------------------------------------- from frontends
 
@@ -48,6 +50,7 @@ class ControllerService:
             raise Unavailable("the daemon is shutting down")
         self.scheduler.submit(req, self.clock.now())
         self._idle.clear()
+        self._settled.clear()
         self._kick()
 
     def cancel(self, req: InferenceRequest) -> None:
@@ -81,6 +84,8 @@ class ControllerService:
         self._arm(now)
         if self.scheduler.pending == 0 and not self.scheduler.inflight:
             self._idle.set()
+            if not self.scheduler.coding.groups:
+                self._settled.set()
 
     def _arm(self, now: float) -> None:
         wake = self.scheduler.next_wakeup(now)
@@ -119,6 +124,11 @@ class ControllerService:
         """Carry out a decision made outside a step (model removal, for instance)."""
         self._deliver(decision)
         self._kick()
+
+    async def settled(self) -> None:
+        """Wait until nothing is pending or in flight and every coding group is gone (tests use it
+        to check that no state leaks)."""
+        await self._settled.wait()
 
     async def drain(self, timeout: float) -> bool:  # noqa: ASYNC109 - a bound, not a cancel scope
         """Stop admitting and wait until every accepted request is answered; False on timeout."""

@@ -70,9 +70,11 @@ def test_requests_on_a_hung_device_come_back_reconstructed(parity_daemon: Daemon
     assert hits >= 0.8 * len(rebuilt)
     assert dt.wait_idle() == 0
     _, stats = call(dt, "GET", "/v2/controller/stats")
-    assert stats["counters"]["reconstructions"] == len(rebuilt)
+    # decoded from the parity, or (for a group that did not fill in time) answered by a replica
+    counters = stats["counters"]
+    assert counters.get("reconstructions", 0) + counters.get("replica_answers", 0) == len(rebuilt)
     assert stats["coding"]["live_groups"] == 0 and stats["coding"]["tracked_actions"] == 0  # nothing leaked
-    assert stats["telemetry"]["decode_time_ms"]["count"] == len(rebuilt)
+    assert stats["telemetry"]["decode_time_ms"]["count"] == counters.get("reconstructions", 0)
 
 
 def test_http_answers_say_when_they_were_reconstructed(parity_daemon: DaemonThread) -> None:
@@ -90,6 +92,8 @@ def test_http_answers_say_when_they_were_reconstructed(parity_daemon: DaemonThre
     replies = asyncio.run(burst())
     call(dt, "DELETE", "/v2/admin/faults/cpu:0")
     flagged = [r for s, r in replies if s == 200 and (r.get("parameters") or {}).get("reconstructed") is True]
-    assert flagged
+    _, stats = call(dt, "GET", "/v2/controller/stats")
+    assert flagged, orjson.dumps([stats, [s for s, _ in replies]]).decode()
+    assert sum(s == 200 for s, _ in replies) >= 0.9 * len(replies)
     assert all(np.argmax(r["outputs"][0]["data"]) == np.argmax(flagged[0]["outputs"][0]["data"]) for r in flagged)
     assert dt.wait_idle() == 0

@@ -9,7 +9,7 @@ import pytest
 
 from daemon.actions import Action, ActionKind, ResultStatus
 from daemon.controller.clockwork import ClockworkPolicy
-from daemon.controller.coding import DECODE_MARGIN
+from daemon.controller.coding import DECODE_MARGIN, Coding
 from daemon.repository import ModelSpec, ParitySpec, parity_model
 from daemon.request import InferenceRequest, RequestStatus
 from tests.unit.harness import MS, Harness, make_spec
@@ -83,14 +83,17 @@ def test_a_refused_member_is_reconstructed_too() -> None:
     assert_no_state(h)
 
 
-def test_a_member_about_to_miss_its_deadline_is_reconstructed_and_the_late_original_ignored() -> None:
+def test_a_straggling_member_is_reconstructed_and_the_late_original_ignored() -> None:
     h, spec = setup()
     m0, m1, parity, a, _b = two_members(h, spec)
-    h.result(m1, outputs=out(2.0))
-    h.result(parity, outputs=out(6.0))
+    # the others run in parallel with m0 and come back quickly, while m0 is still on time
+    h.result(m1, outputs=out(2.0), duration=0.2 * MS)
+    h.result(parity, outputs=out(6.0), duration=0.2 * MS)
     assert a.status == RequestStatus.RUNNING  # predicted on time: wait for the original
     wake = h.sched.next_wakeup(h.now)
-    assert wake == pytest.approx(a.deadline - DECODE_MARGIN)
+    # m0 planned 2 ms from its start: a straggler once it is 1 ms (and half its run) past that
+    assert wake == pytest.approx(m0.expected_start + m0.expected_duration + max(1 * MS, m0.expected_duration / 2))
+    assert wake < a.deadline - DECODE_MARGIN
     h.clock.set(wake)
     h.step()
     assert a.ok and a.reconstructed and float(a.outputs[0][0, 0]) == 4.0 and a.finished_at < a.deadline
@@ -142,6 +145,20 @@ def test_a_partial_group_is_flushed_and_protected_by_a_replica() -> None:
     assert_no_state(h)
 
 
+@pytest.mark.parametrize("status", [ResultStatus.TOO_LATE, ResultStatus.FAILED])
+def test_an_original_refused_or_failed_after_its_replica_answered_leaves_no_group(status: ResultStatus) -> None:
+    h, spec = setup(flush_ms=10.0)
+    a = h.request(spec, timeout=50 * MS)
+    (m0,) = [x for x in h.step() if x.kind == ActionKind.INFER]
+    h.clock.advance(10 * MS)
+    (replica,) = [x for x in h.step() if x.replica_of]
+    h.result(replica, outputs=out(8.0))
+    assert a.ok and a.reconstructed
+    h.result(m0, status=status, error="boom")
+    assert a.ok and float(a.outputs[0][0, 0]) == 8.0
+    assert_no_state(h)
+
+
 def test_without_a_parity_model_on_any_device_groups_go_unprotected_but_work() -> None:
     h = Harness(devices=2, policy=ClockworkPolicy(), budget=150)
     spec = replace(make_spec("m", max_batch=4), parity=ParitySpec(2, "sum", "parity.pt2", 25.0))
@@ -165,3 +182,28 @@ def test_requests_of_an_action_that_never_returns_are_answered_after_their_deadl
     h.result(m0, outputs=out(5.0))  # it comes back at last: nothing changes
     assert a.status == RequestStatus.FAILED
     assert_no_state(h)
+
+
+def _batch(spec: ModelSpec, device: str) -> Action:
+    return Action(ActionKind.INFER, spec, device, 0.0, 1.0, 2 * MS, 1)
+
+
+def test_a_group_takes_at_most_one_member_per_device_so_one_hung_device_costs_it_one_member() -> None:
+    spec = replace(make_spec("m", max_batch=4), parity=ParitySpec(2, "sum", "parity.pt2", 25.0))
+    c = Coding()
+    a0, b0, a1, b1 = (_batch(spec, d) for d in ("cpu:0", "cpu:0", "cpu:1", "cpu:1"))
+    assert c.add(a0, 0.0, 2) is None and c.add(b0, 0.0, 2) is None  # b0 opens a second group
+    g1, g2 = c.add(a1, 0.0, 2), c.add(b1, 0.0, 2)
+    assert g1 is not None and [m.action for m in g1.members] == [a0, a1]
+    assert g2 is not None and [m.action for m in g2.members] == [b0, b1]
+    assert c.statistics()["open_groups"] == 0
+
+
+def test_on_a_single_device_groups_still_fill() -> None:
+    spec = replace(make_spec("m", max_batch=4), parity=ParitySpec(2, "sum", "parity.pt2", 25.0))
+    c = Coding()
+    acts = [_batch(spec, "cpu:0") for _ in range(4)]
+    done = [c.add(a, 0.0, 1) for a in acts]
+    assert done[0] is None and done[2] is None
+    assert done[1] is not None and [m.action for m in done[1].members] == acts[:2]
+    assert done[3] is not None and [m.action for m in done[3].members] == acts[2:]
