@@ -56,7 +56,8 @@ def _toml(v: Any) -> str:
 class Escapement:
     """`escapement serve` in a child process on an ephemeral port and a private socket."""
 
-    def __init__(self, repo: str | Path, **sections: dict[str, Any]) -> None:
+    def __init__(self, repo: str | Path, faults: list[dict[str, Any]] | None = None,
+                 **sections: dict[str, Any]) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="escb-", dir="/tmp"))
         self.socket = str(self.dir / "d.sock")
         cfg: dict[str, dict[str, Any]] = {
@@ -69,6 +70,7 @@ class Escapement:
         cfg["server"]["log_level"] = "info"  # start() reads the port and readiness from the info log
         self.config = cfg
         text = "".join(f"[{sec}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in t.items()) for sec, t in cfg.items())
+        text += "".join("[[faults]]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in f.items()) for f in faults or ())
         (self.dir / "bench.toml").write_text(text)
         self.proc: subprocess.Popen[str] | None = None
         self.port = 0

@@ -13,6 +13,7 @@ SCENARIOS = {
     "policies": "bench.scenarios.policies",
     "peers": "bench.scenarios.peers",
     "simulate": "bench.scenarios.simulate",
+    "parity": "bench.scenarios.parity",
 }
 
 

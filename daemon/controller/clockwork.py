@@ -45,6 +45,7 @@ REPLICA_UTILISATION = 0.7  # replicate once demand exceeds this share of the dev
 REPLICA_COOLDOWN = 0.1  # seconds between replications of one model
 REPLICA_DROPS = 5.0  # requests/s dropped because its devices were too slow or busy: replicate (SMART)
 RATE_TAU = 1.0  # seconds: the time constant of the arrival-rate estimate
+SLOW_DEVICE = 1.5  # a device whose recent runs of a model exceed its profile this much is running slow
 
 
 @dataclass(slots=True)
@@ -229,6 +230,22 @@ class ClockworkPolicy:
                 state.fail_request(head, state.deadline_error(head, now), now)
                 self._dropped(key, now)
 
+    @staticmethod
+    def _slow_here(state: Scheduler, key: str, samples: int, dev: DeviceState, run: float) -> bool:
+        """The device's recent runs of the model are well above its kind's profile (a cheap filter
+        before looking at the other devices)."""
+        profile = state.estimator.infer(key, samples, dev.kind)
+        return profile is not None and run > SLOW_DEVICE * profile
+
+    def _sooner_elsewhere(self, state: Scheduler, key: str, samples: int, dev: DeviceState, finish: float,
+                          now: float) -> bool:
+        for name in state.ready_on.get(key, ()):
+            other = state.devices[name]
+            if other is not dev and \
+                    self._timeline(other).exec.free_at(now) + self._est(state, key, samples, other) < finish:
+                return True
+        return False
+
     def _dispatch(self, state: Scheduler, dev: DeviceState, mine: list[ModelEntry], start: float, now: float,
                   seen: set[str]) -> bool:
         """Plan one batch on `dev` starting at `start`; False when there is nothing to run there."""
@@ -249,6 +266,9 @@ class ClockworkPolicy:
                 self._dropped(key, now)
             if head is None:
                 continue
+            if (start > now or self._slow_here(state, key, head.samples, dev, run)) and \
+                    self._sooner_elsewhere(state, key, head.samples, dev, start + run, now):
+                continue  # busy or running slow: leave the model to a device that finishes it sooner
             urgency = (head.rank, latest_start)
             if best is None or urgency < best[0]:
                 best = (urgency, entry)

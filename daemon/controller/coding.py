@@ -9,10 +9,11 @@ is one. A member is **reconstructed** - its requests answered with
 
 - failed or was refused (its requests are held for the reconstruction instead of being retried
   or failed, until the last moment a retry could still make it), or
-- is a straggler: it has run past its predicted end (the timeline's) by more than a slack, or
-  that predicted end is past its deadline, or its deadline is at hand (`DECODE_MARGIN` before
-  it). With Clockwork's predictions a straggler is known as soon as it overruns; ParM, which has
-  none, reconstructs whenever the other k outputs are in.
+- is a straggler: it has run, from its predicted start, longer than the batch takes on the
+  fastest device holding the model by more than a slack (so a member on a device known to be
+  slow counts too), or its predicted end is past its deadline, or its deadline is at hand
+  (`DECODE_MARGIN` before it). With Clockwork's predictions a straggler is known as soon as it
+  overruns; ParM, which has none, reconstructs whenever the other k outputs are in.
 
 Whatever arrives first wins: a reconstruction is ignored once the original answered, and the
 original once the reconstruction did.
@@ -43,7 +44,7 @@ from daemon.request import RequestStatus
 
 DECODE_MARGIN = 0.0005  # reconstruct this long before a deadline if the original is not back
 MAX_OPEN_GROUPS = 16  # per model and batch size: bounds the state one busy device can leave
-STRAGGLER_SLACK = 0.001  # a member this much past its predicted end (and 50% of its run) is a straggler
+STRAGGLER_SLACK = 0.001  # a member this much (and 50% of a normal run) past a normal run is a straggler
 
 
 class MemberState(IntEnum):
@@ -56,6 +57,7 @@ class MemberState(IntEnum):
 @dataclass(slots=True, eq=False)
 class Member:
     action: Action
+    normal: float  # seconds the batch takes on the fastest device holding the model
     state: MemberState = MemberState.RUNNING
     outputs: tuple[np.ndarray, ...] | None = None
 
@@ -122,8 +124,9 @@ class Coding:
 
     # ---------------------------------------------------------------- forming groups
 
-    def add(self, action: Action, now: float, spread: int = 1) -> Group | None:
-        """Add a data batch of a model with parity, which is ready on `spread` devices; returns its
+    def add(self, action: Action, now: float, spread: int = 1, normal: float | None = None) -> Group | None:
+        """Add a data batch of a model with parity, which is ready on `spread` devices and would
+        take `normal` seconds on the fastest of them (default: its expected duration); returns its
         group when the group is full.
 
         A batch joins the oldest open group with no member on its device: one device that hangs
@@ -142,7 +145,7 @@ class Coding:
             waiting.append(g)
             self.groups[g.id] = g
             self._timer(now + spec.parity.flush_ms / 1000.0, Timer.FLUSH, g.id, 0)
-        m = Member(action)
+        m = Member(action, action.expected_duration if normal is None else normal)
         g.members.append(m)
         self.role[action.id] = (g, m)
         if g.full:
@@ -244,7 +247,7 @@ class Coding:
                 continue
             a = m.action
             predicted_end = a.expected_start + a.expected_duration
-            straggling_at = predicted_end + max(STRAGGLER_SLACK, 0.5 * a.expected_duration)
+            straggling_at = a.expected_start + m.normal + max(STRAGGLER_SLACK, 0.5 * m.normal)
             decide_at = min(straggling_at, m.deadline - DECODE_MARGIN)
             if m.state == MemberState.LOST or predicted_end > m.deadline - DECODE_MARGIN or now >= decide_at:
                 saves.append(self._save(g, m))

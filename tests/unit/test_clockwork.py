@@ -251,3 +251,28 @@ def test_a_straggling_device_does_not_make_its_peers_look_slow() -> None:
     assert r.status == RequestStatus.QUEUED
     est.now = h.now + 1.5  # the slow sample ages out: cpu:0 is back to its profile
     assert h.sched.estimate(spec.key, 1, h.sched.devices["cpu:0"]) == pytest.approx(1 * MS)
+
+
+def test_a_device_running_slow_leaves_work_to_one_that_finishes_it_sooner() -> None:
+    h = cw(devices=2, horizon=10 * MS)
+    spec = add(h, "m", max_batch=1, profile={1: 1 * MS})
+    h.sched.preload(spec.key, 2, h.now)
+    for load in h.step() + h.sched._take().actions:
+        h.result(load)
+    est = h.sched.estimator
+    est.now = h.now
+    for _ in range(3):
+        est.observe_infer(spec.key, 1, "cpu", 0.020, "cpu:0")  # cpu:0 runs 20x its profile just now
+    busy = h.request(spec, timeout=90 * MS)
+    (first,) = h.step()
+    assert first.device == "cpu:1" and first.requests == [busy]  # the fast device, though both are idle
+    r = h.request(spec, timeout=90 * MS)
+    (second,) = h.step()
+    # cpu:1 is busy for 1 ms more, cpu:0 is idle but would take 20 ms: wait for cpu:1
+    assert second.device == "cpu:1" and second.requests == [r]
+    h.clock.advance(1.5)  # the slow samples age out: cpu:0 is back to its profile
+    est.now = h.now
+    h.result(first)
+    h.result(second)
+    a, b = h.request(spec, timeout=90 * MS), h.request(spec, timeout=90 * MS)
+    assert {x.device for x in h.step()} == {"cpu:0", "cpu:1"} and a.status == b.status == RequestStatus.RUNNING
