@@ -148,19 +148,21 @@ class Scheduler:
         entry = self.models.get(req.model.key)
         if entry is None:
             raise NotFound(f"unknown model {req.model.name} version {req.model.version}")
+        refused = self.telemetry.refused  # counts the refusal for the model and returns the error
         if self.pending >= self.settings.max_pending:
             self.counters["refused_overload"] += 1
-            raise Overloaded(f"the daemon holds {self.pending} requests, its limit (controller.max_pending)")
+            raise refused(req, Overloaded(f"the daemon holds {self.pending} requests, its limit "
+                                          "(controller.max_pending)"), now)
         if entry.queue.requests >= self.settings.max_pending_per_model:
             self.counters["refused_overload"] += 1
-            raise Overloaded(f"model {req.model.name} has {entry.queue.requests} requests queued, its limit "
-                             "(controller.max_pending_per_model)")
+            raise refused(req, Overloaded(f"model {req.model.name} has {entry.queue.requests} requests queued, "
+                                          "its limit (controller.max_pending_per_model)"), now)
         best = self.best_case(req)
         if now + best > req.deadline:
             self.counters["refused_deadline"] += 1
-            raise DeadlineExceeded(
+            raise refused(req, DeadlineExceeded(
                 f"deadline cannot be met: {max(req.deadline - now, 0) * 1e3:.3f} ms left, but running "
-                f"{req.samples} sample(s) of {req.model.name} takes at least {best * 1e3:.3f} ms")
+                f"{req.samples} sample(s) of {req.model.name} takes at least {best * 1e3:.3f} ms"), now)
         req.cold_start = not any(d.memory.is_ready(req.model.key) for d in self.devices.values())
         self.counters["admitted"] += 1
         self.counters["cold_starts"] += req.cold_start
@@ -178,7 +180,10 @@ class Scheduler:
             self._finish(req, RequestStatus.CANCELLED, None, now)
         elif req.status == RequestStatus.RUNNING:
             req.status = RequestStatus.CANCELLED  # the result is dropped when it comes back
+            req.finished_at = now
             self.pending -= 1
+            self.counters["cancelled"] += 1
+            self.telemetry.request(req)
         return self._take()
 
     def active(self) -> list[ModelEntry]:

@@ -7,6 +7,12 @@ planned one) and the duration prediction error (measured over expected, minus on
 log-bucketed histograms, cheap to update on the loop and mergeable; `summary()` reads their
 percentiles. Optionally every event also goes to a JSON-lines trace (`controller.trace_path`),
 written by a thread of its own so the loop never does file I/O.
+
+Per model (`ModelStats`) and per device (`DeviceStats`) it also keeps what the statistics
+extension and /metrics report: Triton's counts and cumulative durations, failures by reason,
+deadlines met and missed, and fixed-bound histograms (`Buckets`) that map one to one onto
+Prometheus histograms. Updating them is a few integer additions and a bisect per event; the
+readers (daemon/metrics.py, daemon/api/observe.py) turn them into their formats when asked.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import logging
 import math
 import queue
 import threading
+from bisect import bisect_left
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -22,6 +30,8 @@ from typing import Any
 import orjson
 
 from daemon.actions import ActionKind, Result
+from daemon.errors import Cancelled, DeadlineExceeded, EscapementError, InternalError, Overloaded, Unavailable
+from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest, RequestStatus
 
 log = logging.getLogger("escapement.controller")
@@ -103,6 +113,128 @@ class Histogram:
         return out
 
 
+# Upper bounds of the Prometheus histograms. Seconds for latencies: 100 µs (a small model's
+# batch) to 10 s (past any sensible SLO); start lateness is finer (thread wake-ups, the GIL).
+LATENCY_BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                  5.0, 10.0)
+LATENESS_BOUNDS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                   0.1)
+DURATION_ERROR_BOUNDS = (-0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)  # measured/expected - 1
+
+
+class Buckets:
+    """A Prometheus-shaped histogram: counts of values at or under fixed upper bounds, exact at them."""
+
+    __slots__ = ("bounds", "count", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
+        self.count = 0
+        self.total = 0.0
+
+    def add(self, x: float) -> None:
+        self.counts[bisect_left(self.bounds, x)] += 1  # the first bound >= x: Prometheus's `le`
+        self.count += 1
+        self.total += x
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, count of values at or under it), ending with (inf, count)."""
+        out: list[tuple[float, int]] = []
+        seen = 0
+        for bound, n in zip((*self.bounds, math.inf), self.counts, strict=True):
+            seen += n
+            out.append((bound, seen))
+        return out
+
+
+class Span:
+    """A count and a total duration: Triton's `$duration_stat`."""
+
+    __slots__ = ("count", "seconds")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.seconds = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.seconds += seconds
+
+    def as_json(self) -> dict[str, int]:
+        return {"count": self.count, "ns": round(self.seconds * 1e9)}
+
+
+class BatchStats:
+    """Executions of one batch size: model run time, and the copies and host work around it."""
+
+    __slots__ = ("count", "infer_s", "other_s")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.infer_s = 0.0
+        self.other_s = 0.0
+
+
+def failure_reason(error: EscapementError | None) -> str:
+    """The `reason` label of a failed request: Triton's names where they fit, two of escapement's."""
+    if isinstance(error, Overloaded):
+        return "REJECTED"  # a bounded queue was full (Triton's reason for the same refusal)
+    if isinstance(error, DeadlineExceeded):
+        return "DEADLINE"
+    if error is None or isinstance(error, Cancelled):
+        return "CANCELED"
+    if isinstance(error, InternalError):
+        return "BACKEND"
+    if isinstance(error, Unavailable):
+        return "UNAVAILABLE"  # its model failed to load or was unloaded, or the daemon shut down
+    return "OTHER"
+
+
+class ModelStats:
+    """One model version's cumulative statistics, as Triton's statistics extension counts them.
+
+    Requests count when they reach the controller: answered, failed, cancelled, or refused at
+    admission. Requests refused earlier (malformed, unknown model, event loop overloaded) do not.
+    """
+
+    __slots__ = ("batches", "compute_infer", "compute_input", "compute_output", "compute_time", "execution_count",
+                 "fail", "failures", "inference_count", "last_inference", "latency", "load_failures", "loads",
+                 "queue", "queue_time", "slo_met", "slo_missed", "spec", "success", "unloads")
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.success = Span()  # arrival -> answer, successful requests
+        self.fail = Span()  # arrival -> answer, failed and cancelled requests
+        self.queue = Span()  # arrival -> dispatch, successful requests
+        # Per successful request answered by an execution: that execution's times (Triton's way).
+        self.compute_input = Span()  # always 0 ns: input copies are measured with the output's
+        self.compute_infer = Span()
+        self.compute_output = Span()
+        self.failures: Counter[str] = Counter()  # failure_reason -> requests
+        self.inference_count = 0  # samples of successful requests
+        self.execution_count = 0  # INFER actions that ran to completion
+        self.batches: dict[int, BatchStats] = {}  # samples run -> executions
+        self.last_inference = 0.0  # clock time of the last request answered or refused; 0: none yet
+        self.slo_met = 0  # answered successfully by the deadline
+        self.slo_missed = 0  # answered late, failed or refused (cancelled requests are neither)
+        self.latency = Buckets(LATENCY_BOUNDS)  # as `success`
+        self.queue_time = Buckets(LATENCY_BOUNDS)  # as `queue`
+        self.compute_time = Buckets(LATENCY_BOUNDS)  # model run time per execution
+        self.loads: Counter[str] = Counter()  # device -> completed LOADs
+        self.load_failures: Counter[str] = Counter()
+        self.unloads: Counter[str] = Counter()
+
+
+class DeviceStats:
+    __slots__ = ("duration_error", "lateness", "load_time")
+
+    def __init__(self) -> None:
+        self.lateness: dict[str, Buckets] = {}  # action kind -> executor start lateness (s)
+        self.duration_error = Buckets(DURATION_ERROR_BOUNDS)  # INFER: measured / expected - 1
+        self.load_time = Buckets(LATENCY_BOUNDS)
+
+
 class TraceWriter:
     """JSON lines to a file from a thread of its own; a bounded queue, dropping when full."""
 
@@ -144,33 +276,96 @@ class Telemetry:
         self.duration_error = Histogram()  # measured / expected - 1, INFER with an estimate
         self.load_time = Histogram()
         self.decode_time = Histogram()  # ParM reconstructions
+        self.models: dict[str, ModelStats] = {}  # model key -> its statistics, kept after it is removed
+        self.devices: dict[str, DeviceStats] = {}
         self.trace = trace
 
+    def model(self, spec: ModelSpec) -> ModelStats:
+        m = self.models.get(spec.key)
+        if m is None:
+            m = self.models[spec.key] = ModelStats(spec)
+        return m
+
+    def device(self, name: str) -> DeviceStats:
+        d = self.devices.get(name)
+        if d is None:
+            d = self.devices[name] = DeviceStats()
+        return d
+
     def request(self, req: InferenceRequest) -> None:
+        """A request finished (answered, failed or cancelled)."""
+        m = self.model(req.model)
+        m.last_inference = req.finished_at
+        took = req.finished_at - req.arrival
         if req.status == RequestStatus.CANCELLED:
+            m.fail.add(took)
+            m.failures["CANCELED"] += 1
             return
         self.slack.add(req.deadline - req.finished_at)
         if req.status == RequestStatus.SUCCEEDED:
-            self.latency.add(req.finished_at - req.arrival)
+            self.latency.add(took)
+            m.success.add(took)
+            m.latency.add(took)
+            m.inference_count += req.samples
+            if req.finished_at <= req.deadline:
+                m.slo_met += 1
+            else:
+                m.slo_missed += 1
             if req.dispatched_at:
-                self.queue_time.add(req.dispatched_at - req.arrival)
+                queued = req.dispatched_at - req.arrival
+                self.queue_time.add(queued)
+                m.queue.add(queued)
+                m.queue_time.add(queued)
+        else:
+            m.fail.add(took)
+            m.failures[failure_reason(req.error)] += 1
+            m.slo_missed += 1
         if self.trace is not None:
             self.trace.write({"ev": "request", "id": req.id, "model": req.model.key, "samples": req.samples,
                               "arrival": req.arrival, "deadline": req.deadline, "finish": req.finished_at,
                               "status": req.status.name, "met": req.ok and req.finished_at <= req.deadline,
                               "cold": req.cold_start, "error": req.error.status if req.error else None})
 
+    def refused(self, req: InferenceRequest, error: EscapementError, now: float) -> EscapementError:
+        """A request refused at admission (a full queue, a deadline out of reach): a failure of its
+        model, as Triton counts a request its scheduler rejects. Returns `error`, for `raise`."""
+        m = self.model(req.model)
+        m.last_inference = now
+        m.fail.add(now - req.arrival)
+        m.failures[failure_reason(error)] += 1
+        m.slo_missed += 1
+        return error
+
     def action(self, result: Result) -> None:
+        """An action's result, before the controller acts on it."""
         a = result.action
+        dev = self.device(a.device)
         started = result.status.name in ("OK", "FAILED")
         if started and result.ready_at:
-            self.lateness.add(result.begin - result.ready_at)
+            late = result.begin - result.ready_at
+            self.lateness.add(late)
+            lane = dev.lateness.get(a.kind.name)
+            if lane is None:
+                lane = dev.lateness[a.kind.name] = Buckets(LATENESS_BOUNDS)
+            lane.add(late)
         if started and a.expected_start:
             self.start_error.add(result.begin - a.expected_start)
-        if result.ok and a.kind == ActionKind.INFER and a.expected_duration > 0:
-            self.duration_error.add((result.end - result.begin) / a.expected_duration - 1.0)
-        if result.ok and a.kind == ActionKind.LOAD:
-            self.load_time.add(result.end - result.begin)
+        if a.kind == ActionKind.INFER:
+            if result.ok:
+                if a.expected_duration > 0:
+                    err = (result.end - result.begin) / a.expected_duration - 1.0
+                    self.duration_error.add(err)
+                    dev.duration_error.add(err)
+                self._executed(result)
+        elif a.kind == ActionKind.LOAD:
+            if result.ok:
+                self.load_time.add(result.end - result.begin)
+                dev.load_time.add(result.end - result.begin)
+                self.model(a.model).loads[a.device] += 1
+            else:
+                self.model(a.model).load_failures[a.device] += 1
+        elif result.ok:
+            self.model(a.model).unloads[a.device] += 1
         if self.trace is not None:
             self.trace.write({"ev": "action", "id": a.id, "kind": a.kind.name, "model": a.model.key,
                               "device": a.device, "batch": a.batch_size, "samples": a.samples,
@@ -178,6 +373,28 @@ class Telemetry:
                               "expected": a.expected_duration, "received": result.received,
                               "ready": result.ready_at, "begin": result.begin, "end": result.end,
                               "status": result.status.name, "error": result.error or None})
+
+    def _executed(self, result: Result) -> None:
+        """An INFER that ran: one execution of its batch size, and its times for each request it
+        answers. Called before the controller splits the outputs, so the requests still RUNNING
+        are exactly those this result answers (not cancelled, not answered by a reconstruction)."""
+        a = result.action
+        m = self.model(a.model)
+        infer_s = result.duration
+        other_s = max(0.0, result.end - result.begin - infer_s)  # input and output copies, host work
+        m.execution_count += 1
+        m.compute_time.add(infer_s)
+        b = m.batches.get(a.samples)
+        if b is None:
+            b = m.batches[a.samples] = BatchStats()
+        b.count += 1
+        b.infer_s += infer_s
+        b.other_s += other_s
+        for r in a.requests:
+            if r.status == RequestStatus.RUNNING:
+                m.compute_input.add(0.0)
+                m.compute_infer.add(infer_s)
+                m.compute_output.add(other_s)
 
     def summary(self) -> dict[str, Any]:
         ms = 1e3
