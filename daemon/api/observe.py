@@ -66,6 +66,8 @@ class ObserveHandlers:
 def model_stats_json(sched: Scheduler, spec: ModelSpec, epoch: float) -> dict[str, Any]:
     """One `$model_stat` of Triton's statistics extension; `epoch` turns clock times into Unix times."""
     m = sched.telemetry.models.get(spec.key) or ModelStats(spec)
+    entry = sched.models.get(spec.key)
+    weights = entry.weight_bytes if entry is not None else 0
     none = Span().as_json()
     last = round((m.last_inference + epoch) * 1000) if m.last_inference else 0
     return {
@@ -88,8 +90,6 @@ def model_stats_json(sched: Scheduler, spec: ModelSpec, epoch: float) -> dict[st
              "compute_output": {"count": b.count, "ns": round(b.other_s * 1e9)}}
             for size, b in sorted(m.batches.items())
         ],
-        "memory_usage": [
-            {"type": "GPU" if d.kind == "cuda" else "CPU", "id": d.device.index, "byte_size": entry.weight_bytes}
-            for d in sched.devices.values() if (entry := sched.models.get(spec.key)) and d.memory.is_ready(spec.key)
-        ],
+        "memory_usage": [{"type": "GPU" if d.kind == "cuda" else "CPU", "id": d.device.index, "byte_size": weights}
+                         for d in sched.devices.values() if d.memory.is_ready(spec.key)],
     }

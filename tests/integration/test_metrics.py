@@ -93,7 +93,8 @@ def test_counters_and_stats_move_exactly_with_requests(test_daemon: DaemonThread
     assert value(after, "nv_inference_pending_request_count", **m) == 0
     assert value(after, "escapement_model_resident", **m, device="cpu:0") == 1
     assert value(after, "escapement_model_loads_total", **m, device="cpu:0") >= 1
-    assert value(after, "escapement_device_weight_budget_bytes", device="cpu:0") == 1 << 30
+    budget = test_daemon.daemon.devices[0].weight_budget
+    assert value(after, "escapement_device_weight_budget_bytes", device="cpu:0") == budget
     assert value(after, "escapement_device_weight_used_bytes", device="cpu:0") > 0
     assert value(after, "escapement_pending_requests") == 0
 
