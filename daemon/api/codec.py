@@ -85,6 +85,17 @@ def assemble_inputs(spec: ModelSpec, tensors: Sequence[WireTensor]) -> tuple[tup
 
 
 def _from_json(data: Any, dt_name: str, dt: np.dtype, count: int, name: str) -> np.ndarray:
+    # A finite number too large for a float datatype (1e39 as FP32, 70000 as FP16) is the client's
+    # mistake, as an integer out of range is: refuse it, rather than serve inf (or, where warnings
+    # are errors, fail with a 500).
+    try:
+        with np.errstate(over="raise"):
+            return _convert_json(data, dt_name, dt, count, name)
+    except FloatingPointError:
+        raise BadRequest(f"input {name}: a value is out of range for {dt_name}") from None
+
+
+def _convert_json(data: Any, dt_name: str, dt: np.dtype, count: int, name: str) -> np.ndarray:
     if data is None:
         raise BadRequest(f"input {name}: no data (give 'data', or binary data with parameters.binary_data_size)")
     if not isinstance(data, list):
