@@ -320,7 +320,12 @@ class Scheduler:
         if requests:
             heapq.heappush(self._overdue, (max(r.deadline for r in requests) + OVERDUE_GRACE, action.id, action))
         if spec.parity is not None and parity_key(spec) in self.models:
-            group = self.coding.add(action, now, len(self.ready_on.get(spec.key, ())))
+            ready = self.ready_on.get(spec.key, ())
+            # what the batch takes on the best device holding the model: a member on a device known
+            # to be slow is a straggler all the same
+            samples = action.samples
+            normal = min((self.estimate(spec.key, samples, self.devices[d]) for d in ready), default=expected)
+            group = self.coding.add(action, now, len(ready), min(normal, expected))
             if group is not None:
                 self.counters["coding_groups"] += 1
                 self._issue_parity(group, now)
@@ -386,9 +391,10 @@ class Scheduler:
             assert result.outputs is not None
             rows = action.samples if dev.kind in EXACT_ROW_KINDS else action.batch_size
             self.estimator.observe_infer(key, rows, dev.kind, result.end - result.begin, dev.name)
-        if role == "parity":
+        if action.coded is not None:  # a parity batch (its group may be gone: members all answered)
             self.counters["parities_run" if result.ok else "parities_lost"] += 1
-            self._apply_coding(self.coding.parity_done(action, result.outputs if result.ok else None, now), now)
+            if role == "parity":
+                self._apply_coding(self.coding.parity_done(action, result.outputs if result.ok else None, now), now)
             return
         if role == "replica":
             self.coding.replica_done(action)
