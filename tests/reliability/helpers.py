@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import signal
@@ -38,8 +39,20 @@ def frame(obj: Any) -> bytes:
     return LENGTH.pack(len(payload)) + payload
 
 
+def _plain(x: Any) -> Any:
+    """NaN (a percentile of nothing) as null: strict JSON has no NaN."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_plain(v) for v in x]
+    return x
+
+
 def record(name: str, figures: dict[str, Any]) -> None:
     """Print a test's measured figures and merge them into the JSON file named by $ESCAPEMENT_RELIABILITY_OUT."""
+    figures = _plain(figures)
     print(f"\n[reliability] {name}: {json.dumps(figures, sort_keys=True)}")
     path = os.environ.get(OUT_ENV)
     if not path:
@@ -203,7 +216,9 @@ def wide_repo(root: Path, name: str = "wide", width: int = 64, max_batch: int = 
 class DaemonProcess:
     """`python -m daemon serve --config ...` with its log read on a thread; waits on log lines, never sleeps."""
 
-    def __init__(self, config: Path, cwd: Path | None = None) -> None:
+    def __init__(self, config: Path, socket_path: str = "", cwd: Path | None = None) -> None:
+        self.socket = socket_path
+        self.scenario = ""  # what the test set up this daemon for, for its figures
         self.proc = subprocess.Popen([sys.executable, "-m", "daemon", "serve", "--config", str(config)],
                                      stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=cwd)
         self.lines: list[str] = []
@@ -263,6 +278,7 @@ class DaemonProcess:
     def wait(self, timeout: float = 60.0) -> int:
         rc = self.proc.wait(timeout)
         self._reader.join(timeout)
+        self._close_pipe()
         return rc
 
     def kill(self) -> None:
@@ -270,6 +286,11 @@ class DaemonProcess:
             self.proc.kill()
             self.proc.wait(30)
         self._reader.join(30)
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        if self.proc.stderr is not None and not self._reader.is_alive():
+            self.proc.stderr.close()
 
     def log(self) -> str:
         with self._cond:
