@@ -83,7 +83,11 @@ class RawSocket:
     def __init__(self, path: str, timeout: float = 10.0) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
-        self.sock.connect(path)
+        try:
+            self.sock.connect(path)
+        except OSError:
+            self.sock.close()
+            raise
         self._buf = bytearray()
 
     def send(self, data: bytes) -> None:
