@@ -7,7 +7,9 @@ docs/socket-protocol.md.
 
 A malformed frame (bad msgpack, not a map, bad fields) gets an error response and the
 connection goes on, since framing is intact; a frame whose length is over the limit cannot be
-skipped safely, so it gets an error response and the connection is closed.
+skipped safely, so it gets an error response and the connection is closed. A client that
+half-closes (shuts down its sending side) still gets the answers to what it sent; then the
+connection closes.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class SocketConnection(asyncio.Protocol):
         self._inflight: dict[int, InferenceRequest] = {}  # internal request id -> request
         self._closed = False
         self._paused = False
+        self._eof = False  # the client half-closed: close once its requests are answered
 
     # ---------------------------------------------------------------- asyncio.Protocol
 
@@ -84,10 +87,28 @@ class SocketConnection(asyncio.Protocol):
             self._paused = False
             self.transport.resume_reading()
             self._drain_frames()
+            if self._eof and not self._paused:
+                self._after_eof()
 
     def data_received(self, data: bytes) -> None:
         self._buf += data
         self._drain_frames()
+
+    def eof_received(self) -> bool:
+        """The client has finished sending (a half-close), but may still read: answer what it sent,
+        then close. Returning False would close now and cancel its requests unanswered."""
+        self._eof = True
+        if not self._paused:  # while paused, whole frames may still wait in the buffer
+            self._after_eof()
+        return True
+
+    def _after_eof(self) -> None:
+        if self._buf:  # a frame that can never complete now
+            self.send(error_frame(None, BadRequest(
+                f"the connection ended inside a frame ({len(self._buf)} bytes of it received)")))
+            self._buf.clear()
+        if not self._inflight:
+            self.close()
 
     # ---------------------------------------------------------------- frames
 
@@ -206,6 +227,13 @@ class SocketConnection(asyncio.Protocol):
         self._inflight.pop(req.id, None)
         if self._closed:
             return
+        try:
+            self._answer(req)
+        finally:
+            if self._eof and not self._inflight:
+                self.close()
+
+    def _answer(self, req: InferenceRequest) -> None:
         req_id, out_idx = req.context
         if not req.ok:
             if req.error is not None:

@@ -345,8 +345,12 @@ def test_socket_frame_fuzz(fuzz_daemon: DaemonThread) -> None:
                 statuses[413] += 1
                 assert s.read_frame() is None
                 return
-            if kind == "lying":  # a frame that never completes: the daemon closes when we do
+            if kind == "lying":  # a frame that can never complete once we half-close: one 400, then EOF
                 s.sock.shutdown(socket.SHUT_WR)
+                answer = s.read_frame()
+                assert answer is not None and answer["status"] == 400 and answer["id"] is None, answer
+                assert "ended inside a frame" in answer["error"]
+                statuses[400] += 1
                 assert s.read_frame() is None
                 return
             # A control op on the same connection: answered in order after the frames before it, so
@@ -407,6 +411,22 @@ def test_http_framing_errors_do_not_disturb_the_daemon(fuzz_daemon: DaemonThread
         assert status is None or 400 <= status < 500, answer  # a 4xx, or a hang-up: never a 5xx
     record("fuzz_http_framing", {"cases": len(cases), "statuses": statuses})
     assert_still_serves(fuzz_daemon)
+
+
+def test_a_client_that_half_closes_still_gets_its_answers(fuzz_daemon: DaemonThread) -> None:
+    """Found while fuzzing: a client that shut down its sending side (`nc -N`, a batch script) had its
+    inferences cancelled unanswered; now it gets every answer, then the daemon closes."""
+    s = RawSocket(fuzz_daemon.socket)
+    try:
+        s.send(b"".join(frame({"id": i, "model": "tiny_pt2", "inputs": [
+            {"name": "INPUT__0", "datatype": "FP32", "shape": [1, 4], "data": b"\0" * 16}]}) for i in range(20)))
+        s.sock.shutdown(socket.SHUT_WR)
+        answers = []
+        while (a := s.read_frame()) is not None:
+            answers.append(a)
+    finally:
+        s.close()
+    assert sorted(a["id"] for a in answers) == list(range(20)) and all(a["status"] == 200 for a in answers)
 
 
 @pytest.mark.parametrize(("model", "inputs"), [
