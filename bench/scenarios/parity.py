@@ -180,7 +180,7 @@ def _pair(rows: list[dict[str, Any]], setting: str, k: int) -> dict[str, Any]:
 def run(quick: bool = False, json_out: str | None = None, seconds: float | None = None, load: float = 0.35,
         slo_ms: float = 100.0, share: float = 0.05, burst_s: float = 0.2, factor: float = 10.0,
         seeds: int | None = None,
-        cpu_rate: float = 150.0, cpu_seconds: float | None = None, cpu_reps: int | None = None,
+        cpu_rate: float = 400.0, cpu_seconds: float | None = None, cpu_reps: int | None = None,
         add_ms: float = 20.0, cpu_duty: float = 0.05, cpu_burst_s: float = 0.1, epochs: int | None = None,
         skip_cpu: bool = False, skip_accuracy: bool = False) -> dict[str, Any]:
     seconds = seconds or (4.0 if quick else 20.0)
