@@ -44,6 +44,16 @@ class ModelRegistry:
     def set_broken(self, name: str, reason: str) -> None:
         self._broken[name] = reason
 
+    def remove(self, name: str, version: int | None = None) -> None:
+        """Forget a version (gone from the repository), or with no version the name's broken entry."""
+        if version is None:
+            self._broken.pop(name, None)
+            return
+        versions = self._models.get(name, {})
+        versions.pop(version, None)
+        if not versions:
+            self._models.pop(name, None)
+
     def names(self) -> list[str]:
         return sorted(set(self._models) | set(self._broken))
 

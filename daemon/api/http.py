@@ -8,6 +8,7 @@ Content-Type required of the client. Routes match Triton's (the version is numer
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -88,6 +89,18 @@ def _parse_json(raw: bytes | memoryview, what: str) -> Any:
         raise BadRequest(f"malformed JSON in {what}: {e}") from None
 
 
+async def _parameters(request: web.Request) -> dict[str, Any]:
+    """The optional `{"parameters": {...}}` body of a repository load or unload."""
+    body = await request.read()
+    if not body.strip():
+        return {}
+    obj = _parse_json(body, "the request body")
+    params = obj.get("parameters", {}) if isinstance(obj, dict) else None
+    if not isinstance(params, dict):
+        raise BadRequest('the request body must be a JSON object such as {"parameters": {}}')
+    return params
+
+
 class HttpFrontend:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
@@ -106,11 +119,14 @@ class HttpFrontend:
             r.add_get(base + "/ready", self.model_ready)
             r.add_get(base + "/config", self.model_config)
         r.add_post("/v2/repository/index", self.repository_index)
+        r.add_post("/v2/repository/models/{model}/load", self.repository_load)
+        r.add_post("/v2/repository/models/{model}/unload", self.repository_unload)
         r.add_get("/v2/admin/faults", self.get_faults)
         r.add_post("/v2/admin/faults", self.set_fault)
         r.add_delete("/v2/admin/faults/{device}", self.clear_fault)
         r.add_get("/v2/controller/stats", self.controller_stats)
         r.add_post("/v2/repository/{repo}/index", self.named_repository)
+        r.add_post("/v2/repository/{repo}/models/{model}/{op:load|unload}", self.named_repository)
         self.runner: web.AppRunner | None = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -184,15 +200,37 @@ class HttpFrontend:
             ready_only = bool(obj.get("ready", False))
         return json_response(self.daemon.registry.index(ready_only))
 
+    async def repository_load(self, request: web.Request) -> web.Response:
+        """(Re)read a model's entry from the repository and serve it; 200 once it is ready."""
+        self._authorize(request)
+        params = await _parameters(request)
+        if "config" in params or any(k.startswith("file:") for k in params):
+            raise NotImplementedByServer("a load request carrying a config or model files is not supported; put "
+                                         "them in the model repository and load the model by name")
+        return json_response(await self.daemon.load_model(request.match_info["model"]))
+
+    async def repository_unload(self, request: web.Request) -> web.Response:
+        """Stop serving a model; 200 once its accepted requests are answered and it is unloaded."""
+        self._authorize(request)
+        params = await _parameters(request)
+        dependents = params.get("unload_dependents", False)
+        if not isinstance(dependents, bool):
+            raise BadRequest(f"parameters.unload_dependents must be a boolean, got {dependents!r}")
+        # A model's only dependent is its parity model, which always goes with it.
+        return json_response(await self.daemon.unload_model(request.match_info["model"]))
+
     async def controller_stats(self, request: web.Request) -> web.Response:
         return json_response(self.daemon.statistics())
 
     # ---------------------------------------------------------------- management
+    # /v2/admin/* and the repository's load and unload change what the daemon does: each needs
+    # the bearer token (or, without one configured, a loopback listener).
 
     def _authorize(self, request: web.Request) -> None:
         token = self.daemon.settings.server.admin_token
         if token:
-            if request.headers.get("Authorization", "") != f"Bearer {token}":
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, f"Bearer {token}".encode()):  # no timing hints about the token
                 raise Forbidden("a management endpoint: Authorization: Bearer <server.admin_token> is required")
         elif not is_loopback(self.daemon.settings.server.http):
             raise Forbidden("management endpoints on a non-loopback listener need server.admin_token to be set")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from daemon.actions import Action, Result
@@ -41,6 +41,7 @@ class ControllerService:
         self._idle.set()
         self._settled = asyncio.Event()  # idle, and no coding group left waiting for a flush
         self._settled.set()
+        self._waiters: list[tuple[Callable[[Scheduler], bool], asyncio.Future[None]]] = []
 
     # ---------------------------------------------------------------- from frontends
 
@@ -86,6 +87,23 @@ class ControllerService:
             self._idle.set()
             if not self.scheduler.coding.groups:
                 self._settled.set()
+        if self._waiters:
+            self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        keep: list[tuple[Callable[[Scheduler], bool], asyncio.Future[None]]] = []
+        for pred, fut in self._waiters:
+            if fut.done():
+                continue
+            try:
+                if pred(self.scheduler):
+                    fut.set_result(None)
+                    continue
+            except Exception as e:
+                fut.set_exception(e)
+                continue
+            keep.append((pred, fut))
+        self._waiters = keep
 
     def _arm(self, now: float) -> None:
         wake = self.scheduler.next_wakeup(now)
@@ -124,6 +142,19 @@ class ControllerService:
         """Carry out a decision made outside a step (model removal, for instance)."""
         self._deliver(decision)
         self._kick()
+
+    async def until(self, predicate: Callable[[Scheduler], bool]) -> None:
+        """Wait until `predicate(scheduler)` holds. Every change to the scheduler's state ends in a
+        step, so it is checked after each one (it must be cheap); the daemon waits this way for a
+        preload to land or for a model to fall quiet before it is removed."""
+        if predicate(self.scheduler):
+            return
+        fut: asyncio.Future[None] = self.loop.create_future()
+        self._waiters.append((predicate, fut))
+        try:
+            await fut
+        finally:
+            fut.cancel()  # a cancelled or timed-out wait is dropped at the next step
 
     async def settled(self) -> None:
         """Wait until nothing is pending or in flight and every coding group is gone (tests use it
