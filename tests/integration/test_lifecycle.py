@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -18,7 +19,9 @@ import pytest
 
 from daemon.client import SocketClient
 from daemon.config import load_settings
-from tests.support import short_tmpdir
+from daemon.notify import Notifier
+from daemon.runtime.faults import FaultSpec
+from tests.support import DaemonThread, settings, short_tmpdir
 
 ROOT = Path(__file__).resolve().parents[2]
 Message = dict[str, str]
@@ -120,6 +123,42 @@ def test_notify_watchdog_reload_and_stop(demo_repo: Path, tmp_path: Path, run_di
             proc.wait()
         notify.close()
     assert sum(1 for m in notify.seen if "READY" in m) == 2  # start-up and the reload, nothing else
+
+
+def test_stop_drains_accepted_requests_and_says_so(demo_repo: Path, run_dir: Path) -> None:
+    """In process: a request still running at SIGTERM is answered, and STATUS= shows the drain."""
+    repo = run_dir / "models"
+    shutil.copytree(demo_repo / "mlp_784", repo / "mlp_784")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(run_dir / "notify.sock"))
+    notify.settimeout(30)
+    dt = DaemonThread(settings(repo, run_dir, runtime={"warmup_reps": 1}))
+    dt.daemon.notifier = Notifier(str(run_dir / "notify.sock"))
+    try:
+        dt.start()
+        d = dt.daemon
+        dt.call(d.executors["cpu:0"].faults.set, FaultSpec(add_ms=1000))  # it is still running at the stop
+        assert dt.loop is not None
+
+        async def infer_then_stop() -> np.ndarray:
+            req = d.new_request(d.registry.resolve("mlp_784"), (np.zeros((1, 784), np.float32),), 1, 5_000_000,
+                                None, "")
+            running = asyncio.ensure_future(d.run_request(req))
+            await asyncio.sleep(0)  # submitted
+            d.request_stop()
+            return (await running).outputs[0]
+
+        out = asyncio.run_coroutine_threadsafe(infer_then_stop(), dt.loop).result(30)
+        assert out.shape == (1, 10)
+        msgs: list[bytes] = []
+        while not msgs or msgs[-1] != b"STATUS=stopped":
+            msgs.append(notify.recv(4096))
+        stop = msgs.index(b"STOPPING=1\nSTATUS=stopping: closing listeners")
+        assert msgs[stop + 1:] == [b"STATUS=stopping: draining 1 request(s)", b"STATUS=stopping: executors",
+                                   b"STATUS=stopped"]
+    finally:
+        dt.stop()
+        notify.close()
 
 
 # ------------------------------------------------------------------ the unit files
