@@ -224,7 +224,8 @@ class ClockworkPolicy:
                 continue
             while (head := entry.queue.head()) is not None:
                 run = self._est(state, key, head.samples, dev)
-                if start <= head.deadline - run:
+                if start <= head.deadline - run or \
+                        self._sooner_elsewhere(state, key, head.samples, dev, head.deadline, now):
                     break
                 entry.queue.pop()
                 state.fail_request(head, state.deadline_error(head, now), now)
@@ -239,6 +240,7 @@ class ClockworkPolicy:
 
     def _sooner_elsewhere(self, state: Scheduler, key: str, samples: int, dev: DeviceState, finish: float,
                           now: float) -> bool:
+        """Another device holding the model would finish `samples` of it before `finish`."""
         for name in state.ready_on.get(key, ()):
             other = state.devices[name]
             if other is not dev and \
@@ -260,7 +262,10 @@ class ClockworkPolicy:
                 if key in seen:
                     head = None  # a device that frees sooner already judged this model
                     break
-                # This is the soonest any device holding the model is free: answer at once.
+                if self._sooner_elsewhere(state, key, head.samples, dev, head.deadline, now):
+                    head = None  # too slow here, but another device holding it can make it
+                    break
+                # No device holding the model can finish it in time: answer at once.
                 entry.queue.pop()
                 state.fail_request(head, state.deadline_error(head, now), now)
                 self._dropped(key, now)

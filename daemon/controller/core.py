@@ -265,11 +265,18 @@ class Scheduler:
             _, _, action = heapq.heappop(heap)
             if action.id not in self.inflight:
                 continue
+            later = []  # requests of the batch due later: each is answered by its own deadline
             for r in action.requests:
-                if r.status == RequestStatus.RUNNING:
-                    self.counters["overdue"] += 1
-                    self._finish(r, RequestStatus.FAILED, DeadlineExceeded(
-                        f"deadline missed: {action.device} did not answer in time"), now)
+                if r.status != RequestStatus.RUNNING:
+                    continue
+                if r.deadline + OVERDUE_GRACE > now:
+                    later.append(r.deadline)
+                    continue
+                self.counters["overdue"] += 1
+                self._finish(r, RequestStatus.FAILED, DeadlineExceeded(
+                    f"deadline missed: {action.device} did not answer in time"), now)
+            if later:
+                heapq.heappush(heap, (min(later) + OVERDUE_GRACE, action.id, action))
 
     @staticmethod
     def deadline_error(req: InferenceRequest, now: float) -> DeadlineExceeded:
@@ -318,7 +325,7 @@ class Scheduler:
         action = self.issue(Action(ActionKind.INFER, spec, dev.name, earliest, latest, expected, batch_size,
                                    requests, expected_start=earliest), now)
         if requests:
-            heapq.heappush(self._overdue, (max(r.deadline for r in requests) + OVERDUE_GRACE, action.id, action))
+            heapq.heappush(self._overdue, (min(r.deadline for r in requests) + OVERDUE_GRACE, action.id, action))
         if spec.parity is not None and parity_key(spec) in self.models:
             ready = self.ready_on.get(spec.key, ())
             # what the batch takes on the best device holding the model: a member on a device known

@@ -276,3 +276,34 @@ def test_a_device_running_slow_leaves_work_to_one_that_finishes_it_sooner() -> N
     h.result(second)
     a, b = h.request(spec, timeout=90 * MS), h.request(spec, timeout=90 * MS)
     assert {x.device for x in h.step()} == {"cpu:0", "cpu:1"} and a.status == b.status == RequestStatus.RUNNING
+
+
+def test_a_request_too_slow_for_the_first_free_device_goes_to_one_that_can_make_it() -> None:
+    h = cw(devices=2, horizon=10 * MS)
+    spec = add(h, "m", max_batch=1, profile={1: 1 * MS})
+    h.sched.preload(spec.key, 2, h.now)
+    for load in h.step() + h.sched._take().actions:
+        h.result(load)
+    est = h.sched.estimator
+    est.now = h.now
+    est.observe_infer(spec.key, 1, "cpu", 0.400, "cpu:0")  # cpu:0 took 400 ms a run just now
+    r = h.request(spec, timeout=150 * MS)  # impossible on cpu:0, easy on cpu:1
+    (act,) = h.step()
+    assert act.device == "cpu:1" and r.status == RequestStatus.RUNNING
+
+
+def test_requests_batched_on_a_device_that_never_answers_are_each_failed_by_their_own_deadline() -> None:
+    h = cw(devices=1)
+    spec = add(h, "m", max_batch=2, profile={1: 1 * MS, 2: 2 * MS})
+    h.use(spec)
+    h.clock.advance(1.5)
+    soon, later = h.request(spec, timeout=20 * MS), h.request(spec, timeout=80 * MS)
+    (act,) = h.step()  # one batch with both; the device never answers it
+    assert act.requests == [soon, later]
+    h.clock.set(soon.deadline + 0.006)
+    h.step()
+    assert soon.status == RequestStatus.FAILED and later.status == RequestStatus.RUNNING
+    assert h.sched.next_wakeup(h.now) == pytest.approx(later.deadline + 0.005)
+    h.clock.set(later.deadline + 0.006)
+    h.step()
+    assert later.status == RequestStatus.FAILED and "did not answer in time" in later.error.message
