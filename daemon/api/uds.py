@@ -36,6 +36,7 @@ log = logging.getLogger("escapement.socket")
 
 LENGTH = struct.Struct(">I")
 HIGH_WATER = 4 * 2**20  # bytes of unsent responses after which the connection stops reading
+FRAMES_PER_TURN = 64  # frames handled per event-loop turn (~1-2 ms of decoding and admission)
 
 
 def pack_frame(obj: dict[str, Any]) -> bytes:
@@ -60,8 +61,11 @@ class SocketConnection(asyncio.Protocol):
         self._buf = bytearray()
         self._inflight: dict[int, InferenceRequest] = {}  # internal request id -> request
         self._closed = False
-        self._paused = False
-        self._eof = False  # the client half-closed: close once its requests are answered
+        self._paused = False  # the client is not reading its answers
+        self._yielded = False  # a turn's worth of frames handled; the rest waits for the next turn
+        self._reading = True
+        self._eof = False  # the client half-closed
+        self._input_done = False  # ... and every frame it sent is handled: close once all are answered
 
     # ---------------------------------------------------------------- asyncio.Protocol
 
@@ -78,31 +82,58 @@ class SocketConnection(asyncio.Protocol):
         self._inflight.clear()
 
     def pause_writing(self) -> None:  # the client is not reading: stop taking its requests
-        if self.transport is not None and not self._paused:
-            self._paused = True
-            self.transport.pause_reading()
+        self._paused = True
+        self._want_reading()
 
     def resume_writing(self) -> None:
-        if self.transport is not None and self._paused:
-            self._paused = False
-            self.transport.resume_reading()
-            self._drain_frames()
-            if self._eof and not self._paused:
-                self._after_eof()
+        self._paused = False
+        self._want_reading()
+        self._pump()
 
     def data_received(self, data: bytes) -> None:
         self._buf += data
-        self._drain_frames()
+        self._pump()
 
     def eof_received(self) -> bool:
         """The client has finished sending (a half-close), but may still read: answer what it sent,
         then close. Returning False would close now and cancel its requests unanswered."""
         self._eof = True
-        if not self._paused:  # while paused, whole frames may still wait in the buffer
-            self._after_eof()
+        self._pump()
         return True
 
+    # ---------------------------------------------------------------- frames
+
+    def _want_reading(self) -> None:
+        """Read from the client only while its answers drain and no turn of frames is pending."""
+        want = not (self._paused or self._yielded)
+        if self.transport is not None and not self._closed and want != self._reading:
+            self._reading = want
+            if want:
+                self.transport.resume_reading()
+            else:
+                self.transport.pause_reading()
+
+    def _pump(self) -> None:
+        """Handle the whole frames buffered, FRAMES_PER_TURN at a time: a client that pipelines
+        thousands of frames in one write must not hold the event loop (and every other client,
+        timer and the controller) for the tens of milliseconds they take."""
+        if self._paused or self._yielded or self._closed:
+            return
+        if self._drain_frames(FRAMES_PER_TURN):
+            self._yielded = True
+            self._want_reading()
+            asyncio.get_running_loop().call_soon(self._next_turn)
+            return
+        if self._eof and not self._paused:
+            self._after_eof()
+
+    def _next_turn(self) -> None:
+        self._yielded = False
+        self._want_reading()
+        self._pump()
+
     def _after_eof(self) -> None:
+        self._input_done = True
         if self._buf:  # a frame that can never complete now
             self.send(error_frame(None, BadRequest(
                 f"the connection ended inside a frame ({len(self._buf)} bytes of it received)")))
@@ -110,23 +141,27 @@ class SocketConnection(asyncio.Protocol):
         if not self._inflight:
             self.close()
 
-    # ---------------------------------------------------------------- frames
-
-    def _drain_frames(self) -> None:
+    def _drain_frames(self, limit: int) -> bool:
+        """Handle up to `limit` whole frames; True when it stopped at the limit with more buffered."""
         buf = self._buf
+        handled = 0
         while len(buf) >= 4 and not self._closed and not self._paused:
+            if handled == limit:
+                return True
             (n,) = LENGTH.unpack_from(buf)
             if n > self.max_frame:
                 self.send(error_frame(None, PayloadTooLarge(
                     f"frame of {n} bytes is over the limit of {self.max_frame} (server.max_body_bytes); "
                     "closing the connection")))
                 self.close()
-                return
+                return False
             if len(buf) < 4 + n:
-                return
+                return False
             frame = bytes(buf[4 : 4 + n])
             del buf[: 4 + n]
             self._handle(frame)
+            handled += 1
+        return False
 
     def send(self, obj: dict[str, Any]) -> None:
         if self.transport is not None and not self._closed:
@@ -230,7 +265,7 @@ class SocketConnection(asyncio.Protocol):
         try:
             self._answer(req)
         finally:
-            if self._eof and not self._inflight:
+            if self._input_done and not self._inflight:
                 self.close()
 
     def _answer(self, req: InferenceRequest) -> None:

@@ -43,7 +43,9 @@ def fuzz_daemon(test_repo: Path) -> Iterator[DaemonThread]:
     repo = d / "repo"
     for name in ("tiny_pt2", "all_types"):  # only models that serve: a broken one is a 503 by design
         shutil.copytree(test_repo / name, repo / name)
-    dt = DaemonThread(daemon_settings(repo, d, server={"max_body_bytes": MAX_BODY})).start()
+    # No load shedding: hypothesis shares this process's GIL with the daemon's loop, so the loop's
+    # lag would be the generator's doing, and a 503 would hide what the input itself gets.
+    dt = DaemonThread(daemon_settings(repo, d, server={"max_body_bytes": MAX_BODY, "shed_lag_ms": 0})).start()
     yield dt
     dt.stop()
     shutil.rmtree(d, ignore_errors=True)
@@ -197,7 +199,7 @@ def _mentions(raw: bytes, *words: str) -> bool:
 
 
 def check_http_answer(status: int, headers: http.client.HTTPMessage, raw: bytes, sent: bytes) -> None:
-    """What a client's mistake may get: 200, a 4xx with a JSON error, and a few documented others."""
+    """What a client's mistake may get: 200, a 4xx with a JSON error, and two documented others."""
     if status == 200:
         n = headers.get(HEADER_LEN)
         obj = orjson.loads(raw[: int(n)] if n is not None else raw)
@@ -209,9 +211,6 @@ def check_http_answer(status: int, headers: http.client.HTTPMessage, raw: bytes,
         return
     if status == 501:  # a feature the daemon does not offer, named in the body
         assert _mentions(sent, "shared_memory_region", "classification"), obj
-        return
-    if status == 503:  # load shedding on a noisy machine: a legitimate refusal, with Retry-After
-        assert headers.get("Retry-After") and "overloaded" in obj["error"], obj
         return
     if status == 504:  # the client asked for a deadline it cannot have
         assert _mentions(sent, "timeout"), obj
@@ -312,9 +311,6 @@ def check_socket_answer(answer: dict[str, Any], sent: bytes) -> None:
         return
     assert isinstance(answer.get("error"), str) and answer["error"], answer
     if 400 <= status < 500 and status != 499:
-        return
-    if status == 503:
-        assert "retry_after_s" in answer and "overloaded" in answer["error"], answer
         return
     if status == 504:
         assert b"timeout_us" in sent, answer

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import http.client
 import shutil
-import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -42,7 +41,10 @@ def shutdown_daemon(request: pytest.FixtureRequest) -> Iterator[tuple[DaemonProc
     repo = wide_repo(d / "repo", width=WIDTH, max_batch=1, slo_ms=10_000)
     cfg = write_config(d / "c.toml", {
         "server": {"http": "127.0.0.1:0", "socket": str(d / "d.sock"), "log_level": "info",
-                   "drain_timeout_s": DRAIN_S[request.param]},
+                   "drain_timeout_s": DRAIN_S[request.param],
+                   # the 46 requests arrive in one burst: a loop-lag refusal (503 "overloaded") on a
+                   # busy CI machine would be told apart from the shutdown's own 503s only by luck
+                   "shed_lag_ms": 0},
         "models": {"repository": str(repo)},
         "runtime": {"devices": ["cpu:0"], "warmup_reps": 3},
     }, faults=[{"device": "cpu:0", "add_ms": DEVICE_MS}])
@@ -75,6 +77,44 @@ def http_infer(address: str, x: np.ndarray, conn: http.client.HTTPConnection | N
     finally:
         if conn is None:
             c.close()
+
+
+def connect_after_signal_socket(path: str, x: np.ndarray) -> list[Any]:
+    """Connect until refused; a connection that slipped in before the listener closed must get an
+    answer (or be closed cleanly). Returns what each attempt got, "refused" last. Each attempt waits
+    for its answer, so this loop paces itself."""
+    got: list[Any] = []
+    for _ in range(200):
+        try:
+            s = RawSocket(path, timeout=10)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return [*got, "refused"]
+        try:
+            s.send(infer_frame(-1, x.tobytes()))
+            a = s.read_frame()
+            got.append("closed" if a is None else a["status"])
+        except ConnectionResetError:
+            got.append("reset")
+        finally:
+            s.close()
+    return got
+
+
+def connect_after_signal_http(address: str, x: np.ndarray) -> list[Any]:
+    """As connect_after_signal_socket, over HTTP."""
+    got: list[Any] = []
+    host, port = address.split(":")
+    for _ in range(200):
+        c = http.client.HTTPConnection(host, int(port), timeout=10)
+        try:
+            c.connect()
+        except ConnectionRefusedError:
+            c.close()
+            return [*got, "refused"]
+        status, err = http_infer(address, x, c)
+        got.append(("reset" if isinstance(err, ConnectionResetError) else "closed") if status == -1 else status)
+        c.close()
+    return got
 
 
 def admitted(stats_conn: RawSocket, tag: int) -> int:
@@ -110,11 +150,10 @@ def test_sigterm_answers_every_accepted_request_and_exits_0(shutdown_daemon: tup
         dp.terminate()
         dp.wait_for(r"\[shutdown\] closing listeners", 30)
 
-        # 3) After the signal: no new connections, and no new work on the old ones.
-        with pytest.raises((ConnectionRefusedError, FileNotFoundError)):
-            RawSocket(dp.socket, timeout=5)
-        with pytest.raises(ConnectionRefusedError):
-            socket.create_connection(("127.0.0.1", dp.http_port or 0), timeout=5)
+        # 3) After the signal: new connections are refused (once the listeners are closed, which
+        #    the log line above only announces), and no new work is taken on the old ones.
+        new_socket = connect_after_signal_socket(dp.socket, x)
+        new_http = connect_after_signal_http(dp.http, x)
         control.send(infer_frame(10**6, x.tobytes()))
         late_socket = control.read_frame()
         late_http = http_infer(dp.http, x, keep_alive)
@@ -142,7 +181,8 @@ def test_sigterm_answers_every_accepted_request_and_exits_0(shutdown_daemon: tup
         "lost": SOCKET_REQUESTS - len(answers) + sum(1 for s, _ in http_results if s == -1),
         "answered_twice": sum(1 for a in answers.values() if len(a) > 1), "refusal_messages": messages,
         "late_socket_request": None if late_socket is None else late_socket["status"],
-        "late_http_request": late_http[0], "exit_code": rc, "signal_to_exit_s": round(exit_s, 3),
+        "late_http_request": late_http[0], "new_socket_connections": new_socket,
+        "new_http_connections": new_http, "exit_code": rc, "signal_to_exit_s": round(exit_s, 3),
         "drain_timed_out": "drain timed out" in log})
 
     assert sorted(answers) == list(range(SOCKET_REQUESTS)), "socket requests without an answer"
@@ -154,6 +194,12 @@ def test_sigterm_answers_every_accepted_request_and_exits_0(shutdown_daemon: tup
     if dp.scenario == "drain_completes":
         assert statuses["socket_200"] + statuses["http_200"] == before and "[shutdown] drained" in log
     assert all("shut down" in m for m in messages), messages
+    # New connections end up refused. One that slipped in first was answered, closed, or (if it was
+    # still in the kernel's accept backlog, never seen by the daemon, when the listener closed)
+    # reset by the kernel: the nearest thing to a refusal a connect() that already succeeded gets.
+    clean = {200, 503, "closed", "reset"}
+    assert new_socket[-1] == "refused" and set(new_socket[:-1]) <= clean, new_socket
+    assert new_http[-1] == "refused" and set(new_http[:-1]) <= clean, new_http
     # A request after the signal: refused cleanly (503), or its connection closed cleanly.
     assert late_socket is None or (late_socket["status"] == 503 and late_socket["id"] == 10**6), late_socket
     assert late_http[0] in (503, -1), late_http
