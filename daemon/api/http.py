@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 
 from daemon import __version__
+from daemon.api import observe
 from daemon.api.codec import WireTensor, assemble_inputs, check_shape, select_outputs, tensor_bytes
 from daemon.errors import (
     BadRequest,
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("escapement.http")
 
 HEADER_LEN = "Inference-Header-Content-Length"
-EXTENSIONS = ["binary_tensor_data", "model_repository", "schedule_policy", "model_configuration", "parameters"]
+EXTENSIONS = ["binary_tensor_data", "model_repository", "schedule_policy", "model_configuration", "parameters",
+              "statistics"]
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY = web.AppKey("max_body", int)
@@ -111,6 +113,8 @@ class HttpFrontend:
         bases = ("/v2/models/{model}", "/v2/models/{model}/versions/{version:[0-9]+}")
         for base in bases:  # first: aiohttp tries resources in order, and infer is the hot path
             r.add_post(base + "/infer", self.infer)
+        # /metrics and the statistics extension (api/observe.py), before `/v2/models/{model}` matches "stats"
+        observe.add_routes(r, daemon)
         r.add_get("/v2", self.server_metadata)
         r.add_get("/v2/health/live", self.live)
         r.add_get("/v2/health/ready", self.ready)
