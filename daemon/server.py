@@ -182,6 +182,7 @@ class Daemon:
         self._repo_lock = asyncio.Lock()  # reloads, loads and unloads run one at a time
         self._reload_pending = False
         self._reloader: asyncio.Task[None] | None = None
+        self._start_error = ""
 
     @property
     def controller(self) -> ControllerService:
@@ -704,7 +705,8 @@ class Daemon:
         # Last: systemd keeps watching the loop until everything above is done.
         await self._cancel(list(self._tasks))
         self._watchdog = None
-        self.notifier.status("stopped")
+        # the last STATUS= stays in `systemctl status`: a failed start-up says why
+        self.notifier.status(f"start-up failed: {self._start_error}" if self._start_error else "stopped")
         self.notifier.close()
         self.state = State.STOPPED
         log.info("[shutdown] done")
@@ -742,7 +744,7 @@ class Daemon:
             try:
                 await self.start()
             except Exception as e:
-                self.notifier.status(f"start-up failed: {e}")
+                self._start_error = str(e)
                 raise
             await self._stop.wait()
         finally:
