@@ -35,9 +35,7 @@ MARGIN_S = 0.050
 SOCKET_REQUESTS = 120
 HTTP_REQUESTS = 24
 GAP_S = 0.004  # between sends: ~250 requests/s, well inside the healthy devices' capacity
-# One deadline for the paced stream: requests batched together are then due within a few ms of
-# each other. Mixed deadlines in one batch are the xfail test at the end (a known bug).
-TIMEOUT_US = 150_000
+TIMEOUTS_US = (150_000, 300_000)  # alternating: one batch may hold requests due at different times
 
 CASES: dict[str, dict[str, dict[str, Any]]] = {
     "failing": {"cpu:1": {"fail_probability": 0.3, "seed": 7}},
@@ -87,15 +85,15 @@ def test_every_request_gets_exactly_one_answer_in_time(fault_daemon: DaemonThrea
     deadline_of: dict[Any, float] = {}
 
     def message(i: int) -> dict[str, Any]:
-        return {"model": "digits_mlp", "timeout_us": TIMEOUT_US, "inputs": [
+        return {"model": "digits_mlp", "timeout_us": TIMEOUTS_US[i % 2], "inputs": [
             {"name": "INPUT__0", "datatype": "FP32", "shape": [1, 64], "data": x[i % len(x)].tobytes()}]}
 
     async def http_one(session: aiohttp.ClientSession, i: int) -> None:
         rid = f"h{i}"
-        body = {"id": rid, "parameters": {"timeout": TIMEOUT_US}, "inputs": [
+        body = {"id": rid, "parameters": {"timeout": TIMEOUTS_US[i % 2]}, "inputs": [
             {"name": "INPUT__0", "datatype": "FP32", "shape": [1, 64], "data": x[i % len(x)].tolist()}]}
         http_sent[rid] = time.monotonic()
-        deadline_of[rid] = TIMEOUT_US * 1e-6
+        deadline_of[rid] = TIMEOUTS_US[i % 2] * 1e-6
         # A client-side limit well past deadline + margin: the test must report a missing answer,
         # not hang on it.
         async with session.post(f"{base}/v2/models/digits_mlp/infer", data=orjson.dumps(body),
@@ -125,7 +123,7 @@ def test_every_request_gets_exactly_one_answer_in_time(fault_daemon: DaemonThrea
             http_every = SOCKET_REQUESTS // HTTP_REQUESTS
             for i in range(SOCKET_REQUESTS):
                 await asyncio.sleep(max(0.0, t0 + i * GAP_S - loop.time()))  # pacing, not waiting for state
-                deadline_of[i] = TIMEOUT_US * 1e-6
+                deadline_of[i] = TIMEOUTS_US[i % 2] * 1e-6
                 conns[i % 2].send(i, message(i))
                 if i % http_every == 0:
                     tasks.append(loop.create_task(http_one(session, i // http_every)))
@@ -200,12 +198,10 @@ def test_every_request_gets_exactly_one_answer_in_time(fault_daemon: DaemonThrea
     assert finished == counters.get("admitted", 0) and stats["pending"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="the overdue watchdog answers a batch's requests at the LATEST deadline in "
-                                       "the batch plus its grace (controller/core.py, issue_infer: max(r.deadline "
-                                       "...)), so a request batched with a later one waits past its own deadline")
 def test_a_batch_on_a_hung_device_answers_each_request_by_its_own_deadline(fault_daemon: DaemonThread) -> None:
     """Every device hung: a burst of requests with deadlines 100 and 400 ms, batched together, can only
-    be answered 504, each by its own deadline (the 100 ms ones must not wait for the 400 ms ones)."""
+    be answered 504, each by its own deadline (the 100 ms ones must not wait for the 400 ms ones).
+    Found by this test: the watchdog answered the whole batch at its latest deadline (fixed in 27d10eb)."""
     dt = fault_daemon
     _, _, x, _ = digits_split()
     base = f"http://{dt.http}"
@@ -240,13 +236,11 @@ def test_a_batch_on_a_hung_device_answers_each_request_by_its_own_deadline(fault
     assert max(lateness.values()) <= MARGIN_S * 1e3, f"answered late (ms past the request's own deadline): {lateness}"
 
 
-@pytest.mark.xfail(strict=True, reason="a slow device that is free first makes the clockwork policy answer 504 at "
-                                       "once although an idle healthy replica could meet the deadline "
-                                       "(controller/clockwork.py, _dispatch: 'the soonest any device holding the "
-                                       "model is free: answer at once' judges by that device's run estimate)")
 def test_a_slow_device_does_not_fail_requests_a_healthy_replica_can_serve(fault_daemon: DaemonThread) -> None:
     """cpu:0 slowed to 400 ms a run, cpu:1 healthy, both holding the model: once cpu:0 has shown
-    how slow it is, 150 ms requests belong on cpu:1, and all of them should succeed."""
+    how slow it is, 150 ms requests belong on cpu:1, and all of them should succeed. Found by this
+    test: cpu:0, free first, failed them all with 504 for as long as its estimate lasted (fixed in
+    27d10eb)."""
     dt = fault_daemon
     _, _, x, _ = digits_split()
 
