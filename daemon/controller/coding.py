@@ -21,9 +21,11 @@ original once the reconstruction did.
 A group that has not filled within the model's `flush_ms` is flushed: a parity model trained on
 sums of k inputs would be out of its depth on fewer, so each of its members still running is
 protected by a **replica** instead: the same batch with the deployed model on another device,
-whose answer counts as a reconstruction. (At low load, when groups fill slowly, devices have
-room for replicas.) Groups leave no state behind: one is dropped as soon as all its members'
-requests are answered, and timers of dropped groups are ignored.
+whose answer counts as a reconstruction. A member of a group with no parity coming (not full
+yet, or its parity lost) that straggles gets its replica at once, without waiting for the
+flush. (At low load, when groups fill slowly, devices have room for replicas.) Groups leave no
+state behind: one is dropped as soon as all its members' requests are answered, and timers of
+dropped groups are ignored.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ class Member:
     normal: float  # seconds the batch takes on the fastest device holding the model
     state: MemberState = MemberState.RUNNING
     outputs: tuple[np.ndarray, ...] | None = None
+    replicated: bool = False  # a replica was issued for it
+
+    def straggling_at(self) -> float:
+        """When it becomes a straggler: a normal run, and a slack, past its planned start."""
+        return self.action.expected_start + self.normal + max(STRAGGLER_SLACK, 0.5 * self.normal)
 
     def live(self) -> bool:
         return any(r.status == RequestStatus.RUNNING for r in self.action.requests)
@@ -110,6 +117,7 @@ class Timer(IntEnum):
     FLUSH = 1
     DECODE = 2  # decode a running member if its original is not back (deadline at hand)
     GIVE_UP = 3  # release a lost member if no reconstruction came
+    STRAGGLE = 4  # a member of a group that has no parity coming straggles: replicate it
 
 
 class Coding:
@@ -148,6 +156,8 @@ class Coding:
         m = Member(action, action.expected_duration if normal is None else normal)
         g.members.append(m)
         self.role[action.id] = (g, m)
+        # its planned start is not known yet (the policy sets it next): checked again when due
+        self._timer(now + m.normal + max(STRAGGLER_SLACK, 0.5 * m.normal), Timer.STRAGGLE, g.id, action.id)
         if g.full:
             self._close(g)
             return g
@@ -247,8 +257,7 @@ class Coding:
                 continue
             a = m.action
             predicted_end = a.expected_start + a.expected_duration
-            straggling_at = a.expected_start + m.normal + max(STRAGGLER_SLACK, 0.5 * m.normal)
-            decide_at = min(straggling_at, m.deadline - DECODE_MARGIN)
+            decide_at = min(m.straggling_at(), m.deadline - DECODE_MARGIN)
             if m.state == MemberState.LOST or predicted_end > m.deadline - DECODE_MARGIN or now >= decide_at:
                 saves.append(self._save(g, m))
             else:
@@ -283,10 +292,12 @@ class Coding:
         g = self.groups.get(timer[3])
         return g is None or (timer[2] == Timer.FLUSH and (g.full or g.flushed))
 
-    def due(self, now: float) -> tuple[list[Group], list[Save | Release]]:
-        """Timers that came due: groups to flush, members to save or release."""
+    def due(self, now: float) -> tuple[list[Group], list[Save | Release], list[Member]]:
+        """Timers that came due: groups to flush, members to save or release, and stragglers of
+        groups with no parity coming (not full, or their parity lost), to protect with a replica."""
         flush: list[Group] = []
         out: list[Save | Release] = []
+        hedge: list[Member] = []
         while self._timers and self._timers[0][0] <= now:
             _, _, kind, gid, aid = heapq.heappop(self._timers)
             g = self.groups.get(gid)
@@ -307,8 +318,16 @@ class Coding:
             elif kind == Timer.GIVE_UP and m.state == MemberState.LOST:
                 m.state = MemberState.DONE
                 out.append(Release(m.action))
+            elif kind == Timer.STRAGGLE and m.state == MemberState.RUNNING and m.live() and not m.replicated \
+                    and (not g.full or g.parity_dead):
+                at = m.straggling_at()
+                if at > now:
+                    self._timer(at, Timer.STRAGGLE, gid, aid)  # it started later than planned then
+                else:
+                    m.replicated = True
+                    hedge.append(m)
             self._maybe_drop(g)
-        return flush, out
+        return flush, out, hedge
 
     # ---------------------------------------------------------------- cleanup
 

@@ -223,8 +223,10 @@ class Scheduler:
 
     def schedule(self, now: float) -> Decision:
         self.estimator.now = now
-        flush, items = self.coding.due(now)
+        flush, items, stragglers = self.coding.due(now)
         self._apply_coding(items, now)
+        for m in stragglers:
+            self._replicate(m.action, now)
         for g in flush:
             self._protect_partial(g, now)
         self._expire(now)
@@ -535,26 +537,33 @@ class Scheduler:
         """A group that did not fill in time: replicas of its running members on other devices."""
         self.counters["groups_flushed"] += 1
         for m in group.members:
-            live = [r for r in m.action.requests if r.status == RequestStatus.RUNNING]
-            if not live or m.state != MemberState.RUNNING:
-                continue
-            key = group.spec.key
-            others = [d for d in self.devices.values() if d.name != m.action.device and d.memory.is_ready(key)]
-            if not others:
-                self.counters["partial_unprotected"] += 1
-                continue
-            dev = min(others, key=lambda d: (d.infer_inflight, d.name))
-            est = self.estimate(key, m.action.samples, dev)
-            latest = max(min(r.deadline for r in live) - est, now + LATEST_GRACE)
-            replica = Action(ActionKind.INFER, group.spec, dev.name, now, latest, est, m.action.batch_size,
-                             m.action.requests, expected_start=now, replica_of=m.action.id)
-            dev.infer_inflight += 1
-            dev.busy[key] += 1
-            self.issue(replica, now)
-            self.coding.add_replica(replica, m.action)
-            self.counters["replicas"] += 1
-            self.policy.on_extra(self, replica, now)
+            if m.state == MemberState.RUNNING and not m.replicated:
+                m.replicated = True
+                self._replicate(m.action, now)
         self.coding.flushed(group)
+
+    def _replicate(self, action: Action, now: float) -> None:
+        """The same batch with the deployed model on another device holding it; its answer counts as
+        a reconstruction (first answer wins)."""
+        live = [r for r in action.requests if r.status == RequestStatus.RUNNING]
+        if not live:
+            return
+        key = action.model.key
+        others = [d for d in self.devices.values() if d.name != action.device and d.memory.is_ready(key)]
+        if not others:
+            self.counters["partial_unprotected"] += 1
+            return
+        dev = min(others, key=lambda d: (d.infer_inflight, d.name))
+        est = self.estimate(key, action.samples, dev)
+        latest = max(min(r.deadline for r in live) - est, now + LATEST_GRACE)
+        replica = Action(ActionKind.INFER, action.model, dev.name, now, latest, est, action.batch_size,
+                         action.requests, expected_start=now, replica_of=action.id)
+        dev.infer_inflight += 1
+        dev.busy[key] += 1
+        self.issue(replica, now)
+        self.coding.add_replica(replica, action)
+        self.counters["replicas"] += 1
+        self.policy.on_extra(self, replica, now)
 
     def _load_done(self, action: Action, dev: DeviceState, result: Result, now: float) -> None:
         dev.load_inflight -= 1

@@ -130,17 +130,38 @@ def test_a_lost_parity_releases_a_held_member_to_be_retried() -> None:
 
 
 def test_a_partial_group_is_flushed_and_protected_by_a_replica() -> None:
-    h, spec = setup(flush_ms=10.0)
+    h, spec = setup(flush_ms=1.0)  # flushed before its member could be called a straggler
     a = h.request(spec, timeout=50 * MS)
     (m0,) = [x for x in h.step() if x.kind == ActionKind.INFER]
-    assert h.sched.next_wakeup(h.now) == pytest.approx(h.now + 10 * MS)
-    h.clock.advance(10 * MS)
+    assert h.sched.next_wakeup(h.now) == pytest.approx(h.now + 1 * MS)
+    h.clock.advance(1 * MS)
     (replica,) = [x for x in h.step() if x.replica_of]
     assert replica.replica_of == m0.id and replica.device != m0.device and replica.requests == [a]
     assert h.sched.counters["groups_flushed"] == 1 and h.sched.counters["replicas"] == 1
     h.result(replica, outputs=out(8.0))
     assert a.ok and a.reconstructed and float(a.outputs[0][0, 0]) == 8.0
     h.result(m0, outputs=out(9.0))  # the original, later: ignored
+    assert float(a.outputs[0][0, 0]) == 8.0
+    assert_no_state(h)
+
+
+def test_a_straggler_of_a_partial_group_gets_its_replica_without_waiting_for_the_flush() -> None:
+    h, spec = setup(flush_ms=40.0)
+    a = h.request(spec, timeout=50 * MS)
+    (m0,) = [x for x in h.step() if x.kind == ActionKind.INFER]
+    (member,) = [m for g in h.sched.coding.groups.values() for m in g.members]
+    straggling_at = member.straggling_at()
+    assert straggling_at < h.now + 40 * MS
+    assert h.sched.next_wakeup(h.now) == pytest.approx(straggling_at)
+    h.clock.set(straggling_at)
+    (replica,) = [x for x in h.step() if x.replica_of]
+    assert replica.replica_of == m0.id and replica.device != m0.device
+    assert h.sched.counters["groups_flushed"] == 0 and h.sched.counters["replicas"] == 1
+    h.result(replica, outputs=out(8.0))
+    assert a.ok and a.reconstructed
+    h.clock.advance(40 * MS)  # the flush comes and goes: no second replica
+    assert not [x for x in h.step() if x.replica_of] and h.sched.counters["replicas"] == 1
+    h.result(m0, outputs=out(9.0))
     assert float(a.outputs[0][0, 0]) == 8.0
     assert_no_state(h)
 
@@ -174,7 +195,11 @@ def test_requests_of_an_action_that_never_returns_are_answered_after_their_deadl
     h, spec = setup()
     m0, m1, parity, a, _b = two_members(h, spec)
     h.result(m1, outputs=out(1.0))
-    h.result(parity, ResultStatus.FAILED, duration=1 * MS)  # no reconstruction possible
+    acts = h.result(parity, ResultStatus.FAILED, duration=1 * MS)  # no reconstruction possible
+    (member,) = [m for g in h.sched.coding.groups.values() for m in g.members if m.action is m0]
+    h.clock.set(max(h.now, member.straggling_at()))  # its group has no parity now: a straggler gets a replica
+    (replica,) = [x for x in acts + h.step() if x.replica_of]
+    h.result(replica, ResultStatus.FAILED, error="boom")  # which fails too
     h.clock.set(a.deadline + 0.006)  # m0's device never answers
     h.step()
     assert a.status == RequestStatus.FAILED and "did not answer in time" in a.error.message
