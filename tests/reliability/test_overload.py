@@ -210,9 +210,11 @@ def test_overload_keeps_the_daemon_live_fast_to_refuse_bounded_and_serving(overl
         assert set(warm.statuses()) <= {"socket_200", "socket_504"}, warm.statuses()
         cap = await closed_loop(path, x, 4, CAPACITY_S)
         rss_before = dp.rss_bytes()
+        log_before = len(dp.lines)
         rate = OVERLOAD_FACTOR * max(cap.goodput(CAPACITY_S), 50.0)
         over, probes, rss = await overload(dp, path, x, rate, OVERLOAD_S)
-        return {"cap": cap, "rate": rate, "over": over, "probes": probes, "rss": rss, "rss_before": rss_before}
+        return {"cap": cap, "rate": rate, "over": over, "probes": probes, "rss": rss, "rss_before": rss_before,
+                "log_lines": len(dp.lines) - log_before}
 
     r = asyncio.run(run())
     cap: Tally = r["cap"]
@@ -247,6 +249,7 @@ def test_overload_keeps_the_daemon_live_fast_to_refuse_bounded_and_serving(overl
         "live_ms_max": round(max(r["probes"]) * 1e3, 2),
         "rss_mib_before": round(r["rss_before"] / MiB, 1), "rss_mib_peak_sampled": round(max(r["rss"]) / MiB, 1),
         "rss_mib_after": round(rss_after / MiB, 1), "offered_mib": round(len(over.rows) * WIDTH * 4 / MiB, 1),
+        "daemon_log_lines_during_overload": r["log_lines"],
     }
     record(f"overload_{dp.scenario}", figures)
 
