@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+STALL_FACTOR = 4.0  # one tick this many thresholds late counts as overload at once
+
 
 class LagTracker:
     """Pure state: how late a periodic tick ran, smoothed, and whether that means overload."""
@@ -33,7 +35,9 @@ class LagTracker:
 
     @property
     def overloaded(self) -> bool:
-        return self.threshold_s > 0 and max(self.lag_s, self.last_s) > self.threshold_s
+        # Sustained lag, or one stall so long that what queued up behind it is already late; a single
+        # short stall (a GC pass, one big body) is not overload and must not turn clients away.
+        return self.threshold_s > 0 and (self.lag_s > self.threshold_s or self.last_s > STALL_FACTOR * self.threshold_s)
 
 
 class LoopMonitor:

@@ -56,6 +56,7 @@ class InferenceRequest:
     finished_at: float = 0.0
     compute_s: float = 0.0
     queue_seq: int = 0  # the sequence number of its live entry in its model's queue (0: none)
+    failures: int = 0  # INFERs of it that failed on a device (it is retried elsewhere while it can)
 
     @property
     def ok(self) -> bool:

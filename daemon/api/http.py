@@ -65,7 +65,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     try:
         return await handler(request)
     except EscapementError as e:
-        if e.status >= 500 and e.status != 503:
+        if e.status >= 500 and e.status not in (503, 504):  # refusals and deadline misses are counted, not logged
             log.error("%s %s: %s", request.method, request.path, e.message)
         return error_response(e)
     except web.HTTPRequestEntityTooLarge:

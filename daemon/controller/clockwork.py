@@ -240,10 +240,11 @@ class ClockworkPolicy:
 
     def _sooner_elsewhere(self, state: Scheduler, key: str, samples: int, dev: DeviceState, finish: float,
                           now: float) -> bool:
-        """Another device holding the model would finish `samples` of it before `finish`."""
+        """Another device holding the model, where its INFERs have not just failed, would finish
+        `samples` of it before `finish`."""
         for name in state.ready_on.get(key, ()):
             other = state.devices[name]
-            if other is not dev and \
+            if other is not dev and other.healthy_for(key, now) and \
                     self._timeline(other).exec.free_at(now) + self._est(state, key, samples, other) < finish:
                 return True
         return False
@@ -271,6 +272,9 @@ class ClockworkPolicy:
                 self._dropped(key, now)
             if head is None:
                 continue
+            if not dev.healthy_for(key, now) and any(
+                    state.devices[n].healthy_for(key, now) for n in state.ready_on.get(key, ()) if n != dev.name):
+                continue  # its INFERs failed here just now: leave the model to a device where they did not
             if (start > now or self._slow_here(state, key, head.samples, dev, run)) and \
                     self._sooner_elsewhere(state, key, head.samples, dev, start + run, now):
                 continue  # busy or running slow: leave the model to a device that finishes it sooner

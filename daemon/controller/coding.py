@@ -218,8 +218,10 @@ class Coding:
         assert m is not None
         if m.state != MemberState.RUNNING:
             return False, []
-        if g.parity_dead or any(o.state == MemberState.LOST for o in g.members if o is not m):
-            return False, []  # one parity can rebuild one member at most
+        if not g.full or g.parity_dead or any(o.state == MemberState.LOST for o in g.members if o is not m):
+            # no parity coming (a partial group may never fill), or one parity can rebuild one member at
+            # most: the scheduler retries its requests instead
+            return False, []
         m.state = MemberState.LOST
         saves = self._try(g, now)
         if m.state == MemberState.LOST:

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("escapement.controller")
 
 LATEST_GRACE = 0.002  # an action may start this much after the plan before it is refused
+FAILURE_COOLDOWN = 1.0  # seconds a model's INFERs keep off a device where one failed (if another holds it)
+MAX_FAILURES = 2  # a request whose INFER failed this often is answered with the error
 OVERDUE_GRACE = 0.005  # an INFER not back this long after its requests' deadline: answer them 504
 
 
@@ -51,6 +53,11 @@ class DeviceState:
     infer_inflight: int = 0
     load_inflight: int = 0
     busy: Counter[str] = field(default_factory=Counter)  # model key -> its actions in flight here
+    # model key -> until when to keep its INFERs off this device (they failed here), while another holds it
+    failing: dict[str, float] = field(default_factory=dict)
+
+    def healthy_for(self, key: str, now: float) -> bool:
+        return self.failing.get(key, 0.0) <= now
 
     @property
     def name(self) -> str:
@@ -454,13 +461,17 @@ class Scheduler:
         """An INFER that did not run, or failed: retry or fail its requests still running."""
         key = action.model.key
         live = [r for r in action.requests if r.status == RequestStatus.RUNNING]
+        entry = self.models.get(key)
         if result.status == ResultStatus.FAILED:
             log.error("%r failed: %s", action, result.error)
+            self.devices[action.device].failing[key] = now + FAILURE_COOLDOWN
             for r in live:
-                self._finish(r, RequestStatus.FAILED, InternalError(f"inference failed: {result.error}"), now)
-            return
-        # Refused for its window, cancelled, or given up on: back to the queue if there is still time.
-        entry = self.models.get(key)
+                r.failures += 1
+                if r.failures > MAX_FAILURES or entry is None or now + self.best_case(r) > r.deadline:
+                    self._finish(r, RequestStatus.FAILED, InternalError(f"inference failed: {result.error}"), now)
+            live = [r for r in live if r.status == RequestStatus.RUNNING]
+        # Refused for its window, cancelled, given up on, or failed (retried elsewhere, a bounded number
+        # of times): back to the queue if there is still time.
         retry: list[InferenceRequest] = []
         for r in live:
             if entry is not None and now + self.best_case(r) <= r.deadline:
@@ -553,7 +564,7 @@ class Scheduler:
         if not others:
             self.counters["partial_unprotected"] += 1
             return
-        dev = min(others, key=lambda d: (d.infer_inflight, d.name))
+        dev = min(others, key=lambda d: (not d.healthy_for(key, now), d.infer_inflight, d.name))
         est = self.estimate(key, action.samples, dev)
         latest = max(min(r.deadline for r in live) - est, now + LATEST_GRACE)
         replica = Action(ActionKind.INFER, action.model, dev.name, now, latest, est, action.batch_size,

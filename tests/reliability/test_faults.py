@@ -270,10 +270,6 @@ def test_a_slow_device_does_not_fail_requests_a_healthy_replica_can_serve(fault_
     assert [a["status"] for a in answers] == [200] * 5, answers[0].get("error")
 
 
-@pytest.mark.xfail(strict=True, reason="a batch that fails is held for a reconstruction even when none can come "
-                                       "(controller/core.py _infer_done -> coding.member_lost holds until "
-                                       "deadline - best_case), then re-queued with no slack and answered 504; "
-                                       "the healthy replica is never tried")
 def test_a_failing_device_does_not_fail_requests_a_healthy_replica_can_serve(fault_daemon: DaemonThread) -> None:
     """cpu:0 fails every INFER, cpu:1 is healthy and idle, both hold the model: requests sent one at a
     time must not wait out their deadline for nothing; most should be served by cpu:1."""

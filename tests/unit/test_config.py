@@ -102,9 +102,13 @@ def test_lag_tracker_flags_overload_and_recovers() -> None:
     t = LagTracker(0.025, alpha=0.5)
     t.observe(1.000, 1.001)
     assert not t.overloaded
-    t.observe(1.010, 1.060)  # one tick 50 ms late: overloaded at once
-    assert t.overloaded and t.max_s == pytest.approx(0.05)
+    t.observe(1.010, 1.050)  # one tick 40 ms late: a stall, not yet overload
+    assert not t.overloaded and t.max_s == pytest.approx(0.04)
+    t.observe(1.060, 1.100)  # and another: the smoothed lag is over the threshold
+    assert t.overloaded
     for i in range(8):  # on time again: the smoothed lag decays and the flag clears
         t.observe(2.0 + i, 2.0 + i)
     assert not t.overloaded
+    t.observe(3.0, 3.150)  # one stall of 150 ms (over 4x the threshold): overloaded at once
+    assert t.overloaded
     assert not LagTracker(0.0).overloaded  # 0 disables

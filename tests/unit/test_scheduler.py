@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from daemon.actions import ActionKind, ResultStatus
+from daemon.controller.clockwork import ClockworkPolicy
+from daemon.controller.core import FAILURE_COOLDOWN, MAX_FAILURES
 from daemon.errors import DeadlineExceeded, InternalError, NotFound, Overloaded, Unavailable
 from daemon.request import RequestStatus
 from tests.unit.harness import MS, Harness, kinds, make_spec
@@ -194,15 +196,38 @@ def test_a_refused_action_fails_requests_that_can_no_longer_make_it() -> None:
     assert isinstance(r.error, DeadlineExceeded)
 
 
-def test_a_failed_action_fails_its_requests_with_an_internal_error() -> None:
+def test_a_failed_action_is_retried_a_bounded_number_of_times_then_fails_with_an_internal_error() -> None:
     h = Harness()
     spec = h.add(make_spec())
     h.use(spec)
     r = h.request(spec)
-    (infer,) = h.step()
-    h.result(infer, ResultStatus.FAILED, error="boom")
-    assert isinstance(r.error, InternalError) and "boom" in r.error.message
+    acts = h.step()
+    for _ in range(MAX_FAILURES):
+        (infer,) = acts
+        acts = h.result(infer, ResultStatus.FAILED, error="boom")
+        assert r.status == RequestStatus.RUNNING and len(acts) == 1  # retried (the only device holding it)
+    h.result(acts[0], ResultStatus.FAILED, error="boom")
+    assert isinstance(r.error, InternalError) and "boom" in r.error.message and r.failures == MAX_FAILURES + 1
     assert h.sched.pending == 0
+
+
+def test_after_a_failure_the_model_keeps_off_that_device_while_another_holds_it() -> None:
+    h = Harness(devices=2, policy=ClockworkPolicy())
+    spec = h.add(make_spec())
+    h.sched.preload(spec.key, 2, h.now)
+    for load in h.step() + h.sched._take().actions:
+        h.result(load)
+    r = h.request(spec)
+    (first,) = h.step()
+    assert first.device == "cpu:0"
+    (retry,) = h.result(first, ResultStatus.FAILED, error="boom")
+    assert retry.device == "cpu:1" and retry.requests == [r]
+    h.result(retry)
+    assert r.ok
+    assert h.sched.devices["cpu:1"].healthy_for(spec.key, h.now)
+    assert not h.sched.devices["cpu:0"].healthy_for(spec.key, h.now)
+    h.clock.advance(FAILURE_COOLDOWN)
+    assert h.sched.devices["cpu:0"].healthy_for(spec.key, h.now)
 
 
 def test_a_failed_load_fails_the_waiting_requests() -> None:
@@ -267,3 +292,18 @@ def test_a_request_exactly_at_its_boundary_does_not_spin() -> None:
     h.clock.set(r.deadline - 10 * MS)  # exactly deadline - best case: feasible only if it starts now
     h.step()  # must return (it used to re-check the same instant forever)
     assert r.status in (RequestStatus.QUEUED, RequestStatus.FAILED)
+
+
+def test_a_device_whose_runs_failed_is_not_a_reason_to_hold_work_back_from_a_slower_one() -> None:
+    h = Harness(devices=2, policy=ClockworkPolicy())
+    spec = h.add(make_spec())
+    h.sched.preload(spec.key, 2, h.now)
+    for load in h.step() + h.sched._take().actions:
+        h.result(load)
+    h.sched.devices["cpu:0"].failing[spec.key] = h.now + FAILURE_COOLDOWN
+    est = h.sched.estimator
+    est.now = h.now
+    est.observe_infer(spec.key, 1, "cpu", 0.010, "cpu:1")  # cpu:1 looks slow; cpu:0 fast but failing
+    r = h.request(spec)
+    (act,) = h.step()
+    assert act.device == "cpu:1" and r.status == RequestStatus.RUNNING
