@@ -21,11 +21,11 @@ original once the reconstruction did.
 A group that has not filled within the model's `flush_ms` is flushed: a parity model trained on
 sums of k inputs would be out of its depth on fewer, so each of its members still running is
 protected by a **replica** instead: the same batch with the deployed model on another device,
-whose answer counts as a reconstruction. A member of a group with no parity coming (not full
-yet, or its parity lost) that straggles gets its replica at once, without waiting for the
-flush. (At low load, when groups fill slowly, devices have room for replicas.) Groups leave no
-state behind: one is dropped as soon as all its members' requests are answered, and timers of
-dropped groups are ignored.
+whose answer counts as a reconstruction. A straggler that cannot be rebuilt when it becomes
+one (its group not full yet, its parity lost or not back, another member missing) gets its
+replica at once, without waiting for the flush. (At low load, when groups fill slowly, devices
+have room for replicas.) Groups leave no state behind: one is dropped as soon as all its
+members' requests are answered, and timers of dropped groups are ignored.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class Timer(IntEnum):
     FLUSH = 1
     DECODE = 2  # decode a running member if its original is not back (deadline at hand)
     GIVE_UP = 3  # release a lost member if no reconstruction came
-    STRAGGLE = 4  # a member of a group that has no parity coming straggles: replicate it
+    STRAGGLE = 4  # a member straggles and cannot be rebuilt now: replicate it
 
 
 class Coding:
@@ -295,8 +295,9 @@ class Coding:
         return g is None or (timer[2] == Timer.FLUSH and (g.full or g.flushed))
 
     def due(self, now: float) -> tuple[list[Group], list[Save | Release], list[Member]]:
-        """Timers that came due: groups to flush, members to save or release, and stragglers of
-        groups with no parity coming (not full, or their parity lost), to protect with a replica."""
+        """Timers that came due: groups to flush, members to save or release, and stragglers that
+        cannot be rebuilt now (group not full, parity lost or not back, another member missing),
+        to protect with a replica."""
         flush: list[Group] = []
         out: list[Save | Release] = []
         hedge: list[Member] = []
@@ -321,7 +322,7 @@ class Coding:
                 m.state = MemberState.DONE
                 out.append(Release(m.action))
             elif kind == Timer.STRAGGLE and m.state == MemberState.RUNNING and m.live() and not m.replicated \
-                    and (not g.full or g.parity_dead):
+                    and (not g.full or g.parity_dead or g.parity_out is None or not g.others_in(m)):
                 at = m.straggling_at()
                 if at > now:
                     self._timer(at, Timer.STRAGGLE, gid, aid)  # it started later than planned then

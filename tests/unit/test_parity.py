@@ -232,3 +232,19 @@ def test_on_a_single_device_groups_still_fill() -> None:
     assert done[0] is None and done[2] is None
     assert done[1] is not None and [m.action for m in done[1].members] == acts[:2]
     assert done[3] is not None and [m.action for m in done[3].members] == acts[2:]
+
+
+def test_a_straggler_whose_parity_is_not_back_gets_a_replica() -> None:
+    h, spec = setup()
+    m0, m1, parity, a, _b = two_members(h, spec)
+    h.result(m1, outputs=out(2.0), duration=0.2 * MS)  # the other member is in; the parity is still running
+    (member,) = [m for g in h.sched.coding.groups.values() for m in g.members if m.action is m0]
+    h.clock.set(max(h.now, member.straggling_at()))
+    (replica,) = [x for x in h.step() if x.replica_of]
+    assert replica.replica_of == m0.id and replica.device != m0.device
+    h.result(replica, outputs=out(7.0))
+    assert a.ok and a.reconstructed and float(a.outputs[0][0, 0]) == 7.0
+    h.result(parity, outputs=out(6.0))  # too late to matter
+    h.result(m0, outputs=out(9.0))
+    assert float(a.outputs[0][0, 0]) == 7.0
+    assert_no_state(h)
