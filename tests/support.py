@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import shutil
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -177,3 +180,20 @@ class DaemonThread:
     @property
     def socket(self) -> str:
         return self.settings.server.socket
+
+
+@contextlib.contextmanager
+def parity_daemon_on_three_cpus(demo_repo: Path) -> Iterator[DaemonThread]:
+    """digits_mlp (with its k=2 parity model) preloaded on cpu:0 and cpu:1, the parity on cpu:2, in a
+    daemon of its own: a fault leaves estimates behind it, so tests must not share one."""
+    d = short_tmpdir()
+    repo = d / "repo"
+    shutil.copytree(demo_repo / "digits_mlp", repo / "digits_mlp")
+    cfg = repo / "digits_mlp" / "config.toml"
+    cfg.write_text("preload_replicas = 2\n" + cfg.read_text())
+    dt = DaemonThread(settings(repo, d, runtime={"devices": ["cpu:0", "cpu:1", "cpu:2"]})).start()
+    try:
+        yield dt
+    finally:
+        dt.stop()
+        shutil.rmtree(d, ignore_errors=True)

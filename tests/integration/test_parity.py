@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import http.client
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,22 +13,15 @@ import pytest
 
 from daemon.client import AsyncSocketClient
 from daemon.demo import digits_split
-from tests.support import DaemonThread, settings, short_tmpdir
+from tests.support import DaemonThread, parity_daemon_on_three_cpus
 
 
 @pytest.fixture
 def parity_daemon(demo_repo: Path) -> Iterator[DaemonThread]:
     """digits_mlp (with its k=2 parity model) preloaded on cpu:0 and cpu:1, the parity on cpu:2.
     A daemon per test: a hang leaves a device looking slow for a while, as it should."""
-    d = short_tmpdir()
-    repo = d / "repo"
-    shutil.copytree(demo_repo / "digits_mlp", repo / "digits_mlp")
-    cfg = repo / "digits_mlp" / "config.toml"
-    cfg.write_text("preload_replicas = 2\n" + cfg.read_text())
-    dt = DaemonThread(settings(repo, d, runtime={"devices": ["cpu:0", "cpu:1", "cpu:2"]})).start()
-    yield dt
-    dt.stop()
-    shutil.rmtree(d, ignore_errors=True)
+    with parity_daemon_on_three_cpus(demo_repo) as dt:
+        yield dt
 
 
 def call(dt: DaemonThread, method: str, path: str, body: object = None) -> tuple[int, object]:

@@ -16,7 +16,6 @@ leaves ~20 ms for the rest on a busy 2-core machine.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ import pytest
 
 from daemon.demo import digits_split
 from tests.reliability.helpers import FrameConnection, frame, percentile, record
-from tests.support import DaemonThread, settings, short_tmpdir
+from tests.support import DaemonThread, parity_daemon_on_three_cpus
 
 MARGIN_S = 0.050
 SOCKET_REQUESTS = 120
@@ -50,15 +49,8 @@ CASES: dict[str, dict[str, dict[str, Any]]] = {
 def fault_daemon(demo_repo: Path) -> Iterator[DaemonThread]:
     """A daemon per test (it starts in about a second): a fault leaves estimates behind it, and
     the cases must not depend on the order they run in."""
-    d = short_tmpdir()
-    repo = d / "repo"
-    shutil.copytree(demo_repo / "digits_mlp", repo / "digits_mlp")
-    cfg = repo / "digits_mlp" / "config.toml"
-    cfg.write_text("preload_replicas = 2\n" + cfg.read_text())
-    dt = DaemonThread(settings(repo, d, runtime={"devices": ["cpu:0", "cpu:1", "cpu:2"]})).start()
-    yield dt
-    dt.stop()
-    shutil.rmtree(d, ignore_errors=True)
+    with parity_daemon_on_three_cpus(demo_repo) as dt:
+        yield dt
 
 
 async def settle(dt: DaemonThread, session: aiohttp.ClientSession, devices: list[str]) -> None:

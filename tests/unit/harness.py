@@ -75,6 +75,12 @@ class Harness:
         self._take(self.sched.on_result(r, self.now))
         return self.step()
 
+    def preload(self, spec: ModelSpec, replicas: int) -> None:
+        """Load `spec` onto `replicas` devices and complete the loads."""
+        self.sched.preload(spec.key, replicas, self.now)
+        for load in self.step() + self.sched._take().actions:
+            self.result(load)
+
     def use(self, spec: ModelSpec) -> InferenceRequest:
         """Serve one request of `spec` to the end, loading it if needed, completing actions in order."""
         req = self.request(spec, timeout=1.0)

@@ -256,9 +256,7 @@ def test_a_straggling_device_does_not_make_its_peers_look_slow() -> None:
 def test_a_device_running_slow_leaves_work_to_one_that_finishes_it_sooner() -> None:
     h = cw(devices=2, horizon=10 * MS)
     spec = add(h, "m", max_batch=1, profile={1: 1 * MS})
-    h.sched.preload(spec.key, 2, h.now)
-    for load in h.step() + h.sched._take().actions:
-        h.result(load)
+    h.preload(spec, 2)
     est = h.sched.estimator
     est.now = h.now
     for _ in range(3):
@@ -281,9 +279,7 @@ def test_a_device_running_slow_leaves_work_to_one_that_finishes_it_sooner() -> N
 def test_a_request_too_slow_for_the_first_free_device_goes_to_one_that_can_make_it() -> None:
     h = cw(devices=2, horizon=10 * MS)
     spec = add(h, "m", max_batch=1, profile={1: 1 * MS})
-    h.sched.preload(spec.key, 2, h.now)
-    for load in h.step() + h.sched._take().actions:
-        h.result(load)
+    h.preload(spec, 2)
     est = h.sched.estimator
     est.now = h.now
     est.observe_infer(spec.key, 1, "cpu", 0.400, "cpu:0")  # cpu:0 took 400 ms a run just now

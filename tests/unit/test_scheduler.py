@@ -214,9 +214,7 @@ def test_a_failed_action_is_retried_a_bounded_number_of_times_then_fails_with_an
 def test_after_a_failure_the_model_keeps_off_that_device_while_another_holds_it() -> None:
     h = Harness(devices=2, policy=ClockworkPolicy())
     spec = h.add(make_spec())
-    h.sched.preload(spec.key, 2, h.now)
-    for load in h.step() + h.sched._take().actions:
-        h.result(load)
+    h.preload(spec, 2)
     r = h.request(spec)
     (first,) = h.step()
     assert first.device == "cpu:0"
@@ -297,9 +295,7 @@ def test_a_request_exactly_at_its_boundary_does_not_spin() -> None:
 def test_a_device_whose_runs_failed_is_not_a_reason_to_hold_work_back_from_a_slower_one() -> None:
     h = Harness(devices=2, policy=ClockworkPolicy())
     spec = h.add(make_spec())
-    h.sched.preload(spec.key, 2, h.now)
-    for load in h.step() + h.sched._take().actions:
-        h.result(load)
+    h.preload(spec, 2)
     h.sched.devices["cpu:0"].failing[spec.key] = h.now + FAILURE_COOLDOWN
     est = h.sched.estimator
     est.now = h.now
