@@ -7,7 +7,7 @@ import gc
 import os
 import resource
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -112,3 +112,36 @@ def measure(schedule: Schedule, frontend: Frontend, server_pid: int, names: list
 def command(name: str, quick: bool, extra: dict[str, Any] | None = None) -> str:
     opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in (extra or {}).items())
     return f"python -m bench run {name}{' --quick' if quick else ''}{' ' + opts if opts else ''}"
+
+
+def passes(row: dict[str, Any], min_attainment: float = 0.99) -> bool:
+    """A point counts towards capacity at SLO (the rule of results.capacity_at_slo)."""
+    return row["p99_ms"] <= row["slo_ms"] and row["slo_attainment"] >= min_attainment and not row["generator_bound"]
+
+
+def search_capacity(point: Callable[[float], dict[str, Any]], ladder: Sequence[float], *, refine: int,
+                    grow: float = 2.0, max_rps: float = 50_000.0) -> list[dict[str, Any]]:
+    """Probe every load of `ladder` (loads all systems share), then grow the load `grow`-fold until a
+    point fails, then bisect (geometrically) `refine` times between the best passing load and the
+    lowest failing one above it. A fixed grid would cap a fast system at its top and place a slow
+    one only to within a grid step; this finds each system's capacity to within
+    grow ** (1 / 2 ** refine). Returns the rows in the order they were measured."""
+    rows: list[dict[str, Any]] = []
+    for rate in ladder:
+        rows.append(point(rate))
+        if not passes(rows[-1]) and rows[-1]["slo_attainment"] < 0.5:
+            break  # saturated: higher loads only take longer
+    rate = max(ladder)
+    while rows and passes(rows[-1]) and rate * grow <= max_rps:
+        rate *= grow
+        rows.append(point(rate))
+    for _ in range(refine):
+        good = [r["offered_rps"] for r in rows if passes(r)]
+        if not good:
+            break
+        best = max(good)
+        above = [r["offered_rps"] for r in rows if r["offered_rps"] > best and not passes(r)]
+        if not above:
+            break
+        rows.append(point((best * min(above)) ** 0.5))
+    return rows

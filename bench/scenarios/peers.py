@@ -29,7 +29,7 @@ import orjson
 
 from bench import loadgen, results
 from bench.loadgen import HttpRequest
-from bench.scenarios.common import command, demo_repo, http_json, measure, spec_of
+from bench.scenarios.common import command, demo_repo, http_json, measure, search_capacity, spec_of
 from bench.servers import ROOT, Escapement
 
 PEERS = ROOT / "bench" / ".peers"
@@ -207,9 +207,11 @@ class _TreeMeterPid:
 
 
 def run(quick: bool = False, json_out: str | None = None, model: str = "mlp_784", seconds: float | None = None,
-        systems: str = "escapement,torchserve,ray-serve,plain-aiohttp") -> dict[str, Any]:
-    seconds = seconds or (4.0 if quick else 12.0)
-    grid = [250, 1000, 2000, 3500] if quick else [100, 250, 500, 1000, 1500, 2000, 2500, 3000, 4000, 5000]
+        systems: str = "escapement,torchserve,ray-serve,plain-aiohttp", refine: int | None = None,
+        pin: bool = True) -> dict[str, Any]:
+    seconds = seconds or (4.0 if quick else 10.0)
+    refine = refine if refine is not None else (3 if quick else 4)
+    grid = [250, 1000] if quick else [100, 250, 500, 1000]  # every system is offered these; then each is searched
     repo = demo_repo()
     spec = spec_of(repo, model)
     model_file = spec.path
@@ -223,16 +225,18 @@ def run(quick: bool = False, json_out: str | None = None, model: str = "mlp_784"
     def sweep(sys_: System) -> None:
         measure(loadgen.poisson(200, 3.0 if quick else 5.0, seed=9), "http", sys_.pid, [model], port=sys_.port,
                 http_requests=[sys_.request])  # warm-up, not reported
-        for i, rate in enumerate(grid):
+        seeds = iter(range(1000))
+
+        def point(rate: float) -> dict[str, Any]:
             meter = _TreeMeterPid(sys_.pid)
             meter.start()
-            m = measure(loadgen.poisson(rate, seconds, seed=i), "http", sys_.pid, [model], port=sys_.port,
+            m = measure(loadgen.poisson(rate, seconds, seed=next(seeds)), "http", sys_.pid, [model], port=sys_.port,
                         http_requests=[sys_.request], warmup=min(1.0, seconds / 4), drain_s=max(2.0, 3 * slo))
             r = results.row(m.run, sys_.name, slo, server_cores=meter.stop(), generator_cores=m.generator_cores)
             rows.append(r)
-            by_system.setdefault(sys_.name, []).append(r)
-            if r["slo_attainment"] < 0.5:  # saturated: higher loads only take longer
-                break
+            return r
+
+        by_system[sys_.name] = search_capacity(point, grid, refine=refine)
 
     starters: dict[str, Callable[[], System]] = {
         "torchserve": lambda: start_torchserve(model_file, x),
@@ -241,10 +245,10 @@ def run(quick: bool = False, json_out: str | None = None, model: str = "mlp_784"
     }
     for name in [s.strip() for s in systems.split(",") if s.strip()]:
         if name == "escapement":
-            with Escapement(repo) as server:
+            with Escapement(repo, runtime={"pin_threads": pin}) as server:
                 sys_ = System("escapement", server.port, http_json(spec), server.pid,
                               notes=["escapement: KServe v2 JSON, one cpu device (1 intra-op thread), "
-                                     "policy dynamic"])
+                                     "policy clockwork (the default)"])
                 sweep(sys_)
                 notes += sys_.notes
             continue
@@ -260,6 +264,7 @@ def run(quick: bool = False, json_out: str | None = None, model: str = "mlp_784"
         finally:
             sys_.stop()
     capacity = {name: results.capacity_at_slo(rs) for name, rs in by_system.items()}
+    rows[:] = [r for rs in by_system.values() for r in sorted(rs, key=lambda r: r["offered_rps"])]
     sustained = [rate for rate in grid
                  if all(any(abs(r["offered_rps"] - rate) / rate < 0.1 and r["p99_ms"] <= r["slo_ms"]
                             and r["slo_attainment"] >= 0.99 for r in rs) for rs in by_system.values())]
@@ -278,10 +283,14 @@ def run(quick: bool = False, json_out: str | None = None, model: str = "mlp_784"
         summary["capacity_ratio_vs_best_peer"] = capacity["escapement"] / peers_cap[best_peer]
         if p99_common.get("escapement") and p99_common.get(best_peer):
             summary["p99_ratio_vs_best_peer_at_common_load"] = p99_common["escapement"] / p99_common[best_peer]
-    config = {"command": command("peers", quick), "model": model, "seconds_per_point": seconds, "grid_rps": grid,
+    config = {"command": command("peers", quick), "model": model, "seconds_per_point": seconds,
+              "common_grid_rps": grid, "search": f"x2 from the grid's top until a point fails, then {refine} "
+                                                  "geometric bisections",
               "arrivals": "poisson", "frontend": "HTTP JSON, each system's own API, the same [1, 784] tensor"}
     png = results.plot_curve("peers", rows, slo * 1e3, f"{model} through each system's HTTP JSON API")
-    notes.append("Capacity at SLO: the highest grid load with p99 within the SLO and >= 99% of requests within it.")
+    notes.append("Capacity at SLO: the highest load found with p99 within the SLO, >= 99% of requests within it, "
+                 f"and the generator on schedule; searched per system to within 2^(1/{2 ** refine}) "
+                 f"(~{(2 ** (1 / 2 ** refine) - 1) * 100:.0f}%).")
     if png:
         notes.append(f"Plot: {png.name}")
     return results.write("peers", config, rows, summary, json_out, notes,

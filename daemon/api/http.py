@@ -7,28 +7,22 @@ Content-Type required of the client. Routes match Triton's (the version is numer
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from aiohttp import web
 
 from daemon import __version__
 from daemon.api import observe
 from daemon.api.codec import WireTensor, assemble_inputs, check_shape, select_outputs, tensor_bytes
+from daemon.api.httpserver import HttpServer, Request, Response, Router, error_response
 from daemon.errors import (
     BadRequest,
     EscapementError,
     Forbidden,
     NotFound,
     NotImplementedByServer,
-    PayloadTooLarge,
-    message_of,
-    retry_after_of,
-    status_of,
 )
 from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest
@@ -39,49 +33,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("escapement.http")
 
 HEADER_LEN = "Inference-Header-Content-Length"
+_HEADER_LEN_KEY = HEADER_LEN.lower()  # request headers are looked up lower-case
 EXTENSIONS = ["binary_tensor_data", "model_repository", "schedule_policy", "model_configuration", "parameters",
               "statistics"]
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-MAX_BODY = web.AppKey("max_body", int)
 
 
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=orjson.dumps(obj, option=_NUMPY), status=status, content_type="application/json",
-                        headers=headers)
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(obj, option=_NUMPY), status, "application/json", headers)
 
 
-def error_response(exc: BaseException) -> web.Response:
-    status = status_of(exc)
-    headers = None
-    retry = retry_after_of(exc)
-    if retry is not None:
-        headers = {"Retry-After": str(max(1, round(retry)))}
-    return json_response({"error": message_of(exc)}, status, headers)
-
-
-@web.middleware
-async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except EscapementError as e:
-        if e.status >= 500 and e.status not in (503, 504):  # refusals and deadline misses are counted, not logged
-            log.error("%s %s: %s", request.method, request.path, e.message)
-        return error_response(e)
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[MAX_BODY]
-        return error_response(PayloadTooLarge(f"request body over the limit of {limit} bytes "
-                                              "(server.max_body_bytes)"))
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        reason = {404: "Not Found", 405: "Method Not Allowed"}.get(e.status, e.reason)
-        return json_response({"error": reason}, e.status)
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception as e:
-        log.exception("%s %s failed", request.method, request.path)
-        return error_response(e)
+def answer_error(request: Request, exc: BaseException) -> Response:
+    """The one place a handler's exception becomes an answer."""
+    if isinstance(exc, EscapementError):
+        if exc.status >= 500 and exc.status not in (503, 504):  # refusals and deadline misses are counted
+            log.error("%s %s: %s", request.method, request.path, exc.message)
+    else:
+        log.exception("%s %s failed", request.method, request.path, exc_info=exc)
+    return error_response(exc)
 
 
 def _parse_json(raw: bytes | memoryview, what: str) -> Any:
@@ -91,9 +60,9 @@ def _parse_json(raw: bytes | memoryview, what: str) -> Any:
         raise BadRequest(f"malformed JSON in {what}: {e}") from None
 
 
-async def _parameters(request: web.Request) -> dict[str, Any]:
+def _parameters(request: Request) -> dict[str, Any]:
     """The optional `{"parameters": {...}}` body of a repository load or unload."""
-    body = await request.read()
+    body = request.body
     if not body.strip():
         return {}
     obj = _parse_json(body, "the request body")
@@ -106,76 +75,66 @@ async def _parameters(request: web.Request) -> dict[str, Any]:
 class HttpFrontend:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
-        self.app = web.Application(client_max_size=daemon.settings.server.max_body_bytes,
-                                   middlewares=[errors_middleware], handler_args={"max_field_size": 16384})
-        self.app[MAX_BODY] = daemon.settings.server.max_body_bytes
-        r = self.app.router
+        self.router = r = Router()
         bases = ("/v2/models/{model}", "/v2/models/{model}/versions/{version:[0-9]+}")
-        for base in bases:  # first: aiohttp tries resources in order, and infer is the hot path
-            r.add_post(base + "/infer", self.infer)
+        for base in bases:  # first: routes are tried in order, and infer is the hot path
+            r.add("POST", base + "/infer", self.infer)
         # /metrics and the statistics extension (api/observe.py), before `/v2/models/{model}` matches "stats"
         observe.add_routes(r, daemon)
-        r.add_get("/v2", self.server_metadata)
-        r.add_get("/v2/health/live", self.live)
-        r.add_get("/v2/health/ready", self.ready)
+        r.add("GET", "/v2", self.server_metadata)
+        r.add("GET", "/v2/health/live", self.live)
+        r.add("GET", "/v2/health/ready", self.ready)
         for base in bases:
-            r.add_get(base, self.model_metadata)
-            r.add_get(base + "/ready", self.model_ready)
-            r.add_get(base + "/config", self.model_config)
-        r.add_post("/v2/repository/index", self.repository_index)
-        r.add_post("/v2/repository/models/{model}/load", self.repository_load)
-        r.add_post("/v2/repository/models/{model}/unload", self.repository_unload)
-        r.add_get("/v2/admin/faults", self.get_faults)
-        r.add_post("/v2/admin/faults", self.set_fault)
-        r.add_delete("/v2/admin/faults/{device}", self.clear_fault)
-        r.add_get("/v2/controller/stats", self.controller_stats)
-        r.add_post("/v2/repository/{repo}/index", self.named_repository)
-        r.add_post("/v2/repository/{repo}/models/{model}/{op:load|unload}", self.named_repository)
-        self.runner: web.AppRunner | None = None
+            r.add("GET", base, self.model_metadata)
+            r.add("GET", base + "/ready", self.model_ready)
+            r.add("GET", base + "/config", self.model_config)
+        r.add("POST", "/v2/repository/index", self.repository_index)
+        r.add("POST", "/v2/repository/models/{model}/load", self.repository_load)
+        r.add("POST", "/v2/repository/models/{model}/unload", self.repository_unload)
+        r.add("GET", "/v2/admin/faults", self.get_faults)
+        r.add("POST", "/v2/admin/faults", self.set_fault)
+        r.add("DELETE", "/v2/admin/faults/{device}", self.clear_fault)
+        r.add("GET", "/v2/controller/stats", self.controller_stats)
+        r.add("POST", "/v2/repository/{repo}/index", self.named_repository)
+        r.add("POST", "/v2/repository/{repo}/models/{model}/{op:load|unload}", self.named_repository)
+        self.server: HttpServer | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self, host: str, port: int) -> int:
-        self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
-                                    handler_cancellation=True)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, backlog=1024, reuse_address=True)
-        await site.start()
-        server = site._server  # the bound port, when 0 asked the kernel for one
-        sockets = getattr(server, "sockets", None) or []
-        return int(sockets[0].getsockname()[1]) if sockets else port
+        self.server = HttpServer(self.router, answer_error, max_body=self.daemon.settings.server.max_body_bytes)
+        return await self.server.start(host, port)
 
     async def stop_listening(self) -> None:
-        if self.runner is not None:
-            for site in list(self.runner.sites):
-                await site.stop()
+        if self.server is not None:
+            await self.server.stop_listening()
 
     async def close(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-            self.runner = None
+        if self.server is not None:
+            await self.server.close()
+            self.server = None
 
     # ---------------------------------------------------------------- server
 
-    async def server_metadata(self, request: web.Request) -> web.Response:
+    async def server_metadata(self, request: Request) -> Response:
         return json_response({"name": "escapement", "version": __version__, "extensions": EXTENSIONS})
 
-    async def live(self, request: web.Request) -> web.Response:
+    async def live(self, request: Request) -> Response:
         return json_response({"live": True})
 
-    async def ready(self, request: web.Request) -> web.Response:
+    async def ready(self, request: Request) -> Response:
         ok = self.daemon.is_ready()
         return json_response({"ready": ok}, 200 if ok else 503)
 
     # ---------------------------------------------------------------- models
 
-    def _entry(self, request: web.Request) -> Any:
-        return self.daemon.registry.entry(request.match_info["model"], request.match_info.get("version"))
+    def _entry(self, request: Request) -> Any:
+        return self.daemon.registry.entry(request.params["model"], request.params.get("version"))
 
-    async def model_metadata(self, request: web.Request) -> web.Response:
+    async def model_metadata(self, request: Request) -> Response:
         entry = self._entry(request)
         spec: ModelSpec = entry.spec
-        if "version" in request.match_info:
+        if request.params.get("version") is not None:
             versions = [str(spec.version)]
         else:
             versions = [str(v) for v in sorted(self.daemon.registry.versions(spec.name))]
@@ -184,18 +143,18 @@ class HttpFrontend:
             "inputs": [t.as_json() for t in spec.inputs], "outputs": [t.as_json() for t in spec.outputs],
         })
 
-    async def model_ready(self, request: web.Request) -> web.Response:
+    async def model_ready(self, request: Request) -> Response:
         entry = self._entry(request)
         if entry.state.value != "READY":
             return json_response({"error": f"model {entry.spec.name} version {entry.spec.version} is not ready "
                                            f"({entry.state.value})"}, 400)
         return json_response({"name": entry.spec.name, "ready": True})
 
-    async def model_config(self, request: web.Request) -> web.Response:
+    async def model_config(self, request: Request) -> Response:
         return json_response(model_config_json(self._entry(request).spec))
 
-    async def repository_index(self, request: web.Request) -> web.Response:
-        body = await request.read()
+    async def repository_index(self, request: Request) -> Response:
+        body = request.body
         ready_only = False
         if body.strip():
             obj = _parse_json(body, "the request body")
@@ -204,51 +163,51 @@ class HttpFrontend:
             ready_only = bool(obj.get("ready", False))
         return json_response(self.daemon.registry.index(ready_only))
 
-    async def repository_load(self, request: web.Request) -> web.Response:
+    async def repository_load(self, request: Request) -> Response:
         """(Re)read a model's entry from the repository and serve it; 200 once it is ready."""
         self._authorize(request)
-        params = await _parameters(request)
+        params = _parameters(request)
         if "config" in params or any(k.startswith("file:") for k in params):
             raise NotImplementedByServer("a load request carrying a config or model files is not supported; put "
                                          "them in the model repository and load the model by name")
-        return json_response(await self.daemon.load_model(request.match_info["model"]))
+        return json_response(await self.daemon.load_model(request.params["model"]))
 
-    async def repository_unload(self, request: web.Request) -> web.Response:
+    async def repository_unload(self, request: Request) -> Response:
         """Stop serving a model; 200 once its accepted requests are answered and it is unloaded."""
         self._authorize(request)
-        params = await _parameters(request)
+        params = _parameters(request)
         dependents = params.get("unload_dependents", False)
         if not isinstance(dependents, bool):
             raise BadRequest(f"parameters.unload_dependents must be a boolean, got {dependents!r}")
         # A model's only dependent is its parity model, which always goes with it.
-        return json_response(await self.daemon.unload_model(request.match_info["model"]))
+        return json_response(await self.daemon.unload_model(request.params["model"]))
 
-    async def controller_stats(self, request: web.Request) -> web.Response:
+    async def controller_stats(self, request: Request) -> Response:
         return json_response(self.daemon.statistics())
 
     # ---------------------------------------------------------------- management
     # /v2/admin/* and the repository's load and unload change what the daemon does: each needs
     # the bearer token (or, without one configured, a loopback listener).
 
-    def _authorize(self, request: web.Request) -> None:
+    def _authorize(self, request: Request) -> None:
         token = self.daemon.settings.server.admin_token
         if token:
-            given = request.headers.get("Authorization", "").encode()
+            given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, f"Bearer {token}".encode()):  # no timing hints about the token
                 raise Forbidden("a management endpoint: Authorization: Bearer <server.admin_token> is required")
         elif not is_loopback(self.daemon.settings.server.http):
             raise Forbidden("management endpoints on a non-loopback listener need server.admin_token to be set")
 
-    async def get_faults(self, request: web.Request) -> web.Response:
+    async def get_faults(self, request: Request) -> Response:
         self._authorize(request)
         return json_response({name: (ex.faults.spec.as_json() if ex.faults.spec else None)
                               for name, ex in self.daemon.executors.items()})
 
-    async def set_fault(self, request: web.Request) -> web.Response:
+    async def set_fault(self, request: Request) -> Response:
         self._authorize(request)
         from daemon.runtime.faults import FaultSpec
 
-        obj = _parse_json(await request.read(), "the request body")
+        obj = _parse_json(request.body, "the request body")
         if not isinstance(obj, dict) or not isinstance(obj.get("device"), str):
             raise BadRequest('expected {"device": "cpu:0", "slowdown": 3.0, ...}')
         ex = self.daemon.executors.get(obj.pop("device"))
@@ -262,26 +221,26 @@ class HttpFrontend:
         log.warning("fault injected on %s: %s", ex.device.name, spec)
         return json_response(spec.as_json())
 
-    async def clear_fault(self, request: web.Request) -> web.Response:
+    async def clear_fault(self, request: Request) -> Response:
         self._authorize(request)
-        ex = self.daemon.executors.get(request.match_info["device"])
+        ex = self.daemon.executors.get(request.params["device"])
         if ex is None:
             raise NotFound("no such device")
         ex.faults.set(None)
         log.warning("faults cleared on %s", ex.device.name)
         return json_response({"device": ex.device.name, "faults": None})
 
-    async def named_repository(self, request: web.Request) -> web.Response:
+    async def named_repository(self, request: Request) -> Response:
         raise NotImplementedByServer("'repository_name' specification is not supported")
 
     # ---------------------------------------------------------------- inference
 
-    async def infer(self, request: web.Request) -> web.Response:
+    async def infer(self, request: Request) -> Response:
         daemon = self.daemon
         daemon.check_overload()  # before reading the body: refusing must cost little
-        spec = daemon.registry.resolve(request.match_info["model"], request.match_info.get("version"))
-        body = await request.read()
-        header_len = request.headers.get(HEADER_LEN)
+        spec = daemon.registry.resolve(request.params["model"], request.params.get("version"))
+        body = request.body
+        header_len = request.headers.get(_HEADER_LEN_KEY)
         if header_len is not None:
             try:
                 n = int(header_len)
@@ -311,7 +270,7 @@ class HttpFrontend:
         await daemon.run_request(req)
         return self._response(spec, req, outputs)
 
-    async def _raw_binary(self, request: web.Request, spec: ModelSpec, body: memoryview) -> web.Response:
+    async def _raw_binary(self, request: Request, spec: ModelSpec, body: memoryview) -> Response:
         """Inference-Header-Content-Length: 0: the body is the one input's bytes, batch 1."""
         if len(spec.inputs) != 1:
             raise BadRequest(f"a raw binary request needs a model with one input; {spec.name} has "
@@ -381,7 +340,7 @@ class HttpFrontend:
         return list(zip(idx, flags, strict=True))
 
     @staticmethod
-    def _response(spec: ModelSpec, req: InferenceRequest, outputs: list[tuple[int, bool]]) -> web.Response:
+    def _response(spec: ModelSpec, req: InferenceRequest, outputs: list[tuple[int, bool]]) -> Response:
         assert req.outputs is not None
         out_json: list[dict[str, Any]] = []
         chunks: list[bytes] = []
@@ -403,9 +362,9 @@ class HttpFrontend:
             resp["parameters"] = {"reconstructed": True}
         header = orjson.dumps(resp, option=_NUMPY)
         if not chunks:
-            return web.Response(body=header, content_type="application/json")
-        return web.Response(body=b"".join([header, *chunks]), content_type="application/octet-stream",
-                            headers={HEADER_LEN: str(len(header))})
+            return Response(header)
+        return Response(b"".join([header, *chunks]), 200, "application/octet-stream",
+                        {HEADER_LEN: str(len(header))})
 
 
 def is_loopback(hostport: str) -> bool:

@@ -13,9 +13,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from aiohttp import web
 
 from daemon import metrics
+from daemon.api.httpserver import Request, Response, Router
 from daemon.controller.core import Scheduler
 from daemon.controller.telemetry import ModelStats, Span
 from daemon.registry import ModelState
@@ -25,14 +25,14 @@ if TYPE_CHECKING:
     from daemon.server import Daemon
 
 
-def add_routes(router: web.UrlDispatcher, daemon: Daemon) -> None:
+def add_routes(router: Router, daemon: Daemon) -> None:
     """Add /metrics and the statistics routes. Call it before the routes of `/v2/models/{model}`:
-    an aiohttp older than 3.10 tries routes in order, and `{model}` would match `stats`."""
+    routes are tried in order, and `{model}` would match `stats`."""
     handlers = ObserveHandlers(daemon)
-    router.add_get("/metrics", handlers.metrics)
-    router.add_get("/v2/models/stats", handlers.stats)
-    router.add_get("/v2/models/{model}/stats", handlers.stats)
-    router.add_get("/v2/models/{model}/versions/{version:[0-9]+}/stats", handlers.stats)
+    router.add("GET", "/metrics", handlers.metrics)
+    router.add("GET", "/v2/models/stats", handlers.stats)
+    router.add("GET", "/v2/models/{model}/stats", handlers.stats)
+    router.add("GET", "/v2/models/{model}/versions/{version:[0-9]+}/stats", handlers.stats)
 
 
 class ObserveHandlers:
@@ -40,19 +40,19 @@ class ObserveHandlers:
         self.daemon = daemon
         self.registry = metrics.make_registry(lambda: daemon.controller.scheduler, daemon.overload)
 
-    async def metrics(self, request: web.Request) -> web.Response:
+    async def metrics(self, request: Request) -> Response:
         # Rendered here on the loop, not in a thread: the collector reads the controller's state.
-        return web.Response(body=metrics.render(self.registry), headers={"Content-Type": metrics.CONTENT_TYPE})
+        return Response(metrics.render(self.registry), 200, metrics.CONTENT_TYPE)
 
-    async def stats(self, request: web.Request) -> web.Response:
+    async def stats(self, request: Request) -> Response:
         """Raises NotFound for an unknown model or version, Unavailable for one that is not ready."""
         registry = self.daemon.registry
-        name = request.match_info.get("model")
+        name = request.params.get("model")
         if name is None:
             specs = [e.spec for n in registry.names() for _, e in sorted(registry.versions(n).items())
                      if e.state == ModelState.READY]
-        elif "version" in request.match_info:
-            specs = [registry.resolve(name, request.match_info["version"])]
+        elif request.params.get("version") is not None:
+            specs = [registry.resolve(name, request.params["version"])]
         else:
             specs = [e.spec for _, e in sorted(registry.versions(name).items()) if e.state == ModelState.READY]
             if not specs:
@@ -60,7 +60,7 @@ class ObserveHandlers:
         sched = self.daemon.controller.scheduler
         epoch = time.time() - self.daemon.clock.now()  # the daemon's clock is monotonic
         body = {"model_stats": [model_stats_json(sched, spec, epoch) for spec in specs]}
-        return web.Response(body=orjson.dumps(body), content_type="application/json")
+        return Response(orjson.dumps(body))
 
 
 def model_stats_json(sched: Scheduler, spec: ModelSpec, epoch: float) -> dict[str, Any]:
