@@ -425,6 +425,7 @@ class SocketLoad:
 
 
 Sender = Callable[[int, int], None]  # (request index, target index)
+MIN_SLEEP_S = 0.001
 
 
 async def play(schedule: Schedule, send: Sender, outstanding: Callable[[], int], records: Records,
@@ -439,7 +440,10 @@ async def play(schedule: Schedule, send: Sender, outstanding: Callable[[], int],
     while i < n:
         now = _now()
         if times[i] > now:
-            await asyncio.sleep(times[i] - now)
+            # uvloop rounds a timer to whole milliseconds: a shorter sleep returns at once, and
+            # waiting for an arrival < 1 ms away that way spun the generator (45 wake-ups per
+            # request, 0.4 of a core at 3,000 req/s taken from the server it measures).
+            await asyncio.sleep(max(times[i] - now, MIN_SLEEP_S))
             continue
         # Everything due is sent now; arrivals never wait for answers.
         while i < n and times[i] <= now:

@@ -14,6 +14,7 @@ SCENARIOS = {
     "peers": "bench.scenarios.peers",
     "simulate": "bench.scenarios.simulate",
     "parity": "bench.scenarios.parity",
+    "http-server": "bench.scenarios.http_server",
 }
 
 

@@ -8,9 +8,11 @@ Node.js): keep-alive and pipelining (answers in request order), chunked and gzip
 request bodies, `Expect: 100-continue`, HEAD, limits on header and body size (431 / 413 before
 the body is read), an idle keep-alive timeout and a timeout for a request that never completes.
 
-Each connection serves its requests one at a time in a task of its own; a client that hangs up
-cancels the request it was waiting for. Everything a client can get wrong is answered with a
-JSON error and a 4xx, never a dropped connection without an answer.
+Each connection serves its requests one at a time in a task of its own; a connection reset
+cancels the request it was waiting for, while a FIN is taken as a half-close (its answers are
+still written). Everything a client can get wrong is answered with a JSON error and a 4xx, and a
+refused connection lingers (FIN, then its unread input drained) so the answer is not lost to a
+reset.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ MAX_HEADER_BYTES = 64 * 1024  # all header lines of one request together
 MAX_HEADERS = 128
 PIPELINE_DEPTH = 32  # requests read ahead of their answers on one connection before reading pauses
 SWEEP_S = 1.0
+LINGER_S = 2.0  # how long a refused connection's unread input is drained before closing
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class HeadersTooLarge(EscapementError):
@@ -69,6 +73,7 @@ class Request:
     headers: dict[str, str]  # lower-case names; repeated headers joined with ", "
     body: bytes
     keep_alive: bool
+    http10: bool = False  # an HTTP/1.0 client is told when the connection stays open
     params: dict[str, str] = field(default_factory=dict)  # filled in by the route
 
 
@@ -147,30 +152,48 @@ class _Refuse(Exception):
 
 
 class _Decoder:
-    """gzip / deflate request bodies (tritonclient's request_compression_algorithm), size-capped."""
+    """gzip / deflate request bodies (tritonclient's request_compression_algorithm), size-capped
+    both ways: the decompressed body by max_body, the compressed input by max_body too (a stream
+    of empty deflate blocks grows nothing and would otherwise never end)."""
 
     def __init__(self, encoding: str, limit: int) -> None:
-        # deflate per RFC 9110 is zlib-wrapped; accept a raw stream too, as browsers' servers do
+        # deflate per RFC 9110 is zlib-wrapped; accept a raw deflate stream too, as common servers do
         wbits = 31 if encoding in ("gzip", "x-gzip") else 15
         self.z = zlib.decompressobj(wbits)
-        self.raw_fallback = encoding == "deflate"
         self.limit = limit
         self.size = 0
+        self.fed = 0
+        # until the zlib header has been judged, the input is kept to restart as raw deflate
+        self.seen: bytearray | None = bytearray() if encoding == "deflate" else None
 
     def feed(self, data: bytes) -> bytes:
+        self.fed += len(data)
+        if self.fed > self.limit:
+            raise _Refuse(PayloadTooLarge(f"the compressed request body is over the limit of {self.limit} bytes "
+                                          "(server.max_body_bytes)"))
+        if self.seen is not None:
+            self.seen += data
         try:
             out = self.z.decompress(data, self.limit + 1 - self.size)
         except zlib.error as e:
-            if self.raw_fallback and self.size == 0:
-                self.raw_fallback = False
-                self.z = zlib.decompressobj(-15)
-                return self.feed(data)
+            if self.seen is not None:  # not zlib-wrapped: start again on all of it as raw deflate
+                seen, self.seen = bytes(self.seen), None
+                self.z, self.fed = zlib.decompressobj(-15), 0
+                return self.feed(seen)
             raise _Refuse(BadRequest(f"the request body is not valid compressed data: {e}")) from None
+        if self.seen is not None and (out or len(self.seen) > 2):
+            self.seen = None  # the two header bytes passed zlib's check
         self.size += len(out)
         if self.size > self.limit or self.z.unconsumed_tail:
             raise _Refuse(PayloadTooLarge(f"the decompressed request body is over the limit of {self.limit} "
                                           "bytes (server.max_body_bytes)"))
+        if self.z.unused_data:
+            raise _Refuse(BadRequest("data follows the end of the compressed request body"))
         return out
+
+    def finish(self) -> None:
+        if not self.z.eof:
+            raise _Refuse(BadRequest("the compressed request body ends before its compressed stream does"))
 
 
 class HttpConnection(asyncio.Protocol):
@@ -194,6 +217,8 @@ class HttpConnection(asyncio.Protocol):
         self._decoder: _Decoder | None = None
         self._refused = False
         self._closing_after = False
+        self._continue_owed = False
+        self.lingering_since: float | None = None  # refused: discarding the rest before closing
 
     # ---- asyncio.Protocol
 
@@ -236,7 +261,12 @@ class HttpConnection(asyncio.Protocol):
             self.writable.set_result(None)
 
     def eof_received(self) -> bool:
-        # A client that half-closes after its request still gets its answers; then we close.
+        # A FIN cannot be told from a half-close: a client that shuts its side after its request
+        # still gets its answers, then we close. (A client that gave up costs the server its
+        # request only up to the request's deadline; a reset cancels it at once.)
+        if self.lingering_since is not None:
+            self.close()
+            return False
         self._close_after_answers()
         return True
 
@@ -277,8 +307,11 @@ class HttpConnection(asyncio.Protocol):
             self._decoder = _Decoder(encoding, limit)
         elif encoding != "identity":
             raise _Refuse(UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported (gzip, deflate)"))
-        if h.get("expect", "").lower() == "100-continue" and self.transport is not None:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if h.get("expect", "").lower() == "100-continue":
+            if self.task is None and not self.queue:
+                self._write_raw(CONTINUE)
+            else:
+                self._continue_owed = True  # after the answers owed to the requests before it
 
     def on_body(self, body: bytes) -> None:
         if self._decoder is not None:
@@ -290,13 +323,16 @@ class HttpConnection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        if self._decoder is not None:
+            self._decoder.finish()
         parsed = httptools.parse_url(self._url)
         path = parsed.path.decode("latin-1")
         if "%" in path:
             path = unquote(path)
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         req = Request(self.parser.get_method().decode("latin-1"), path,
-                      (parsed.query or b"").decode("latin-1"), self._headers, body, self.parser.should_keep_alive())
+                      (parsed.query or b"").decode("latin-1"), self._headers, body, self.parser.should_keep_alive(),
+                      self.parser.get_http_version() == "1.0")
         self.begun = None
         self._body = []
         self._enqueue(req)
@@ -315,17 +351,21 @@ class HttpConnection(asyncio.Protocol):
             while self.queue and not self.closed:
                 item = self.queue.popleft()
                 if isinstance(item, Response):  # a refusal: answer it and hang up
-                    self._write(item, False, close=True)
+                    self._write(item, None, close=True)
+                    self._linger()
                     return
                 resp = await self.server.dispatch(item)
                 if self.closed:
                     return
-                self._write(resp, item.method == "HEAD", close=not item.keep_alive)
+                self._write(resp, item, close=not item.keep_alive)
                 if not item.keep_alive:
                     return
+                if self._continue_owed and not self.queue:
+                    self._continue_owed = False
+                    self._write_raw(CONTINUE)
                 if self.writable is not None and not self.writable.done():
                     await self.writable  # the client is not reading its answers
-                if not self.reading and len(self.queue) < PIPELINE_DEPTH // 2 and self.begun is None:
+                if not self.reading and len(self.queue) < PIPELINE_DEPTH // 2:
                     self._start_reading()
         finally:
             self.task = None
@@ -338,18 +378,38 @@ class HttpConnection(asyncio.Protocol):
         if self.task is None and not self.queue:
             self.close()
 
-    def _write(self, resp: Response, head_only: bool, close: bool) -> None:
+    def _write(self, resp: Response, req: Request | None, close: bool) -> None:
         if self.transport is None or self.closed:
             return
-        body = resp.body
         extra = "".join(f"{k}: {v}\r\n" for k, v in resp.headers.items()) if resp.headers else ""
+        if close:
+            extra += "Connection: close\r\n"
+        elif req is not None and req.http10:
+            extra += "Connection: keep-alive\r\n"
+        body = resp.body
         status = resp.status
         head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\nContent-Type: {resp.content_type}\r\n"
-                f"Content-Length: {len(body)}\r\nDate: {self.server.date()}\r\n{extra}"
-                f"{'Connection: close' + chr(13) + chr(10) if close else ''}\r\n").encode("latin-1")
-        self.transport.write(head if head_only else head + body)
-        if close:
+                f"Content-Length: {len(body)}\r\nDate: {self.server.date()}\r\n{extra}\r\n").encode("latin-1")
+        self.transport.write(head if req is not None and req.method == "HEAD" else head + body)
+        if close and req is not None:
             self.close()
+
+    def _write_raw(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def _linger(self) -> None:
+        """After a refusal, say we are done (FIN) but read and drop what the client still sends for
+        a while: closing at once would make the kernel answer its unread body with a reset, which
+        can destroy the refusal before the client reads it."""
+        if self.transport is None or self.closed:
+            return
+        if not self.transport.can_write_eof():
+            self.close()
+            return
+        self.transport.write_eof()
+        self.lingering_since = self.loop.time()
+        self._start_reading()
 
     def _refuse(self, error: EscapementError) -> None:
         """The request cannot be read on: answer (after those before it) and close."""
@@ -425,7 +485,10 @@ class HttpServer:
             await asyncio.sleep(SWEEP_S)
             now = self.loop.time()
             for c in list(self.connections):
-                if c.begun is not None and now - c.begun > self.request_timeout_s:
+                if c.lingering_since is not None:
+                    if now - c.lingering_since > LINGER_S:
+                        c.close()
+                elif c.begun is not None and now - c.begun > self.request_timeout_s:
                     c._refuse(RequestTimeout(f"the request did not arrive whole within {self.request_timeout_s:g} s"))
                 elif c.idle() and now - c.last_active > self.keepalive_s:
                     c.close()
