@@ -138,6 +138,9 @@ class ControllerSettings:
                              "(Triton-style dynamic batching, the baseline).", "clockwork")
     schedule_ahead_ms: float = doc("clockwork: how far ahead each device's work is planned; re-decided as it "
                                    "drains.", 5.0)
+    batch_wait_ms: float = doc("clockwork: how long a batch may wait for more requests of a model arriving fast "
+                               "enough to fill it (at most a tenth of its SLO, never past a deadline; 0 is "
+                               "work-conserving).", 4.0)
     default_priority: int = doc("The priority of requests that give none (or 0); smaller is more urgent.", 10)
     trace_path: str = doc("Write every request and action as a JSON line to this file; empty disables.", "")
     max_queue_delay_ms: float = doc("dynamic: how long a batch may wait to fill before it runs.", 0.0)
@@ -149,6 +152,7 @@ class ControllerSettings:
     def __post_init__(self) -> None:
         _need(self.max_queue_delay_ms >= 0, "controller.max_queue_delay_ms", self.max_queue_delay_ms,
               "must be >= 0")
+        _need(0 <= self.batch_wait_ms <= 1000, "controller.batch_wait_ms", self.batch_wait_ms, "must be in [0, 1000]")
         _need(0 < self.schedule_ahead_ms <= 1000, "controller.schedule_ahead_ms", self.schedule_ahead_ms,
               "must be in (0, 1000]")
         _need(self.default_priority >= 1, "controller.default_priority", self.default_priority, "must be >= 1")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -96,6 +97,8 @@ class Scheduler:
         self.models: dict[str, ModelEntry] = {}
         self.inflight: dict[int, Action] = {}
         self._active: set[str] = set()  # models that may have queued requests (pruned lazily)
+        self._best: dict[tuple[str, int], tuple[float, float]] = {}  # best_case by (model, samples), until
+        self._best_version = -1
         # Where each model's weights are, derived from the devices' memory maps and kept with them.
         self.ready_on: dict[str, set[str]] = {}  # model key -> devices holding it ready
         self.placed_on: dict[str, set[str]] = {}  # model key -> devices holding or loading it
@@ -206,9 +209,24 @@ class Scheduler:
 
     def best_case(self, req: InferenceRequest) -> float:
         """The shortest time `req` could take on an idle device with its model loaded."""
-        ests = [e for d in self.devices.values() if (e := self._infer_est(req.model, req.samples, d.kind, d.name))
-                is not None]
-        return min(ests) if ests else 0.0
+        est = self.estimator
+        if self._best_version != est.version:  # kept while no estimate can have changed
+            self._best.clear()
+            self._best_version = est.version
+        memo_key = (req.model.key, req.samples)
+        hit = self._best.get(memo_key)
+        if hit is not None and est.now <= hit[1]:
+            return hit[0]
+        spec = req.model
+        best, until = math.inf, math.inf
+        for d in self.devices.values():
+            rows = req.samples if d.kind in EXACT_ROW_KINDS else spec.batch_size_for(req.samples)
+            e, valid = est.infer_until(spec.key, rows, d.kind, d.name)
+            if e is not None:
+                best, until = min(best, e), min(until, valid)
+        best = best if best < math.inf else 0.0
+        self._best[memo_key] = (best, until)
+        return best
 
     def _infer_est(self, spec: ModelSpec, samples: int, kind: str, device: str | None = None) -> float | None:
         rows = samples if kind in EXACT_ROW_KINDS else spec.batch_size_for(samples)

@@ -35,6 +35,10 @@ class SlidingWindow:
     def __len__(self) -> int:
         return len(self._samples)
 
+    @property
+    def oldest(self) -> float:
+        return self._times[0]
+
     def fresh(self, now: float) -> bool:
         """Whether any sample is recent enough to count."""
         return bool(self._times) and now - self._times[-1] <= self.max_age
@@ -72,10 +76,28 @@ class Estimator:
         self.window = window
         self.percentile = percentile
         self.max_age = max_age
-        self.now = 0.0
+        self._now = 0.0
+        # A scheduling pass asks for the same few estimates dozens of times (every batch size of
+        # a model, per dispatch), and every arrival asks again. An estimate changes only with a
+        # new observation (which clears this) or when a sample ages out (each entry keeps the
+        # time until which it holds).
+        self._memo: dict[tuple[str, int, str], tuple[float | None, float]] = {}
+        self.version = 0  # changes whenever an estimate may have: lets callers keep derived values
         self._infer: dict[tuple[str, int, str], SlidingWindow] = {}
         self._load: dict[tuple[str, str], SlidingWindow] = {}
         self._seeds: dict[tuple[str, int, str], float] = {}
+
+    @property
+    def now(self) -> float:
+        return self._now
+
+    @now.setter
+    def now(self, t: float) -> None:
+        self._now = t
+
+    def _invalidate(self) -> None:
+        self._memo.clear()
+        self.version += 1
 
     def seed_infer(self, model: str, kind: str, timings: dict[int, float], batch_sizes: tuple[int, ...]) -> None:
         """Seed every row count up to the largest batch size from a few measured ones, linearly."""
@@ -94,6 +116,7 @@ class Estimator:
             else:
                 v = upper[0][1]
             self._seeds[(model, b, kind)] = v
+        self._invalidate()
 
     def observe_infer(self, model: str, batch: int, kind: str, seconds: float, device: str | None = None) -> None:
         """A measured run, kept per device (a straggling device must not make its peers look slow)."""
@@ -101,7 +124,8 @@ class Estimator:
         w = self._infer.get(key)
         if w is None:
             w = self._infer[key] = SlidingWindow(self.window, self.max_age)
-        w.add(seconds, self.now)
+        w.add(seconds, self._now)
+        self._invalidate()
 
     def observe_load(self, model: str, kind: str, seconds: float) -> None:
         w = self._load.get((model, kind))
@@ -111,22 +135,37 @@ class Estimator:
 
     def infer(self, model: str, batch: int, kind: str, device: str | None = None) -> float | None:
         """The device's recent runs if it has any, else the profile of its kind."""
+        return self.infer_until(model, batch, kind, device)[0]
+
+    def infer_until(self, model: str, batch: int, kind: str, device: str | None = None
+                    ) -> tuple[float | None, float]:
+        """The estimate and the time until which it holds if nothing new is observed."""
+        memo_key = (model, batch, device or kind)
+        hit = self._memo.get(memo_key)
+        if hit is not None and self._now <= hit[1]:
+            return hit
+        hit = self._memo[memo_key] = self._infer_now(model, batch, kind, device)
+        return hit
+
+    def _infer_now(self, model: str, batch: int, kind: str, device: str | None) -> tuple[float | None, float]:
         w = self._infer.get((model, batch, device or kind))
+        now = self._now
         if w is not None and len(w):
-            if w.fresh(self.now):
-                w.expire(self.now)
-                return w.percentile(self.percentile)
+            if w.fresh(now):
+                w.expire(now)
+                return w.percentile(self.percentile), w.oldest + self.max_age  # until a sample ages out
             seed = self._seeds.get((model, batch, kind))
             if seed is not None:  # nothing recent: the profile, not a stale slow sample
-                return seed
-            return w.percentile(self.percentile)
-        return self._seeds.get((model, batch, kind))
+                return seed, math.inf
+            return w.percentile(self.percentile), math.inf
+        return self._seeds.get((model, batch, kind)), math.inf
 
     def load(self, model: str, kind: str) -> float | None:
         w = self._load.get((model, kind))
         return w.percentile(self.percentile) if w is not None and len(w) else None
 
     def forget(self, model: str) -> None:
+        self._invalidate()
         for d in (self._infer, self._seeds):
             for k in [k for k in d if k[0] == model]:
                 del d[k]

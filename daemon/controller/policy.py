@@ -46,5 +46,6 @@ def make_policy(settings: ControllerSettings) -> Policy:
     if settings.policy == "clockwork":
         from daemon.controller.clockwork import ClockworkPolicy
 
-        return ClockworkPolicy(schedule_ahead=settings.schedule_ahead_ms / 1000.0)
+        return ClockworkPolicy(schedule_ahead=settings.schedule_ahead_ms / 1000.0,
+                               batch_wait=settings.batch_wait_ms / 1000.0)
     raise ValueError(f"unknown policy {settings.policy!r}")

@@ -37,6 +37,10 @@ from daemon.request import InferenceRequest, RequestStatus
 log = logging.getLogger("escapement.controller")
 
 
+_log10 = math.log10
+_INV_LOW = 1e7  # 1 / Histogram.LOW
+
+
 class Histogram:
     """Counts of values in log-spaced buckets (10 per decade) from 1e-7 up; signed values kept apart."""
 
@@ -58,18 +62,23 @@ class Histogram:
         return max(0, math.floor(math.log10(x / self.LOW) * self.PER_DECADE))
 
     def add(self, x: float) -> None:
+        # on every request's path (several per request): plain comparisons, one log
         self.count += 1
         self.total += x
-        self.min = min(self.min, x)
-        self.max = max(self.max, x)
-        if abs(x) < self.LOW:
-            self.zero += 1
-        elif x > 0:
-            b = self._bucket(x)
-            self.pos[b] = self.pos.get(b, 0) + 1
+        if x < self.min:
+            self.min = x
+        if x > self.max:
+            self.max = x
+        if x >= self.LOW:
+            b = int(_log10(x * _INV_LOW) * 10)  # >= 0 here, so int() is floor()
+            pos = self.pos
+            pos[b] = pos.get(b, 0) + 1
+        elif x <= -self.LOW:
+            b = int(_log10(-x * _INV_LOW) * 10)
+            neg = self.neg
+            neg[b] = neg.get(b, 0) + 1
         else:
-            b = self._bucket(-x)
-            self.neg[b] = self.neg.get(b, 0) + 1
+            self.zero += 1
 
     def _edge(self, b: int) -> float:
         return self.LOW * 10 ** ((b + 1) / self.PER_DECADE)  # upper edge: percentiles err high

@@ -6,13 +6,13 @@ import math
 
 import pytest
 
-from daemon.actions import ActionKind, ResultStatus
+from daemon.actions import Action, ActionKind, ResultStatus
 from daemon.controller.clockwork import ClockworkPolicy
 from daemon.controller.telemetry import Histogram
 from daemon.controller.timeline import LaneTimeline
 from daemon.errors import DeadlineExceeded
 from daemon.repository import ModelSpec
-from daemon.request import RequestStatus
+from daemon.request import InferenceRequest, RequestStatus
 from tests.unit.harness import MS, Harness, kinds, make_spec
 
 
@@ -303,3 +303,82 @@ def test_requests_batched_on_a_device_that_never_answers_are_each_failed_by_thei
     h.clock.set(later.deadline + 0.006)
     h.step()
     assert later.status == RequestStatus.FAILED and "did not answer in time" in later.error.message
+
+
+# ---------------------------------------------------------------- waiting for a fuller batch
+
+
+def steady(h: Harness, spec: ModelSpec, rate: float, seconds: float) -> list[InferenceRequest]:
+    """Requests of `spec` every 1/rate s for `seconds`, stepping the scheduler at each arrival and
+    completing every INFER as soon as the clock reaches its expected end."""
+    reqs: list[InferenceRequest] = []
+    running: list[Action] = []
+    end = h.now + seconds
+    while h.now < end:
+        reqs.append(h.request(spec, timeout=50 * MS))
+        running += h.step()
+        nxt = h.now + 1 / rate
+        while True:  # results and timers due before the next arrival
+            due = [(a.expected_start + a.expected_duration, a) for a in running]
+            wake = h.sched.next_wakeup(h.now)
+            first = min(due, key=lambda x: x[0]) if due else None
+            if first is not None and first[0] <= nxt and (wake is None or first[0] <= wake):
+                running.remove(first[1])
+                h.clock.set(max(h.now, first[1].expected_start))
+                running += h.result(first[1])
+            elif wake is not None and wake <= nxt:
+                h.clock.set(max(h.now, wake))
+                running += h.step()
+            else:
+                break
+        h.clock.set(max(h.now, nxt))
+    return reqs
+
+
+def batch_wait(wait: float) -> Harness:
+    return Harness(policy=ClockworkPolicy(schedule_ahead=5 * MS, batch_wait=wait))
+
+
+def test_a_fast_arriving_model_waits_for_a_fuller_batch() -> None:
+    fast = {1: 0.2 * MS, 32: 2 * MS}
+    sizes = {}
+    for wait in (0.0, 4 * MS):
+        h = batch_wait(wait)
+        spec = add(h, "m", max_batch=32, profile=fast)
+        h.use(spec)
+        reqs = steady(h, spec, rate=4000, seconds=0.5)
+        assert all(r.ok and r.finished_at <= r.deadline for r in reqs[:-50])
+        infers = [a for a in h.actions if a.kind == ActionKind.INFER]
+        late = infers[len(infers) // 2 :]  # once the rate estimate (1 s time constant) has risen
+        sizes[wait] = sum(a.samples for a in late) / len(late)
+        waited = [a.issued_at - min(r.arrival for r in a.requests) for a in infers]
+        assert max(waited) <= wait + 1 * MS  # nobody waits longer than batch_wait (+ a device's run)
+    # work-conserving: a fast device runs what is there (~1-2); waiting: ~a wait's worth of arrivals
+    assert sizes[0.0] < 2.5 and sizes[4 * MS] > 8
+
+
+def test_at_a_low_rate_nothing_waits() -> None:
+    h = batch_wait(4 * MS)
+    spec = add(h, "m", max_batch=32, profile={1: 0.2 * MS, 32: 2 * MS})
+    h.use(spec)
+    steady(h, spec, rate=100, seconds=0.5)  # < one request per wait
+    infers = [a for a in h.actions if a.kind == ActionKind.INFER][1:]
+    assert all(a.issued_at == a.requests[0].arrival for a in infers)
+
+
+def test_waiting_never_costs_a_deadline() -> None:
+    h = batch_wait(40 * MS)
+    spec = add(h, "m", max_batch=32, profile={1: 1 * MS, 32: 10 * MS})
+    h.use(spec)
+    steady(h, spec, rate=1000, seconds=0.3)
+    urgent = h.request(spec, timeout=15 * MS)  # a full batch (10 ms) must start within 5 ms
+    todo = h.step()
+    while not urgent.status.finished:
+        if todo:
+            todo = todo[1:] + h.result(todo[0])
+        else:
+            wake = h.sched.next_wakeup(h.now)
+            assert wake is not None
+            h.clock.set(max(wake, h.now))
+            todo = h.step()
+    assert urgent.ok and urgent.finished_at <= urgent.deadline
