@@ -186,21 +186,22 @@ class ClockworkPolicy:
                 n += r.samples
             return out
 
+        # When a batch of each row count would end, once: both searches below look at most of them.
+        top = min(cap, sum(r.samples for r in cands))  # no batch can hold more rows than are queued
+        ends = [0.0] + [start + self._est(state, key, rows, kind) for rows in range(1, top + 1)]
         # The head's batch: requests in order of urgency while everyone still meets its deadline
         # (what runs when the largest batch starts with the head).
-        # run time by row count, once: both searches below look at most of them
-        ends = [0.0] + [start + self._est(state, key, rows, kind) for rows in range(1, cap + 1)]
         head_batch: list[InferenceRequest] = []
         n, deadline = 0, math.inf
         for r in cands:
-            if n + r.samples > cap:
+            if n + r.samples > top:
                 break
             d = min(deadline, r.deadline)
             if ends[n + r.samples] > d:
                 break
             head_batch.append(r)
             n, deadline = n + r.samples, d
-        best_rows, best_at = self._largest(ends, cap, cands)
+        best_rows, best_at = self._largest(ends, top, cands)
         if best_at == 0 or best_rows <= n:
             return head_batch  # the largest batch starts with the head anyway
         return fill(cands[best_at:], best_rows)

@@ -97,8 +97,7 @@ class Scheduler:
         self.models: dict[str, ModelEntry] = {}
         self.inflight: dict[int, Action] = {}
         self._active: set[str] = set()  # models that may have queued requests (pruned lazily)
-        self._best: dict[tuple[str, int], tuple[float, float]] = {}  # best_case by (model, samples), until
-        self._best_version = -1
+        self._best: dict[tuple[str, int], tuple[float, float, int]] = {}  # (model, samples) -> best, until, version
         # Where each model's weights are, derived from the devices' memory maps and kept with them.
         self.ready_on: dict[str, set[str]] = {}  # model key -> devices holding it ready
         self.placed_on: dict[str, set[str]] = {}  # model key -> devices holding or loading it
@@ -209,15 +208,12 @@ class Scheduler:
 
     def best_case(self, req: InferenceRequest) -> float:
         """The shortest time `req` could take on an idle device with its model loaded."""
-        est = self.estimator
-        if self._best_version != est.version:  # kept while no estimate can have changed
-            self._best.clear()
-            self._best_version = est.version
-        memo_key = (req.model.key, req.samples)
+        est, spec = self.estimator, req.model
+        version = est.version(spec.key)
+        memo_key = (spec.key, req.samples)
         hit = self._best.get(memo_key)
-        if hit is not None and est.now <= hit[1]:
+        if hit is not None and hit[2] == version and est.now <= hit[1]:  # no estimate of it changed since
             return hit[0]
-        spec = req.model
         best, until = math.inf, math.inf
         for d in self.devices.values():
             rows = req.samples if d.kind in EXACT_ROW_KINDS else spec.batch_size_for(req.samples)
@@ -225,7 +221,7 @@ class Scheduler:
             if e is not None:
                 best, until = min(best, e), min(until, valid)
         best = best if best < math.inf else 0.0
-        self._best[memo_key] = (best, until)
+        self._best[memo_key] = (best, until, version)
         return best
 
     def _infer_est(self, spec: ModelSpec, samples: int, kind: str, device: str | None = None) -> float | None:

@@ -82,7 +82,7 @@ class Estimator:
         # new observation (which clears this) or when a sample ages out (each entry keeps the
         # time until which it holds).
         self._memo: dict[tuple[str, int, str], tuple[float | None, float]] = {}
-        self.version = 0  # changes whenever an estimate may have: lets callers keep derived values
+        self._versions: dict[str, int] = {}  # per model: changes whenever one of its estimates may have
         self._infer: dict[tuple[str, int, str], SlidingWindow] = {}
         self._load: dict[tuple[str, str], SlidingWindow] = {}
         self._seeds: dict[tuple[str, int, str], float] = {}
@@ -95,9 +95,17 @@ class Estimator:
     def now(self, t: float) -> None:
         self._now = t
 
-    def _invalidate(self) -> None:
-        self._memo.clear()
-        self.version += 1
+    def version(self, model: str) -> int:
+        """Changes whenever an estimate of `model` may have: lets callers keep values derived from them."""
+        return self._versions.get(model, 0)
+
+    def _invalidate(self, model: str, key: tuple[str, int, str] | None = None) -> None:
+        if key is not None:
+            self._memo.pop(key, None)
+        else:
+            for k in [k for k in self._memo if k[0] == model]:
+                del self._memo[k]
+        self._versions[model] = self._versions.get(model, 0) + 1
 
     def seed_infer(self, model: str, kind: str, timings: dict[int, float], batch_sizes: tuple[int, ...]) -> None:
         """Seed every row count up to the largest batch size from a few measured ones, linearly."""
@@ -116,7 +124,7 @@ class Estimator:
             else:
                 v = upper[0][1]
             self._seeds[(model, b, kind)] = v
-        self._invalidate()
+        self._invalidate(model)
 
     def observe_infer(self, model: str, batch: int, kind: str, seconds: float, device: str | None = None) -> None:
         """A measured run, kept per device (a straggling device must not make its peers look slow)."""
@@ -125,7 +133,7 @@ class Estimator:
         if w is None:
             w = self._infer[key] = SlidingWindow(self.window, self.max_age)
         w.add(seconds, self._now)
-        self._invalidate()
+        self._invalidate(model, key)  # only this window changed
 
     def observe_load(self, model: str, kind: str, seconds: float) -> None:
         w = self._load.get((model, kind))
@@ -165,7 +173,7 @@ class Estimator:
         return w.percentile(self.percentile) if w is not None and len(w) else None
 
     def forget(self, model: str) -> None:
-        self._invalidate()
+        self._invalidate(model)
         for d in (self._infer, self._seeds):
             for k in [k for k in d if k[0] == model]:
                 del d[k]
