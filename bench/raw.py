@@ -70,3 +70,48 @@ def batched_limit(p: Program, threads: int = 1, seconds_per_size: float = 1.0) -
             per_size[b] = calls * b / (time.perf_counter() - t0)
     best = max(per_size, key=lambda k: per_size[k])
     return per_size[best], best, per_size
+
+
+def wake_round_trips(n: int = 200, gap_s: float = 0.005, cross_core: bool = True) -> np.ndarray:
+    """Seconds for one thread to wake another and be woken back, after `gap_s` idle (as at low
+    load): the price of each hand-off between the event loop and an executor thread, and between
+    a client and the server, on this machine. With `cross_core` the two threads are pinned to
+    different cores (a wake-up of an idle core), else to the same one."""
+    import os
+    import threading
+
+    cores = sorted(os.sched_getaffinity(0))
+    if cross_core and len(cores) < 2:
+        return np.array([np.nan])
+    here, there = cores[0], (cores[1] if cross_core else cores[0])
+    go, back = threading.Event(), threading.Event()
+    stop = False
+
+    def echo() -> None:
+        os.sched_setaffinity(0, {there})
+        while True:
+            go.wait()
+            go.clear()
+            if stop:
+                return
+            back.set()
+
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {here})
+    t = threading.Thread(target=echo, daemon=True)
+    t.start()
+    out = np.empty(n)
+    try:
+        for i in range(n):
+            time.sleep(gap_s)
+            t0 = time.perf_counter()
+            go.set()
+            back.wait()
+            back.clear()
+            out[i] = time.perf_counter() - t0
+    finally:
+        stop = True
+        go.set()
+        t.join(5)
+        os.sched_setaffinity(0, saved)
+    return out

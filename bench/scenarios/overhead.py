@@ -27,6 +27,7 @@ def run(quick: bool = False, json_out: str | None = None, model: str = "mlp_784"
     hot = raw.latencies(program, n_raw * 2)
     paced = raw.latencies(program, n_raw, pace_rps=rate)
     del program
+    wakes = {"same_core": raw.wake_round_trips(cross_core=False), "cross_core": raw.wake_round_trips()}
     rows = [
         {"label": "raw (back to back)", **_lat_row(hot)},
         {"label": f"raw (paced {rate:g}/s)", **_lat_row(paced)},
@@ -56,6 +57,9 @@ def run(quick: bool = False, json_out: str | None = None, model: str = "mlp_784"
         summary[f"{key}_p99_ms"] = statistics.median(r["p99_ms"] for r in rs)
         summary[f"{key}_overhead_p50_ms"] = p50 - raw_p50
     summary["generator_bound_runs"] = sum(r.get("generator_bound", False) for r in rows)
+    # What a hand-off between two threads costs here after an idle gap: a request to the daemon
+    # and back makes several (client -> loop -> executor -> loop -> client); the raw call none.
+    summary["wake_round_trip_p50_ms"] = {k: float(results.percentile(v, 50) * 1e3) for k, v in wakes.items()}
     config = {"command": command("overhead", quick), "model": model, "rate_rps": rate, "seconds_per_run": seconds,
               "reps": reps, "arrivals": "poisson", "server": "escapement, one cpu device, 1 intra-op thread",
               "raw_calls": {"hot": len(hot), "paced": len(paced)}}
@@ -63,7 +67,10 @@ def run(quick: bool = False, json_out: str | None = None, model: str = "mlp_784"
              "was read, on loopback.",
              "overhead = frontend p50 - raw p50 (paced), each the median over the repetitions.",
              "The generator (this process) and the daemon share the machine's cores; each row gives the cores "
-             "each used."]
+             "each used.",
+             "wake_round_trip_p50_ms: two threads waking each other after 5 ms idle, on one core and on two "
+             "(bench/raw.py); a request makes four such wake-ups (client, event loop, executor, event loop, "
+             "client), the raw call none."]
     return results.write("overhead", config, rows, summary, json_out, notes,
                          columns=["label", "rep", "offered_rps", "achieved_rps", "p50_ms", "p90_ms", "p99_ms",
                                   "p999_ms", "max_ms", "errors", "server_cores", "generator_cores",
