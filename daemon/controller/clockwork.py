@@ -48,6 +48,7 @@ RATE_TAU = 1.0  # seconds: the time constant of the arrival-rate estimate
 SLOW_DEVICE = 1.5  # a device whose recent runs of a model exceed its profile this much is running slow
 BIND_LEAD = 0.0003  # a batch is chosen this long before it should start (the executor's wake-up)
 MAX_WAIT_OF_SLO = 0.1  # a batch never waits to fill longer than this share of the model's SLO
+MIN_FILL = 8.0  # samples a wait must be expected to bring before a batch waits at all
 
 
 @dataclass(slots=True)
@@ -321,7 +322,8 @@ class ClockworkPolicy:
         queue delay does, but only where the rate says the batch will grow: wait at most
         `batch_wait` (and a tenth of the SLO) after the head arrived, never past the point where
         a full batch would still meet the head's deadline, and not at all at a rate that brings
-        less than one request in that time (light load keeps its latency).
+        fewer than MIN_FILL samples in that time (light and moderate load keep their latency:
+        there the per-batch costs do not limit anything).
         """
         wait = min(self.batch_wait, entry.spec.slo_s * MAX_WAIT_OF_SLO)
         if wait <= 0:
@@ -331,7 +333,7 @@ class ClockworkPolicy:
         meter = self.rates.get(key)
         rate = meter.value(now) if meter is not None else 0.0
         head = entry.queue.head()
-        if head is None or queued >= cap or rate * wait < 1.0:
+        if head is None or queued >= cap or rate * wait < MIN_FILL:
             return now
         full_at = now + (cap - queued) / rate
         latest = head.deadline - self._est(state, key, cap, dev) - LATEST_GRACE
