@@ -348,20 +348,16 @@ async def test_gzip_body_that_decompresses_to_exactly_the_limit_is_accepted(srv:
     assert reply.status == 200 and len(reply.json()["body"]) == MAX_BODY
 
 
-async def test_unsupported_content_encoding_is_415_and_closes(srv: Harness) -> None:
+@pytest.mark.parametrize(("body", "encoding", "status", "says"), [
+    (b"whatever", "br", 415, "'br'"),  # an encoding we do not decode
+    (b"this is not gzip at all", "gzip", 400, "not valid compressed data"),
+])
+async def test_a_body_that_cannot_be_decoded_is_refused_and_closes(srv: Harness, body: bytes, encoding: str,
+                                                                    status: int, says: str) -> None:
     reader, writer = await srv.connect()
-    writer.write(request("POST", "/echo/z", b"whatever", headers={"Content-Encoding": "br"}))
+    writer.write(request("POST", "/echo/z", body, headers={"Content-Encoding": encoding}))
     reply = await read_reply(reader)
-    assert_json_error(reply, 415, "'br'")
-    assert reply.closes
-    await assert_closed(reader)
-
-
-async def test_corrupt_gzip_is_400(srv: Harness) -> None:
-    reader, writer = await srv.connect()
-    writer.write(request("POST", "/echo/z", b"this is not gzip at all", headers={"Content-Encoding": "gzip"}))
-    reply = await read_reply(reader)
-    assert_json_error(reply, 400, "not valid compressed data")
+    assert_json_error(reply, status, says)
     assert reply.closes
     await assert_closed(reader)
 
@@ -557,25 +553,19 @@ async def test_connection_close_is_answered_with_connection_close_and_closed(srv
 # ------------------------------------------------------------------ handler errors
 
 
-async def test_handler_raising_bad_request_is_400_json(srv: Harness) -> None:
+@pytest.mark.parametrize(("path", "status", "error", "kind"), [
+    ("/bad", 400, "the input is wrong", BadRequest),  # the handler's own error and its status
+    ("/boom", 500, "internal error: RuntimeError: boom", RuntimeError),  # anything else: 500
+])
+async def test_a_handler_error_is_answered_as_json_and_the_connection_stays(srv: Harness, path: str, status: int,
+                                                                            error: str, kind: type) -> None:
     reader, writer = await srv.connect()
-    writer.write(request("GET", "/bad"))
+    writer.write(request("GET", path))
     reply = await read_reply(reader)
-    assert reply.status == 400 and reply.json() == {"error": "the input is wrong"}
+    assert reply.status == status and reply.json() == {"error": error}
     assert not reply.closes
     [(req, exc)] = srv.hooks.errors
-    assert req.path == "/bad" and isinstance(exc, BadRequest)
-    writer.write(request("GET", "/echo/still-open"))
-    assert (await read_reply(reader)).status == 200
-
-
-async def test_handler_raising_anything_else_is_500_json(srv: Harness) -> None:
-    reader, writer = await srv.connect()
-    writer.write(request("GET", "/boom"))
-    reply = await read_reply(reader)
-    assert reply.status == 500 and reply.json() == {"error": "internal error: RuntimeError: boom"}
-    [(req, exc)] = srv.hooks.errors
-    assert req.path == "/boom" and isinstance(exc, RuntimeError)
+    assert req.path == path and isinstance(exc, kind)
     writer.write(request("GET", "/echo/still-open"))
     assert (await read_reply(reader)).status == 200
 

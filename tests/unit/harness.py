@@ -84,6 +84,12 @@ class Harness:
     def use(self, spec: ModelSpec) -> InferenceRequest:
         """Serve one request of `spec` to the end, loading it if needed, completing actions in order."""
         req = self.request(spec, timeout=1.0)
+        self.run_until(req)
+        assert req.ok
+        return req
+
+    def run_until(self, req: InferenceRequest) -> None:
+        """Step, complete actions in order and follow wake-ups until `req` is finished."""
         todo = self.step()
         while not req.status.finished:
             if todo:
@@ -93,8 +99,6 @@ class Harness:
                 assert wake is not None, "stuck: nothing to run and nothing to wait for"
                 self.clock.set(max(wake, self.now))
                 todo = self.step()
-        assert req.ok
-        return req
 
 
 def kinds(actions: list[Action]) -> list[str]:

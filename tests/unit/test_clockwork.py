@@ -372,13 +372,5 @@ def test_waiting_never_costs_a_deadline() -> None:
     h.use(spec)
     steady(h, spec, rate=1000, seconds=0.3)
     urgent = h.request(spec, timeout=15 * MS)  # a full batch (10 ms) must start within 5 ms
-    todo = h.step()
-    while not urgent.status.finished:
-        if todo:
-            todo = todo[1:] + h.result(todo[0])
-        else:
-            wake = h.sched.next_wakeup(h.now)
-            assert wake is not None
-            h.clock.set(max(wake, h.now))
-            todo = h.step()
+    h.run_until(urgent)
     assert urgent.ok and urgent.finished_at <= urgent.deadline
