@@ -55,7 +55,12 @@ def latencies(p: Program, n: int, batch: int = 1, pace_rps: float | None = None,
 
 
 def batched_limit(p: Program, threads: int = 1, seconds_per_size: float = 1.0) -> tuple[float, int, dict[int, float]]:
-    """The best samples/s over the model's batch sizes, the size that gives it, and samples/s per size."""
+    """The best samples/s over the model's batch sizes, the size that gives it, and samples/s per size.
+
+    Each size's rate is its batch over the median time of back-to-back calls: a stall of the
+    shared machine during the measurement (tens of ms, every process at once) would pull a
+    calls-per-elapsed-time figure down and make the server look faster than the hardware.
+    """
     torch.set_num_threads(threads)
     per_size: dict[int, float] = {}
     with torch.inference_mode():
@@ -63,11 +68,12 @@ def batched_limit(p: Program, threads: int = 1, seconds_per_size: float = 1.0) -
             xs = inputs(p, b)
             for _ in range(3):
                 p.host_runner(xs)
-            calls, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < seconds_per_size:
+            times: list[float] = []
+            end = time.perf_counter() + seconds_per_size
+            while (t := time.perf_counter()) < end or len(times) < 5:
                 p.host_runner(xs)
-                calls += 1
-            per_size[b] = calls * b / (time.perf_counter() - t0)
+                times.append(time.perf_counter() - t)
+            per_size[b] = b / float(np.median(times))
     best = max(per_size, key=lambda k: per_size[k])
     return per_size[best], best, per_size
 
