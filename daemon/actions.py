@@ -7,8 +7,10 @@ time (TOO_EARLY / TOO_LATE) without doing any work. Every result carries measure
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 import numpy as np
 
@@ -28,6 +30,15 @@ class ResultStatus(IntEnum):
     TOO_EARLY = 2
     TOO_LATE = 3
     FAILED = 4
+
+
+class Failure(IntEnum):
+    """Why a FAILED action failed, which decides what the controller does next."""
+
+    NONE = 0
+    ERROR = 1  # the model or the action (retry elsewhere, back off)
+    NO_MEMORY = 2  # a LOAD that does not fit now (evict, then retry)
+    DEVICE = 3  # the device is lost (a sticky CUDA error, a hang): nothing more goes there
 
 
 _ids = itertools.count(1)
@@ -50,6 +61,16 @@ class Action:
     coded: list[list[InferenceRequest]] | None = None
     encoder: str = ""
     replica_of: int = 0  # a replica of this action (the same requests, on another device)
+    # Warm-ups run on a serving executor outside the scheduler: they name their program, the key
+    # its weights are held under there, and where their results go.
+    program: Any = None
+    resident: str = ""
+    reply: Callable[[Result], None] | None = None
+
+    @property
+    def holder(self) -> str:
+        """The key the executor holds this model's weights under."""
+        return self.resident or self.model.key
 
     @property
     def samples(self) -> int:
@@ -79,6 +100,7 @@ class Result:
     error: str = ""
     weight_bytes: int = 0  # LOAD / UNLOAD: bytes placed or freed
     ready_at: float = 0.0  # when it could have started: its earliest, its arrival, its lane free
+    failure: Failure = Failure.NONE
 
     @property
     def ok(self) -> bool:

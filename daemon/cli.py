@@ -44,7 +44,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         logging.getLogger("escapement.server").error("cannot start: %s", e)
         return 1
-    return 0
+    return daemon.exit_code
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -70,7 +70,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     daemon_log.setup("warning")
     settings = _settings(args)
-    (device,) = resolve_devices([args.on], settings.runtime.weight_budget)
+    rt = settings.runtime
+    (device,) = resolve_devices([args.on], rt.weight_budget, rt.device_workspace, rt.emucuda)
     plan, rest = plan_cores([device], os.sched_getaffinity(0), settings.runtime.pin_threads)
     if rest is not None:
         os.sched_setaffinity(0, rest)
@@ -80,8 +81,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
         if args.only and spec.name not in args.only:
             continue
         try:
-            program = load_program(spec, pin=device.kind == "cuda")
-            backend = make_backend(device, settings.runtime.cpu_threads, plan.get(device.name))
+            program = load_program(spec)
+            backend = make_backend(device, rt.cpu_threads, plan.get(device.name), graphs=rt.cuda_graphs,
+                                   hang_timeout_s=rt.hang_timeout_s, emucuda=rt.emucuda)
             entry = profile_program(program, device, backend, MonotonicClock(), args.reps)
         except (ProgramError, RuntimeError) as e:
             print(f"{spec.key}: not profiled: {e}", file=sys.stderr)
@@ -145,8 +147,9 @@ def cmd_config(args: argparse.Namespace) -> int:
 
     s = _settings(args)
     for key, _default, doc in describe():
-        section, name = key.split(".", 1)
-        value = getattr(getattr(s, section), name)
+        value: Any = s
+        for part in key.split("."):
+            value = getattr(value, part)
         print(f"{key} = {json.dumps(list(value) if isinstance(value, tuple) else value)}  # {doc}")
     return 0
 

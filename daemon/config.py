@@ -98,16 +98,51 @@ class ModelSettings:
         _need(self.default_slo_ms > 0, "models.default_slo_ms", self.default_slo_ms, "must be > 0")
 
 
+DEVICE_NAME = re.compile(r"(cpu|cuda|emucuda):\d+")
+EmuMode = Literal["eager", "lazy", "random"]
+
+
+@dataclass(frozen=True, slots=True)
+class EmuCudaSettings:
+    """The CPU stand-in of a CUDA device (`emucuda:N`), for tests and for trying the CUDA path."""
+
+    capacity: int = doc("Device memory of each stand-in device (or '1GiB').", 1 << 30)
+    mode: EmuMode = doc("When queued device work runs: 'eager' (as soon as it may), 'lazy' (only when the "
+                        "host waits for it), 'random' (seeded random moments and orders).", "eager")
+    seed: int = doc("Seed of the 'random' mode.", 0)
+    timed: bool = doc("The host waits until device work's modelled completion (copies at the modelled "
+                      "bandwidths), so timings behave like a device's.", False)
+    h2d_gbps: float = doc("Modelled host-to-device copy bandwidth, GB/s.", 25.0)
+    d2h_gbps: float = doc("Modelled device-to-host copy bandwidth, GB/s.", 25.0)
+
+    def __post_init__(self) -> None:
+        _need(self.capacity >= 1 << 20, "runtime.emucuda.capacity", self.capacity, "must be at least 1MiB")
+        _need(self.h2d_gbps > 0 and self.d2h_gbps > 0, "runtime.emucuda", (self.h2d_gbps, self.d2h_gbps),
+              "bandwidths must be > 0")
+
+
 @dataclass(frozen=True, slots=True)
 class RuntimeSettings:
     """Devices and executors."""
 
     devices: tuple[str, ...] = doc(
-        "Devices to run on: 'auto' (every CUDA device, else cpu:0), or names like cuda:0, cpu:1.",
-        ("auto",))
+        "Devices to run on: 'auto' (every CUDA device, else cpu:0), or names like cuda:0, cpu:1, emucuda:0 "
+        "(the CUDA backend on a CPU stand-in of a GPU).", ("auto",))
     cpu_threads: int = doc("Intra-op torch threads per cpu device.", 1)
-    weight_budget: int = doc("Bytes of model weights each device may hold (or '1GiB'); 0 = "
-                             "the whole device on CUDA, 1GiB on CPU.", 0)
+    weight_budget: int = doc("Device bytes each device may hold for models (or '1GiB'): weights, IO buffers and "
+                             "the workspace reserve. 0 = 90% of what is free at start-up on CUDA, 1GiB on CPU; "
+                             "a budget larger than a CUDA device's free memory stops the start-up.", 0)
+    device_workspace: int = doc("CUDA: bytes of the budget kept for CUDA graphs, activations and library "
+                                "workspaces (not for weights); 0 = a tenth of the budget, at least 256MiB, "
+                                "at most half.", 0)
+    host_pinned_budget: int = doc("CUDA: host bytes that may be page-locked for model weights and IO buffers; "
+                                  "models beyond it load through a small pinned staging ring. 0 = half of the "
+                                  "host's memory.", 0)
+    cuda_graphs: bool = doc("CUDA: run each batch size as a CUDA graph captured at LOAD (a model that cannot be "
+                            "captured runs eagerly, and says why).", True)
+    hang_timeout_s: float = doc("CUDA: device work not finished this long past its expected end marks the device "
+                                "failed (a hung kernel).", 2.0)
+    emucuda: EmuCudaSettings = doc("The CUDA stand-in devices.", default_factory=EmuCudaSettings)
     warmup_reps: int = doc("Runs per batch size when a model without a stored profile for a device kind is "
                            "measured at start-up (its warm-up), before it is reported ready.", 5)
     pin_threads: bool = doc(
@@ -120,14 +155,16 @@ class RuntimeSettings:
     def __post_init__(self) -> None:
         _need(len(self.devices) > 0, "runtime.devices", self.devices, "list at least one device")
         for d in self.devices:
-            _need(d == "auto" or re.fullmatch(r"(cpu|cuda):\d+", d) is not None, "runtime.devices", d,
-                  "expected 'auto' or a name like cpu:0, cuda:0")
+            _need(d == "auto" or DEVICE_NAME.fullmatch(d) is not None, "runtime.devices", d,
+                  "expected 'auto' or a name like cpu:0, cuda:0, emucuda:0")
         _need(len(set(self.devices)) == len(self.devices), "runtime.devices", self.devices,
               "a device is listed twice")
         _need(1 <= self.cpu_threads <= 256, "runtime.cpu_threads", self.cpu_threads, "must be in 1..256")
         _need(1 <= self.warmup_reps <= 1000, "runtime.warmup_reps", self.warmup_reps, "must be in 1..1000")
         _need(50 <= self.gil_switch_interval_us <= 100_000, "runtime.gil_switch_interval_us",
               self.gil_switch_interval_us, "must be in 50..100000")
+        _need(0.01 <= self.hang_timeout_s <= 3600, "runtime.hang_timeout_s", self.hang_timeout_s,
+              "must be in [0.01, 3600]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +214,7 @@ class FaultSettings:
     seed: int = doc("Seed of the random choices.", 0)
 
     def __post_init__(self) -> None:
-        _need(re.fullmatch(r"(cpu|cuda):\d+", self.device) is not None, "faults.device", self.device,
+        _need(DEVICE_NAME.fullmatch(self.device) is not None, "faults.device", self.device,
               "expected a device name such as cpu:0")
         try:
             self.spec()
@@ -212,7 +249,8 @@ def parse_hostport(value: str, key: str) -> tuple[str, int]:
 
 # ---------------------------------------------------------------- reading TOML into dataclasses
 
-_SIZE_FIELDS = {("server", "max_body_bytes"), ("runtime", "weight_budget")}
+_SIZE_FIELDS = {("server", "max_body_bytes"), ("runtime", "weight_budget"), ("runtime", "device_workspace"),
+                ("runtime", "host_pinned_budget"), ("runtime.emucuda", "capacity")}
 
 
 def _convert(value: Any, tp: Any, key: str) -> Any:

@@ -64,15 +64,18 @@ class NotImplementedByServer(ClientError):
 class Unavailable(EscapementError):
     status = 503
 
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
 
 class Overloaded(Unavailable):
     """A bounded queue is full; the caller may retry after `retry_after_s`."""
 
     status = 503
 
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
+    def __init__(self, message: str, retry_after_s: float | None = 1.0) -> None:
+        super().__init__(message, retry_after_s)
 
 
 class DeadlineExceeded(EscapementError):
@@ -105,4 +108,4 @@ def message_of(exc: BaseException) -> str:
 
 
 def retry_after_of(exc: BaseException) -> float | None:
-    return exc.retry_after_s if isinstance(exc, Overloaded) else None
+    return exc.retry_after_s if isinstance(exc, Unavailable) else None

@@ -190,9 +190,13 @@ class EscapementCollector:
     @staticmethod
     def _devices(sched: Scheduler) -> Iterator[Metric]:
         used = GaugeMetricFamily("escapement_device_weight_used_bytes",
-                                 "Weight memory held or reserved (loading) on a device", labels=["device"])
+                                 "Device memory charged: models held or loading (weights and IO buffers) plus "
+                                 "the workspace reserve on CUDA devices; never above the budget",
+                                 labels=["device"])
         budget = GaugeMetricFamily("escapement_device_weight_budget_bytes",
-                                   "Weight memory a device may hold (runtime.weight_budget)", labels=["device"])
+                                   "Device memory models may hold (runtime.weight_budget)", labels=["device"])
+        up = GaugeMetricFamily("escapement_device_up", "1 while a device serves, 0 once it is lost (the log "
+                               "and /v2/health/ready say why)", labels=["device"])
         inflight = GaugeMetricFamily("escapement_device_inflight_actions",
                                      "Actions sent to a device and not yet answered, by lane",
                                      labels=["device", "lane"])
@@ -206,8 +210,9 @@ class EscapementCollector:
                                           labels=["device"])
         stats = sched.telemetry.devices
         for name, dev in sorted(sched.devices.items()):
-            used.add_metric([name], dev.memory.used)
-            budget.add_metric([name], dev.memory.budget)
+            used.add_metric([name], dev.memory.used + (0 if dev.failed else dev.device.workspace))
+            budget.add_metric([name], dev.device.weight_budget)
+            up.add_metric([name], 0 if dev.failed else 1)
             inflight.add_metric([name, "infer"], dev.infer_inflight)
             inflight.add_metric([name, "load"], dev.load_inflight)
             d = stats.get(name)
@@ -217,7 +222,7 @@ class EscapementCollector:
                 lateness.add_metric([name, kind], _buckets(b), b.total)
             error.add_metric([name], _buckets(d.duration_error), d.duration_error.total)
             load_time.add_metric([name], _buckets(d.load_time), d.load_time.total)
-        yield from (used, budget, inflight, lateness, error, load_time)
+        yield from (used, budget, up, inflight, lateness, error, load_time)
 
     # ---------------------------------------------------------------- controller and ParM
 

@@ -46,8 +46,9 @@ from daemon.registry import ModelRegistry, ModelState
 from daemon.repository import ModelSpec, ScanResult, parity_model, scan
 from daemon.request import InferenceRequest
 from daemon.runtime.devices import Device, plan_cores, resolve_devices
-from daemon.runtime.executor import Executor, make_backend
-from daemon.runtime.profiler import profile_program, read_profile, seeds, write_profile
+from daemon.runtime.executor import Executor, default_pinned_budget, make_backend
+from daemon.runtime.hostmem import HostPins
+from daemon.runtime.profiler import measure, read_profile, seeds, write_profile
 from daemon.runtime.program import Program, ProgramError, load_program
 
 log = logging.getLogger("escapement.server")
@@ -183,6 +184,8 @@ class Daemon:
         self._reload_pending = False
         self._reloader: asyncio.Task[None] | None = None
         self._start_error = ""
+        self.host_pins = HostPins(settings.runtime.host_pinned_budget or default_pinned_budget())
+        self.exit_code = 0  # 1 once every device is lost: systemd restarts the service
 
     @property
     def controller(self) -> ControllerService:
@@ -192,7 +195,14 @@ class Daemon:
     # ---------------------------------------------------------------- requests (frontends)
 
     def is_ready(self) -> bool:
-        return self.state == State.RUNNING
+        return self.state == State.RUNNING and (self._controller is None or
+                                                self._controller.scheduler.lost < len(self.devices))
+
+    def lost_devices(self) -> dict[str, str]:
+        """Devices lost to a sticky error or a hang, and why."""
+        if self._controller is None:
+            return {}
+        return {n: d.failed for n, d in self._controller.scheduler.devices.items() if d.failed}
 
     def statistics(self) -> dict[str, Any]:
         """The controller's statistics plus the event loop's lag and the requests shed for it."""
@@ -279,7 +289,8 @@ class Daemon:
         self.notifier.status("starting: devices")
         sys.setswitchinterval(s.runtime.gil_switch_interval_us * 1e-6)
         loop = asyncio.get_running_loop()
-        self.devices = resolve_devices(s.runtime.devices, s.runtime.weight_budget)
+        self.devices = resolve_devices(s.runtime.devices, s.runtime.weight_budget, s.runtime.device_workspace,
+                                       s.runtime.emucuda)
         self._trace = TraceWriter(s.controller.trace_path) if s.controller.trace_path else None
         scheduler = Scheduler(self.devices, make_policy(s.controller), s.controller,
                               telemetry=Telemetry(self._trace))
@@ -293,8 +304,11 @@ class Daemon:
             log.info("cores: %s; event loop and other threads on %s",
                      ", ".join(f"{n} on {c}" for n, c in plan.items()), sorted(rest))
         for d in self.devices:
-            ex = Executor(d, make_backend(d, s.runtime.cpu_threads, plan.get(d.name)), self.clock,
-                          self._controller.post_result, self.programs)
+            backend = make_backend(d, s.runtime.cpu_threads, plan.get(d.name), host=self.host_pins,
+                                   graphs=s.runtime.cuda_graphs, hang_timeout_s=s.runtime.hang_timeout_s,
+                                   emucuda=s.runtime.emucuda)
+            ex = Executor(d, backend, self.clock, self._controller.post_result, self.programs,
+                          hang_timeout_s=s.runtime.hang_timeout_s)
             ex.start()
             self.executors[d.name] = ex
         for f in s.faults:
@@ -302,8 +316,10 @@ class Daemon:
                 raise ConfigError(f"faults: device {f.device} is not one of {sorted(self.executors)}")
             self.executors[f.device].faults.set(f.spec())
             log.warning("fault injected on %s: %s", f.device, f.spec())
-        log.info("devices: %s", ", ".join(f"{d.name} ({d.weight_budget / 2**20:.0f} MiB for weights)"
-                                          for d in self.devices))
+        log.info("devices: %s", ", ".join(
+            f"{d.name} ({d.weight_budget / 2**20:.0f} MiB budget"
+            + (f", {d.workspace / 2**20:.0f} MiB of it workspace)" if d.workspace else ")") for d in self.devices))
+        self._spawn(self._watch_devices(), "device watch")
         self.notifier.status(f"starting: devices {', '.join(d.name for d in self.devices)}; reading models")
         await self.load_repository()
         # torch and the models leave ~10^5 long-lived objects; a full cyclic GC pass over them
@@ -532,23 +548,27 @@ class Daemon:
 
     async def _prepare(self, spec: ModelSpec, stamp: Stamp) -> Prepared:
         """Read a version into host memory and profile it (both in threads); raises _NotServed."""
-        pin = any(d.kind == "cuda" for d in self.devices)
-        largest = max(d.weight_budget for d in self.devices)
         try:
-            program = await asyncio.to_thread(load_program, spec, pin)
+            program = await asyncio.to_thread(load_program, spec)
         except ProgramError as e:
             raise _NotServed(str(e)) from None
-        if program.weight_bytes > largest:
-            raise _NotServed(f"its weights ({program.weight_bytes} bytes) exceed every device's weight budget "
-                             f"({largest} bytes; runtime.weight_budget)")
+        need = self._footprint(program)
+        largest = max(d.model_budget for d in self.devices)
+        if need > largest:
+            raise _NotServed(f"it needs {need} bytes on a device (weights and IO buffers), more than any device's "
+                             f"budget leaves for models ({largest} bytes; runtime.weight_budget)")
         try:
             model_seeds = await self._profile(spec, program)
         except Exception as e:  # a model that cannot even be warmed up is not served
             raise _NotServed(f"warm-up failed: {e}") from e
-        parity = await self._prepare_parity(spec, stamp, pin) if spec.parity is not None else None
+        parity = await self._prepare_parity(spec, stamp) if spec.parity is not None else None
         return Prepared(spec, stamp, program, model_seeds, parity)
 
-    async def _prepare_parity(self, spec: ModelSpec, stamp: Stamp, pin: bool) -> Prepared | None:
+    def _footprint(self, program: Program) -> int:
+        """Device bytes a LOAD of `program` charges: the most any device's backend charges."""
+        return max(ex.footprint(program) for ex in self.executors.values())
+
+    async def _prepare_parity(self, spec: ModelSpec, stamp: Stamp) -> Prepared | None:
         """A model's parity model; a problem with it disables parity, not the model."""
         assert spec.parity is not None
         pspec = parity_model(spec)
@@ -556,7 +576,7 @@ class Daemon:
             if len(spec.inputs) != 1 or len(spec.outputs) != 1:
                 raise ValueError("parity needs a model with one input and one output")
             codes.check(spec.parity.encoder, spec.parity.k, spec.inputs[0].sample_shape)
-            program = await asyncio.to_thread(load_program, pspec, pin)
+            program = await asyncio.to_thread(load_program, pspec)
             parity_seeds = await self._profile(pspec, program)
         except (ValueError, ProgramError, RuntimeError) as e:
             log.warning("model %s is served without parity: %s", spec.key, e)
@@ -571,16 +591,38 @@ class Daemon:
         for kind in sorted({d.kind for d in self.devices}):
             entry = stored.get(kind)
             if entry is None:
-                dev = next(d for d in self.devices if d.kind == kind)
-                self.notifier.status(f"warming {spec.key} on {dev.name}")
-                backend = make_backend(dev, self.settings.runtime.cpu_threads, self._cores.get(dev.name))
-                entry = await asyncio.to_thread(profile_program, program, dev, backend, self.clock,
-                                                self.settings.runtime.warmup_reps)
+                entry = await self._warm_up(spec, program, kind)
                 stored_ok = await asyncio.to_thread(write_profile, spec, kind, entry)
-                log.info("model %s: profiled on %s in its warm-up%s", spec.key, dev.name,
+                log.info("model %s: profiled on %s in its warm-up%s", spec.key, entry["device"],
                          "" if stored_ok else " (repository read-only: not stored)")
             out[kind] = seeds(entry)
         return out
+
+    async def _warm_up(self, spec: ModelSpec, program: Program, kind: str) -> dict[str, Any]:
+        """Measure a version on a serving device of `kind`: the controller makes room for it (as for
+        any LOAD: evicting idle models) and keeps the bytes reserved until it is done."""
+        holder = f"warmup:{spec.key}"
+        need = self._footprint(program)
+        timeout = self.settings.server.drain_timeout_s
+        device = await self.controller.reserve(holder, need, kind, timeout)
+        if device is None:
+            raise RuntimeError(f"no {kind} device had room for it within {timeout:.0f} s")
+        self.notifier.status(f"warming {spec.key} on {device}")
+        try:
+            return await asyncio.to_thread(measure, self.executors[device], program, self.clock,
+                                           self.settings.runtime.warmup_reps, 2, holder)
+        finally:
+            self.controller.unreserve(holder, device)
+
+    async def _watch_devices(self) -> None:
+        """Once every device is lost, stop with status 1: systemd restarts the service (a lost CUDA
+        context comes back only in a new process)."""
+        ctl = self.controller
+        await ctl.until(lambda s: s.lost == len(s.devices))
+        log.critical("every device is lost (%s); stopping so that the service is restarted",
+                     "; ".join(f"{n}: {why}" for n, why in self.lost_devices().items()))
+        self.exit_code = 1
+        self.request_stop()
 
     async def _install(self, p: Prepared) -> None:
         """Hand a prepared version to the scheduler, preload it where asked (waiting for the LOADs
@@ -591,7 +633,7 @@ class Daemon:
             if item is None:
                 continue
             self.programs[item.spec.key] = item.program
-            sched.add_model(item.spec, item.program.weight_bytes)
+            sched.add_model(item.spec, self._footprint(item.program))
             for kind, (infer, load) in item.seeds.items():
                 sched.seed(item.spec.key, kind, infer, load)
         served = Served(spec, p.stamp, p.parity.spec.key if p.parity is not None else None)
@@ -649,7 +691,9 @@ class Daemon:
         for k in served.keys:
             ctl.apply(ctl.scheduler.remove_model(k, now))
             ctl.scheduler.estimator.forget(k)  # a replacement must not inherit its timings
-            self.programs.pop(k, None)  # pending UNLOADs hold the program they unload
+            program = self.programs.pop(k, None)  # pending UNLOADs hold the program they unload
+            if program is not None:
+                self.host_pins.forget(program.host_block)  # no device loads it again
         del self._served[served.spec.key]
         log.info("model %s unloaded", served.spec.key)
 

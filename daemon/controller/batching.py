@@ -105,10 +105,12 @@ class DynamicBatchingPolicy:
         fits = [d for d in state.devices.values() if d.memory.budget >= nbytes]
         if not fits:
             err = Unavailable(f"model {entry.spec.name} needs {nbytes} bytes of weights, more than any "
-                              "device's weight budget")
+                              "device's weight budget" if state.lost < len(state.devices) else
+                              "every device of this daemon has failed")
             while entry.queue.head() is not None:
                 state.fail_request(entry.queue.pop(), err, now)
             return
+        fits = [d for d in fits if d.can_load(entry.spec.key, now)]
         free = [d for d in fits if d.memory.free >= nbytes]
         if free:
             dev = min(free, key=lambda d: (d.infer_inflight + d.load_inflight, -d.memory.free))

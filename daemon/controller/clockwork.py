@@ -452,7 +452,7 @@ class ClockworkPolicy:
         options = []
         b1 = head.samples if head is not None else 1
         for dev in state.devices.values():
-            if dev.memory.state(key) is not None or dev.memory.budget < nbytes:
+            if dev.memory.state(key) is not None or dev.memory.budget < nbytes or not dev.can_load(key, now):
                 continue
             tl = self._timeline(dev)
             if tl.copy.free_at(now) >= now + self.horizon:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from daemon.actions import Action, ActionKind, Result, ResultStatus
+from daemon.actions import Action, ActionKind, Failure, Result, ResultStatus
 from daemon.config import ControllerSettings
 from daemon.controller.coding import DECODE_MARGIN, Coding, Group, MemberState, Release, Save
 from daemon.controller.estimates import EXACT_ROW_KINDS, Estimator
@@ -43,6 +43,8 @@ log = logging.getLogger("escapement.controller")
 
 LATEST_GRACE = 0.002  # an action may start this much after the plan before it is refused
 FAILURE_COOLDOWN = 1.0  # seconds a model's INFERs keep off a device where one failed (if another holds it)
+LOAD_BACKOFF = (1.0, 30.0)  # a model whose LOAD failed keeps off that device 1, 2, 4 ... at most 30 s
+NO_MEMORY_RETRIES = 3  # LOADs refused for memory in a row before the device is backed off like a failure
 MAX_FAILURES = 2  # a request whose INFER failed this often is answered with the error
 OVERDUE_GRACE = 0.005  # an INFER not back this long after its requests' deadline: answer them 504
 
@@ -56,9 +58,17 @@ class DeviceState:
     busy: Counter[str] = field(default_factory=Counter)  # model key -> its actions in flight here
     # model key -> until when to keep its INFERs off this device (they failed here), while another holds it
     failing: dict[str, float] = field(default_factory=dict)
+    # model key -> until when no LOAD of it goes here (its LOAD failed here), and failures in a row
+    load_backoff: dict[str, float] = field(default_factory=dict)
+    load_failures: Counter[str] = field(default_factory=Counter)
+    failed: str = ""  # why the device is lost (a sticky error, a hang); "" while it is healthy
 
     def healthy_for(self, key: str, now: float) -> bool:
         return self.failing.get(key, 0.0) <= now
+
+    def can_load(self, key: str, now: float) -> bool:
+        """No LOAD of `key` here while backing off from a failed one, or once the device is lost."""
+        return not self.failed and self.load_backoff.get(key, 0.0) <= now
 
     @property
     def name(self) -> str:
@@ -80,7 +90,8 @@ class ModelEntry:
     spec: ModelSpec
     weight_bytes: int
     queue: ModelQueue = field(default_factory=ModelQueue)
-    load_failures: int = 0
+    load_failures: int = 0  # LOADs that failed in a row (any device)
+    load_error: str = ""  # the last one's error
 
 
 class Scheduler:
@@ -91,7 +102,7 @@ class Scheduler:
         self.estimator = estimator or Estimator()
         self.telemetry = telemetry or Telemetry()
         self.coding = Coding()
-        self.devices: dict[str, DeviceState] = {d.name: DeviceState(d, DeviceMemory(d.weight_budget))
+        self.devices: dict[str, DeviceState] = {d.name: DeviceState(d, DeviceMemory(d.model_budget))
                                                 for d in devices}
         self.kinds = sorted({d.kind for d in devices})
         self.models: dict[str, ModelEntry] = {}
@@ -102,6 +113,7 @@ class Scheduler:
         self.ready_on: dict[str, set[str]] = {}  # model key -> devices holding it ready
         self.placed_on: dict[str, set[str]] = {}  # model key -> devices holding or loading it
         self.pending = 0  # requests accepted and not yet finished
+        self.lost = 0  # devices lost (a sticky error or a hang): nothing is placed there any more
         self.counters: Counter[str] = Counter()  # monotonic event counts, read by stats and benchmarks
         self._expiry: list[tuple[float, int, InferenceRequest]] = []
         self._overdue: list[tuple[float, int, Action]] = []  # INFERs by when their requests are overdue
@@ -124,11 +136,33 @@ class Scheduler:
         for dev in devs:
             if len(chosen) >= replicas:
                 break
-            if dev.memory.state(key) is not None or dev.memory.free < entry.weight_bytes:
+            if dev.memory.state(key) is not None or dev.memory.free < entry.weight_bytes or dev.failed:
                 continue
             self.issue_load(entry.spec, dev, now)
             chosen.append(dev.name)
         return chosen
+
+    def reserve(self, key: str, nbytes: int, kind: str, now: float) -> str | None:
+        """Room for work outside the scheduler (a warm-up) of `nbytes` on a healthy device of `kind`,
+        evicting idle models if needed; the device (the bytes stay reserved until `unreserve`), or
+        None when every such device is busy or too small."""
+        devs = sorted((d for d in self.devices.values() if d.kind == kind and not d.failed),
+                      key=lambda d: (-d.memory.free, d.name))
+        for dev in devs:
+            victims = dev.memory.victims(nbytes, evictable=lambda k, d=dev: d.busy[k] == 0 and k in self.models,
+                                         wanted=lambda k: k in self.models and self.models[k].queue.requests > 0)
+            if victims is None:
+                continue
+            for k in victims:
+                self.issue_unload(self.models[k].spec, dev, now)
+            dev.memory.reserve(key, nbytes)
+            return dev.name
+        return None
+
+    def unreserve(self, key: str, device: str) -> None:
+        dev = self.devices[device]
+        if dev.memory.state(key) is not None:
+            dev.memory.release(key)
 
     def seed(self, key: str, kind: str, infer: dict[int, float], load: float | None) -> None:
         """Seed a model's estimates on one device kind from a profile (measured, or stored)."""
@@ -157,6 +191,11 @@ class Scheduler:
         entry = self.models.get(req.model.key)
         if entry is None:
             raise NotFound(f"unknown model {req.model.name} version {req.model.version}")
+        if self.lost == len(self.devices):
+            raise Unavailable("every device of this daemon has failed: " + "; ".join(
+                f"{d.name}: {d.failed}" for d in self.devices.values()))
+        if entry.load_failures and not self.placed_on.get(entry.spec.key):
+            self._refuse_backing_off(entry, now)
         refused = self.telemetry.refused  # counts the refusal for the model and returns the error
         if self.pending >= self.settings.max_pending:
             self.counters["refused_overload"] += 1
@@ -181,6 +220,15 @@ class Scheduler:
         self.pending += 1
         heapq.heappush(self._expiry, (req.deadline - best, req.id, req))
         self.policy.on_submit(self, req, now)
+
+    def _refuse_backing_off(self, entry: ModelEntry, now: float) -> None:
+        """A model whose LOADs failed is refused while every device backs off from it."""
+        key = entry.spec.key
+        healthy = [d for d in self.devices.values() if not d.failed]
+        if healthy and not any(d.can_load(key, now) for d in healthy):
+            wait = min(d.load_backoff[key] for d in healthy) - now
+            raise Unavailable(f"model {entry.spec.name} version {entry.spec.version} failed to load "
+                              f"({entry.load_error}); the next try is in {wait:.1f} s", retry_after_s=max(wait, 0.1))
 
     def cancel(self, req: InferenceRequest, now: float) -> Decision:
         """The client went away. A queued request is dropped; a running one's answer is discarded."""
@@ -401,13 +449,15 @@ class Scheduler:
             return self._take()
         dev = self.devices[action.device]
         self.telemetry.action(result)
+        if result.failure == Failure.DEVICE:
+            self._device_lost(dev, result.error, now)
         if action.kind == ActionKind.INFER:
             self._infer_done(action, dev, result, now)
         elif action.kind == ActionKind.LOAD:
             self._load_done(action, dev, result, now)
         else:
             dev.load_inflight -= 1
-            if not result.ok:
+            if not result.ok and not dev.failed:
                 log.error("unload of %s on %s failed: %s", action.model.key, dev.name, result.error)
         self.policy.on_result(self, result, now)
         return self._take()
@@ -546,7 +596,7 @@ class Scheduler:
             return True
         entry = self.models[pspec.key]
         for dev in sorted(self.devices.values(), key=lambda d: (d.name in avoid, -d.memory.free)):
-            if dev.memory.state(pspec.key) is not None:
+            if dev.memory.state(pspec.key) is not None or not dev.can_load(pspec.key, now):
                 continue
             victims = dev.memory.victims(entry.weight_bytes, evictable=lambda k, d=dev: d.busy[k] == 0,
                                          wanted=lambda k: k in self.models and self.models[k].queue.requests > 0)
@@ -595,24 +645,67 @@ class Scheduler:
         key = action.model.key
         dev.busy[key] -= 1
         entry = self.models.get(key)
-        if result.ok:
+        if result.ok and not dev.failed:
             self.estimator.observe_load(key, dev.kind, result.end - result.begin)
             dev.memory.loaded(key)
             self.ready_on.setdefault(key, set()).add(dev.name)
+            dev.load_failures.pop(key, None)
+            dev.load_backoff.pop(key, None)
             if entry is None:  # removed while loading
                 self.issue_unload(action.model, dev, now)
             else:
                 entry.load_failures = 0
             return
-        dev.memory.release(key)
+        if dev.memory.state(key) is not None:
+            dev.memory.release(key)
         self._unplace(key, dev.name)
+        if dev.failed:
+            return  # the device is lost: the model's requests wait for another device
         self.counters["load_failures"] += 1
-        log.error("load of %s on %s failed: %s", key, dev.name, result.error)
+        dev.load_failures[key] += 1
+        if result.failure == Failure.NO_MEMORY and dev.load_failures[key] <= NO_MEMORY_RETRIES:
+            # The device's memory differs from the plan (fragmentation, the host's pinned budget):
+            # make more room and let the policy load again.
+            log.warning("load of %s on %s refused for memory (%s); evicting and retrying", key, dev.name,
+                        result.error)
+            self.counters["load_retries"] += 1
+            idle = [k for k in dev.memory.ready_models() if dev.busy[k] == 0 and k in self.models]
+            if idle:  # the least recently used
+                self.issue_unload(self.models[idle[0]].spec, dev, now)
+            return
+        lo, hi = LOAD_BACKOFF
+        backoff = min(hi, lo * 2 ** (dev.load_failures[key] - 1))
+        dev.load_backoff[key] = now + backoff
+        log.error("load of %s on %s failed: %s (no LOAD of it there for %.0f s)", key, dev.name, result.error,
+                  backoff)
         if entry is not None:
             entry.load_failures += 1
+            entry.load_error = result.error
+            if any(d.can_load(key, now) and d.memory.budget >= entry.weight_bytes for d in self.devices.values()):
+                return  # another device may load it: its requests wait for that
             err = Unavailable(f"loading model {action.model.name} on {dev.name} failed: {result.error}")
             while entry.queue.head() is not None:
                 self._finish(entry.queue.pop(), RequestStatus.FAILED, err, now)
+
+    def _device_lost(self, dev: DeviceState, why: str, now: float) -> None:
+        """Nothing is placed on a lost device again; what it held is gone. Requests running there
+        come back as failures (retried elsewhere while there is time) or are answered by their
+        deadlines by the overdue watchdog."""
+        if dev.failed:
+            return
+        dev.failed = why or "device lost"
+        self.lost += 1
+        self.counters["devices_lost"] += 1
+        log.critical("device %s is lost: %s; %d of %d devices left", dev.name, dev.failed,
+                     len(self.devices) - self.lost, len(self.devices))
+        for key in dev.memory.models():
+            self._unplace(key, dev.name)
+        dev.memory.retire()
+        if self.lost == len(self.devices):
+            err = Unavailable("every device of this daemon has failed")
+            for entry in self.models.values():
+                while entry.queue.head() is not None:
+                    self._finish(entry.queue.pop(), RequestStatus.FAILED, err, now)
 
     def abort_all(self, error: EscapementError, now: float) -> Decision:
         """Finish every queued and running request with `error` (late results are then dropped)."""
@@ -637,6 +730,8 @@ class Scheduler:
             "pending": self.pending,
             "inflight_actions": len(self.inflight),
             "queued": {k: e.queue.requests for k, e in self.models.items() if e.queue.requests},
-            "devices": {n: {"used": d.memory.used, "budget": d.memory.budget, "models": d.memory.models()}
+            "devices": {n: {"used": d.memory.used + d.device.workspace, "budget": d.device.weight_budget,
+                            "workspace": d.device.workspace, "models": d.memory.models(),
+                            **({"failed": d.failed} if d.failed else {})}
                         for n, d in self.devices.items()},
         }

@@ -59,6 +59,12 @@ class DeviceMemory:
         self.used -= nbytes
         return nbytes
 
+    def retire(self) -> None:
+        """The device is lost: it holds nothing and has room for nothing from now on."""
+        self._models.clear()
+        self.used = 0
+        self.budget = 0
+
     def touch(self, key: str) -> None:
         if key in self._models:
             self._models.move_to_end(key)

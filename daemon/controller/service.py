@@ -138,6 +138,21 @@ class ControllerService:
         self.apply(self.scheduler._take())
         return devices
 
+    async def reserve(self, key: str, nbytes: int, kind: str, timeout: float) -> str | None:  # noqa: ASYNC109
+        """Room for `nbytes` of work outside the scheduler (a warm-up) on a device of `kind`; the
+        device, or None if none had room within `timeout` s (devices busy with every model)."""
+        deadline = self.clock.now() + timeout
+        while True:
+            device = self.scheduler.reserve(key, nbytes, kind, self.clock.now())
+            self.apply(self.scheduler._take())
+            if device is not None or self.clock.now() >= deadline:
+                return device
+            await asyncio.sleep(0.01)  # until an action in flight frees something
+
+    def unreserve(self, key: str, device: str) -> None:
+        self.scheduler.unreserve(key, device)
+        self._kick()
+
     def apply(self, decision: Decision) -> None:
         """Carry out a decision made outside a step (model removal, for instance)."""
         self._deliver(decision)

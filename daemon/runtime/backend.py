@@ -1,16 +1,19 @@
-"""What an executor needs from a device: memory for weights, copies, and running a batch.
+"""What an executor needs from a device: placing a model, running a batch, removing a model.
 
 `CpuBackend` runs on the calling executor thread with a fixed number of intra-op threads;
-`CudaBackend` (runtime/cuda.py) uses separate streams for weights, IO and execution.
+`CudaBackend` (runtime/cuda.py) drives a CUDA device, or its CPU stand-in, through the device
+seam (runtime/devapi.py). A backend owns the device's memory and its accounting; the executor
+only orders actions and reports results.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -18,7 +21,7 @@ import torch
 from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest
 from daemon.runtime.devices import Device
-from daemon.runtime.program import Runner
+from daemon.runtime.program import Program, Runner
 
 
 @dataclass(slots=True, eq=False)
@@ -60,6 +63,26 @@ class IOBuffers:
         return rows
 
 
+class NoMemory(RuntimeError):
+    """A LOAD that does not fit the device's budget now (evicting others would make room)."""
+
+
+@dataclass(slots=True, eq=False)
+class Resident:
+    """A model's weights on a device, with its bound runner and IO buffers per batch size."""
+
+    key: str
+    program: Program
+    charged: int  # device bytes this model holds (weights, IO buffers)
+    runner: Runner
+    io: dict[int, IOBuffers]
+    state: Any = None  # the backend's own (device extents, graphs, output rings)
+    notes: str = ""  # what the backend could not do for it (e.g. why it runs without CUDA graphs)
+
+
+Fill = Callable[[IOBuffers], int]  # writes a batch into the IO buffers' host side; returns its rows
+
+
 class Backend(Protocol):
     device: Device
 
@@ -67,21 +90,32 @@ class Backend(Protocol):
         """Called on each executor thread as it starts; `role` is "infer" or "load"."""
         ...
 
-    def alloc(self, nbytes: int) -> torch.Tensor: ...
-
-    def free(self, block: torch.Tensor) -> None: ...
-
-    def trim(self, limit: int) -> None:
-        """Keep at most `limit` bytes of freed blocks for reuse (the rest of the budget is live)."""
+    def footprint(self, program: Program) -> int:
+        """Device bytes a LOAD of `program` charges (what the controller reserves for it)."""
         ...
 
-    def copy_weights(self, host: torch.Tensor, dst: torch.Tensor) -> float: ...
-
-    def make_io(self, spec: ModelSpec, batch: int) -> IOBuffers: ...
-
-    def infer(self, runner: Runner, io: IOBuffers, rows: int) -> tuple[tuple[np.ndarray, ...], float]:
-        """Run the first `rows` rows of `io`; outputs have exactly `rows` rows."""
+    @property
+    def charged(self) -> int:
+        """Device bytes charged now: resident models plus any fixed reserve."""
         ...
+
+    @property
+    def failed(self) -> str:
+        """Why the device is unusable ("" while it is healthy)."""
+        ...
+
+    def load(self, key: str, program: Program, deadline: float) -> tuple[Resident, float]:
+        """Place a model; (its resident, device seconds of the copy). Raises NoMemory when it does
+        not fit, DeviceFault when the device failed; leaves nothing behind when it raises."""
+        ...
+
+    def unload(self, res: Resident) -> None: ...
+
+    def infer(self, res: Resident, io: IOBuffers, fill: Fill, deadline: float) -> tuple[tuple[np.ndarray, ...], float]:
+        """Fill `io`, run it; outputs have exactly the filled rows; (outputs, device seconds)."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class BlockPool:
@@ -127,6 +161,16 @@ class CpuBackend:
         self.threads = threads
         self.core = core  # the core the INFER thread is pinned to, if any
         self.pool = BlockPool()
+        self.used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def charged(self) -> int:
+        return self.used
+
+    @property
+    def failed(self) -> str:
+        return ""
 
     def thread_setup(self, role: str) -> None:
         # Intra-op threads are per calling thread under OpenMP; set them on each executor thread.
@@ -134,35 +178,63 @@ class CpuBackend:
         if role == "infer" and self.core is not None:
             os.sched_setaffinity(0, {self.core})  # this thread only
 
-    def alloc(self, nbytes: int) -> torch.Tensor:
-        block = self.pool.take(nbytes)
-        return block if block is not None else torch.empty(nbytes, dtype=torch.uint8)
+    def footprint(self, program: Program) -> int:
+        return program.weight_bytes
 
-    def free(self, block: torch.Tensor) -> None:
-        self.pool.give(block)
+    def load(self, key: str, program: Program, deadline: float) -> tuple[Resident, float]:
+        nbytes = program.weight_bytes
+        with self._lock:
+            # kept blocks and live weights together stay within the budget
+            self.pool.trim(self.device.weight_budget - self.used - nbytes)
+            if self.used + nbytes > self.device.weight_budget:
+                raise NoMemory(f"insufficient weight memory on {self.device.name}: {nbytes} bytes needed, "
+                               f"{self.device.weight_budget - self.used} free")
+            self.used += nbytes
+        try:
+            block = self.pool.take(nbytes)
+            if block is None:
+                block = torch.empty(nbytes, dtype=torch.uint8)
+            t0 = time.perf_counter()
+            block.copy_(program.host_block)
+            duration = time.perf_counter() - t0
+            try:
+                runner = program.bind(program.layout.views(block), native=True, owner=self.device.name)
+                io = {b: self._make_io(program.spec, b) for b in program.spec.batch_sizes}
+            except BaseException:
+                program.release(self.device.name)
+                self.pool.give(block)
+                raise
+        except BaseException:
+            with self._lock:
+                self.used -= nbytes
+            raise
+        return Resident(key, program, nbytes, runner, io, state=block), duration
 
-    def trim(self, limit: int) -> None:
-        self.pool.trim(limit)
+    def unload(self, res: Resident) -> None:
+        res.program.release(self.device.name)
+        self.pool.give(res.state)
+        with self._lock:
+            self.used -= res.charged
 
-    def copy_weights(self, host: torch.Tensor, dst: torch.Tensor) -> float:
-        t0 = time.perf_counter()
-        dst.copy_(host)
-        return time.perf_counter() - t0
-
-    def make_io(self, spec: ModelSpec, batch: int) -> IOBuffers:
+    @staticmethod
+    def _make_io(spec: ModelSpec, batch: int) -> IOBuffers:
         tensors = [torch.zeros((batch, *t.sample_shape), dtype=t.datatype.torch) for t in spec.inputs]
         return IOBuffers(batch, [t.numpy() for t in tensors], tensors,
                          input_ptrs=frozenset(t.untyped_storage().data_ptr() for t in tensors))
 
-    def infer(self, runner: Runner, io: IOBuffers, rows: int) -> tuple[tuple[np.ndarray, ...], float]:
+    def infer(self, res: Resident, io: IOBuffers, fill: Fill, deadline: float) -> tuple[tuple[np.ndarray, ...], float]:
+        rows = fill(io)
         # On a CPU a padded row costs as much as a real one, so only the filled rows run (the
         # graph's batch dimension is dynamic); GPUs run fixed sizes for their CUDA graphs.
         xs = io.device if rows == io.batch_size else [t[:rows] for t in io.device]
         t0 = time.perf_counter()
         with torch.inference_mode():
-            outs = runner(xs)
+            outs = res.runner(xs)
         duration = time.perf_counter() - t0
         # An output that aliases an input buffer would be overwritten by the next batch.
         return tuple(
             (o.clone() if o.untyped_storage().data_ptr() in io.input_ptrs else o).numpy() for o in outs
         ), duration
+
+    def close(self) -> None:
+        self.pool.trim(0)

@@ -1,92 +1,499 @@
-"""The CUDA backend: one exec stream, one copy stream for weights, one stream for IO copies.
+"""The CUDA backend, written once against the device seam (devapi.py): a real GPU through
+`torchcuda.TorchCuda`, or the CPU stand-in `emucuda.EmuCuda` in tests.
 
-Weights come from pinned host blocks in one large asynchronous copy on the copy stream, so a
-LOAD never waits behind (or delays) inference. Inputs are staged in pinned buffers and copied
-on the IO stream, so they do not queue behind weight copies either. Device durations come
-from CUDA events. Only one inference runs at a time on a device: the exec stream serialises
-them, which is what makes their durations predictable.
+Memory. At start-up the backend allocates its weight arena once: the device's budget less
+the workspace reserve. Each resident model is one extent of it (arena.py) holding its weights
+and its static IO buffers (inputs and outputs at the largest batch size). CUDA graphs of every
+model share one graph pool, charged to the workspace reserve: only one inference runs on a
+device at a time, and a graph's outputs are copied into the model's static output buffers,
+so the pool holds only temporaries and its size is the largest model's, not the sum. torch's
+caching allocator is never on the data path.
+
+Streams. `load` copies weights, `h2d` copies inputs, `exec` runs models, `d2h` copies
+outputs, `capture` warms up and captures graphs. A LOAD copies in chunks with at most two in
+flight, so an INFER's input copy waits for at most two chunks on the copy engine, not for a
+whole model. An UNLOAD records fences on every stream that touched the extent; the load
+stream waits for them before any later copy, so an extent is reused only after the device
+finished with it (without a host wait).
+
+INFER. The host writes the batch into pinned staging memory, one copy moves it into the
+static inputs, the exec stream replays the batch size's graph (or runs the model eagerly and
+copies its outputs into the static outputs), one copy per output moves the filled rows into
+a pinned slot of the model's output ring, and the host waits for that with a deadline. The
+outputs handed to the response are views of the ring slot; the slot is reused only once
+every view of it is gone (the response was written). Events are allocated once; an INFER
+allocates nothing.
+
+Faults. A CUDA error leaves the context unusable: the backend marks itself failed, and every
+later action fails at once. A wait past its deadline (a hung kernel) does the same.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
-from daemon.repository import ModelSpec
-from daemon.runtime.backend import IOBuffers
+from daemon.runtime.arena import Arena, Extent, aligned
+from daemon.runtime.backend import Fill, IOBuffers, NoMemory, Resident
+from daemon.runtime.devapi import Buffer, CaptureError, DeviceApi, DeviceFault, Graph, Region, Where
 from daemon.runtime.devices import Device
-from daemon.runtime.program import Runner
+from daemon.runtime.hostmem import HostPins
+from daemon.runtime.program import Program
+
+log = logging.getLogger("escapement.cuda")
+
+LOAD_CHUNK = 4 << 20  # bytes per weight copy
+LOAD_INFLIGHT = 2  # weight chunks queued on the copy engine at once
+OUTPUT_RING = 4  # pinned output slots per model (responses not yet written hold theirs)
+
+
+def _numpy_typestr(dtype: torch.dtype) -> str:
+    return np.dtype(torch.empty(0, dtype=dtype).numpy().dtype).str
+
+
+class _Lease:
+    """The owner of output arrays that are views of a ring slot: the slot is free again once the
+    last view of it is gone (the response that carries them was written)."""
+
+    __slots__ = ("__array_interface__", "__weakref__", "keep")
+
+    def __init__(self, tensor: torch.Tensor, offset: int, shape: tuple[int, ...], typestr: str) -> None:
+        self.keep = tensor  # the slot's memory outlives an UNLOAD while a response still holds it
+        self.__array_interface__ = {"data": (tensor.data_ptr() + offset, False), "shape": shape,
+                                    "typestr": typestr, "version": 3}
+
+
+class OutputRing:
+    """Pinned output slots of one model, each holding every output at the largest batch size,
+    plus one spare slot that is never lent (used, and copied out of, when every slot is lent)."""
+
+    def __init__(self, slots: list[Buffer], spare: Buffer, offsets: list[int], shapes: list[tuple[int, ...]],
+                 dtypes: list[torch.dtype]) -> None:
+        self.slots = slots
+        self.spare = spare
+        self.offsets = offsets
+        self.shapes = shapes  # per output: the sample shape
+        self.typestrs = [_numpy_typestr(d) for d in dtypes]
+        self.row_bytes = [int(np.prod(s, dtype=np.int64)) * d.itemsize for s, d in zip(shapes, dtypes, strict=True)]
+        self._lent = [0] * len(slots)  # live views per slot (0: free)
+        self._lock = threading.Lock()
+        self.overflows = 0
+
+    def acquire(self) -> int:
+        """A free slot's index, or -1 for the spare."""
+        with self._lock:
+            for i, n in enumerate(self._lent):
+                if n == 0:
+                    self._lent[i] = -1  # taken, not yet lent
+                    return i
+        self.overflows += 1
+        return -1
+
+    def buffer(self, slot: int) -> Buffer:
+        return self.spare if slot < 0 else self.slots[slot]
+
+    def regions(self, slot: int, rows: int) -> list[Region]:
+        buf = self.buffer(slot)
+        return [buf.region(off, rows * rb) for off, rb in zip(self.offsets, self.row_bytes, strict=True)]
+
+    def hand_out(self, slot: int, rows: int) -> tuple[np.ndarray, ...]:
+        buf = self.buffer(slot)
+        outs: list[np.ndarray] = []
+        for off, shape, ts in zip(self.offsets, self.shapes, self.typestrs, strict=True):
+            a = np.asarray(_Lease(buf.tensor, off, (rows, *shape), ts))
+            outs.append(a.copy() if slot < 0 else a)
+        if slot >= 0:
+            with self._lock:
+                self._lent[slot] = len(outs)
+            for a in outs:
+                weakref.finalize(a.base, self._returned, slot)
+        return tuple(outs)
+
+    def _returned(self, slot: int) -> None:
+        with self._lock:
+            self._lent[slot] -= 1
+
+    def cancel(self, slot: int) -> None:
+        """A slot taken for an INFER that failed before handing it out."""
+        if slot >= 0:
+            with self._lock:
+                self._lent[slot] = 0
+
+    @property
+    def lent(self) -> int:
+        with self._lock:
+            return sum(1 for n in self._lent if n != 0)
+
+
+@dataclass(slots=True, eq=False)
+class CudaResident:
+    """What a model holds on a CUDA device (Resident.state)."""
+
+    extent: Extent
+    weights: Region
+    inputs: list[Region]  # static inputs at the largest batch size
+    outputs: list[Region]  # static outputs at the largest batch size
+    in_row_bytes: list[int]
+    out_row_bytes: list[int]
+    staging: dict[int, Buffer] = field(default_factory=dict)  # batch size -> pinned inputs
+    staging_offsets: list[int] = field(default_factory=list)
+    ring: OutputRing | None = None
+    steps: dict[int, Callable[[], None]] = field(default_factory=dict)  # batch size -> the eager kernel
+    graphs: dict[int, Graph] = field(default_factory=dict)
+    pinned: list[Buffer] = field(default_factory=list)  # to unpin at UNLOAD
+    pinned_bytes: int = 0
+
+
+def _sample_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
+def extent_layout(program: Program) -> tuple[int, list[int], list[int], int]:
+    """(weights bytes, input offsets, output offsets, total) of a model's extent."""
+    spec = program.spec
+    b = spec.max_batch_size
+    off = aligned(program.weight_bytes)
+    ins, outs = [], []
+    for t in spec.inputs:
+        ins.append(off)
+        off += aligned(b * _sample_bytes(t.sample_shape, t.datatype.torch))
+    for t in spec.outputs:
+        outs.append(off)
+        off += aligned(b * _sample_bytes(t.sample_shape, t.datatype.torch))
+    return program.weight_bytes, ins, outs, max(off, 256)
 
 
 class CudaBackend:
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, api: DeviceApi, host: HostPins, graphs: bool = True,
+                 hang_timeout_s: float = 2.0) -> None:
         self.device = device
-        self.torch_device = torch.device("cuda", device.index)
-        self.exec_stream = torch.cuda.Stream(self.torch_device)
-        self.copy_stream = torch.cuda.Stream(self.torch_device)
-        self.io_stream = torch.cuda.Stream(self.torch_device, priority=-1)
+        self.api = api
+        self.host = host
+        self.graphs_enabled = graphs
+        self.hang_timeout_s = hang_timeout_s
+        self.check_target = torch.device("cuda", device.index)  # what the stand-in stands in for
+        self._failed = ""
+        self._lock = threading.Lock()  # the arena and the charge
+        self.arena = Arena(device.model_budget)
+        self.arena_buf = api.alloc(self.arena.size, f"{device.name} arena")
+        self.load_s = api.stream("load")
+        self.h2d = api.stream("h2d", priority=-1)
+        self.exec = api.stream("exec")
+        self.d2h = api.stream("d2h", priority=-1)
+        self.capture_s = api.stream("capture")
+        self._streams_used = (self.exec, self.h2d, self.d2h, self.capture_s)
+        # Every event the data path needs, made once.
+        self.ev_in, self.ev_begin, self.ev_end, self.ev_out = (api.event() for _ in range(4))
+        self._chunk_events = [api.event(timing=False) for _ in range(LOAD_INFLIGHT)]
+        self._copy_begin, self._copy_end = api.event(), api.event()
+        self._loaded, self._captured = api.event(timing=False), api.event(timing=False)
+        self._fences = {s.name: api.event(timing=False) for s in self._streams_used}
+        self._staging = [api.alloc_pinned(LOAD_CHUNK, f"{device.name} staging") for _ in range(LOAD_INFLIGHT)]
+        self.graph_notes: dict[str, str] = {}
+
+    # ---------------------------------------------------------------- accounting
+
+    @property
+    def charged(self) -> int:
+        return self.device.workspace + self.arena.used
+
+    @property
+    def failed(self) -> str:
+        return self._failed
+
+    def footprint(self, program: Program) -> int:
+        return aligned(extent_layout(program)[3], self.arena.align)
 
     def thread_setup(self, role: str) -> None:
-        torch.cuda.set_device(self.torch_device)
+        if self.api.kind == "cuda":
+            torch.cuda.set_device(self.api.torch_device)
 
-    def alloc(self, nbytes: int) -> torch.Tensor:
-        with torch.cuda.stream(self.copy_stream):
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
+    def _usable(self) -> None:
+        if self._failed:
+            raise DeviceFault(f"{self.device.name} failed: {self._failed}")
 
-    def free(self, block: torch.Tensor) -> None:
-        # The controller unloads only models with nothing in flight; syncing the exec stream
-        # makes sure no queued kernel still reads the block when the allocator reuses it.
-        self.exec_stream.synchronize()
-        del block
+    def _fault(self, e: DeviceFault) -> None:
+        if not self._failed:
+            self._failed = str(e)
+            log.critical("%s failed: %s", self.device.name, e)
 
-    def trim(self, limit: int) -> None:
-        # The caching allocator keeps freed blocks; return what the budget no longer leaves room for.
-        if torch.cuda.memory_reserved(self.torch_device) - torch.cuda.memory_allocated(self.torch_device) > limit:
-            torch.cuda.empty_cache()
+    # ---------------------------------------------------------------- LOAD
 
-    def copy_weights(self, host: torch.Tensor, dst: torch.Tensor) -> float:
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.copy_stream):
-            start.record()
-            dst.copy_(host, non_blocking=True)
-            end.record()
-        end.synchronize()
-        # The exec stream must see the finished copy before any kernel reads the weights.
-        dst.record_stream(self.exec_stream)
-        return start.elapsed_time(end) / 1000.0
+    def load(self, key: str, program: Program, deadline: float) -> tuple[Resident, float]:
+        self._usable()
+        program.check_device(self.check_target, program.spec.max_batch_size)
+        need = self.footprint(program)
+        with self._lock:
+            if self.charged + need > self.device.weight_budget:
+                raise NoMemory(f"{key} needs {need} bytes on {self.device.name}; "
+                               f"{self.device.weight_budget - self.charged} of its budget are free")
+            ext = self.arena.alloc(need, key)
+            if ext is None:
+                raise NoMemory(f"{key} needs {need} contiguous bytes on {self.device.name}; the largest free "
+                               f"extent of its arena is {self.arena.largest_free} ({self.arena.free_bytes} free)")
+        st = self._layout(program, ext)
+        res = Resident(key, program, need, lambda xs: (), {}, st)
+        try:
+            duration = self._copy_weights(program, st, deadline)
+            views = program.layout.views(self.arena_buf.tensor[ext.offset : ext.offset + program.weight_bytes])
+            res.runner = program.bind(views, native=False, owner=self.device.name, device=self.api.torch_device)
+            self._make_io(program, res, st)
+            res.notes = self._make_graphs(program, res, st, deadline)
+            self.api.record(self._captured, self.capture_s)
+            self._captured.wait(deadline)
+        except DeviceFault as e:
+            self._fault(e)
+            self._release(res, st)
+            raise
+        except BaseException:
+            self._release(res, st)
+            raise
+        return res, duration
 
-    def make_io(self, spec: ModelSpec, batch: int) -> IOBuffers:
-        host = [torch.zeros((batch, *t.sample_shape), dtype=t.datatype.torch).pin_memory() for t in spec.inputs]
-        dev = [torch.zeros((batch, *t.sample_shape), dtype=t.datatype.torch, device=self.torch_device)
-               for t in spec.inputs]
-        io = IOBuffers(batch, [h.numpy() for h in host], dev)
-        io.pinned = host  # type: ignore[attr-defined]  # keep the pinned tensors alive
-        return io
+    def _layout(self, program: Program, ext: Extent) -> CudaResident:
+        wbytes, ins, outs, _ = extent_layout(program)
+        spec = program.spec
+        b = spec.max_batch_size
+        base = self.arena_buf.region(ext.offset, ext.nbytes)
+        in_rb = [_sample_bytes(t.sample_shape, t.datatype.torch) for t in spec.inputs]
+        out_rb = [_sample_bytes(t.sample_shape, t.datatype.torch) for t in spec.outputs]
+        return CudaResident(ext, base.sub(0, wbytes),
+                            [base.sub(o, b * n) for o, n in zip(ins, in_rb, strict=True)],
+                            [base.sub(o, b * n) for o, n in zip(outs, out_rb, strict=True)], in_rb, out_rb)
 
-    def infer(self, runner: Runner, io: IOBuffers, rows: int) -> tuple[tuple[np.ndarray, ...], float]:
-        copied = torch.cuda.Event()
-        begin = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        pinned: list[torch.Tensor] = io.pinned  # type: ignore[attr-defined]
-        with torch.cuda.stream(self.io_stream):
-            for d, h in zip(io.device, pinned, strict=True):
-                d.copy_(h, non_blocking=True)
-            copied.record()
-        self.exec_stream.wait_event(copied)
-        with torch.cuda.stream(self.exec_stream), torch.inference_mode():
-            begin.record()
-            outs = runner(io.device)
-            end.record()
-        self.io_stream.wait_event(end)
-        with torch.cuda.stream(self.io_stream):
-            host_outs = []
-            for o in outs:
-                o.record_stream(self.io_stream)
-                h = torch.empty(o.shape, dtype=o.dtype, pin_memory=True)
-                h.copy_(o, non_blocking=True)
-                host_outs.append(h)
-            done = torch.cuda.Event()
-            done.record()
-        done.synchronize()
-        return tuple(h.numpy()[:rows] for h in host_outs), begin.elapsed_time(end) / 1000.0
+    def _copy_weights(self, program: Program, st: CudaResident, deadline: float) -> float:
+        """Chunked copies into the extent, at most LOAD_INFLIGHT queued, after every fence of
+        earlier UNLOADs; from the pinned block, or through the staging ring when it is pageable."""
+        api = self.api
+        src = self.host.block(program.host_block, api, f"{program.spec.key} weights")
+        n = program.weight_bytes
+        api.record(self._copy_begin, self.load_s)
+        for i, off in enumerate(range(0, n, LOAD_CHUNK)):
+            size = min(LOAD_CHUNK, n - off)
+            slot = i % LOAD_INFLIGHT
+            ev = self._chunk_events[slot]
+            if i >= LOAD_INFLIGHT:
+                ev.wait(deadline)  # the chunk two back has left its staging slot
+            dst = st.weights.sub(off, size)
+            if src.where == Where.PINNED:
+                api.copy(dst, src.region(off, size), self.load_s)
+            else:
+                stage = self._staging[slot].region(0, size)
+                api.host_write(stage)
+                stage.bytes().copy_(program.host_block[off : off + size])
+                api.copy(dst, stage, self.load_s)
+            api.record(ev, self.load_s)
+        api.record(self._copy_end, self.load_s)
+        api.record(self._loaded, self.load_s)
+        self._copy_end.wait(deadline)
+        return self._copy_begin.elapsed_s(self._copy_end)
+
+    def _make_io(self, program: Program, res: Resident, st: CudaResident) -> None:
+        spec = program.spec
+        api = self.api
+        in_offsets, off = [], 0
+        for rb in st.in_row_bytes:
+            in_offsets.append(off)
+            off += aligned(spec.max_batch_size * rb)
+        st.staging_offsets = in_offsets
+        in_views = [st.inputs[k].buffer.view(st.inputs[k].offset, t.datatype.torch, (spec.max_batch_size,
+                                                                                       *t.sample_shape))
+                    for k, t in enumerate(spec.inputs)]
+        out_views = [st.outputs[k].buffer.view(st.outputs[k].offset, t.datatype.torch, (spec.max_batch_size,
+                                                                                          *t.sample_shape))
+                     for k, t in enumerate(spec.outputs)]
+        for b in spec.batch_sizes:
+            size = sum(aligned(b * rb) for rb in st.in_row_bytes)
+            stage = self._pin(st, size, f"{spec.key} inputs b{b}")
+            st.staging[b] = stage
+            host = [stage.view(o, t.datatype.torch, (b, *t.sample_shape)).numpy()
+                    for o, t in zip(in_offsets, spec.inputs, strict=True)]
+            res.io[b] = IOBuffers(b, host, [v[:b] for v in in_views])
+            st.steps[b] = self._kernel(res, [v[:b] for v in in_views], [v[:b] for v in out_views], b)
+        out_offsets, off = [], 0
+        for rb in st.out_row_bytes:
+            out_offsets.append(off)
+            off += aligned(spec.max_batch_size * rb)
+        slots = [self._pin(st, max(off, 1), f"{spec.key} outputs {i}") for i in range(OUTPUT_RING)]
+        spare = self._pin(st, max(off, 1), f"{spec.key} outputs spare")
+        st.ring = OutputRing(slots, spare, out_offsets, [t.sample_shape for t in spec.outputs],
+                             [t.datatype.torch for t in spec.outputs])
+        api.check()
+
+    def _pin(self, st: CudaResident, nbytes: int, label: str) -> Buffer:
+        if not self.host.charge(nbytes):
+            raise NoMemory(f"the host's pinned memory budget (runtime.host_pinned_budget = {self.host.budget}) "
+                           f"has no room for {label}")
+        try:
+            buf = self.api.alloc_pinned(nbytes, label)
+        except BaseException:
+            self.host.release(nbytes)
+            raise
+        st.pinned.append(buf)
+        st.pinned_bytes += nbytes
+        return buf
+
+    @staticmethod
+    def _kernel(res: Resident, ins: list[torch.Tensor], outs: list[torch.Tensor], b: int) -> Callable[[], None]:
+        def step() -> None:
+            with torch.inference_mode():
+                result = res.runner(ins)
+                for dst, src in zip(outs, result, strict=True):
+                    dst.copy_(src)
+        step.__name__ = f"{res.key} b={b}"
+        return step
+
+    def _touches(self, st: CudaResident, b: int) -> tuple[list[Region], list[Region]]:
+        reads = [st.weights] + [r.sub(0, b * n) for r, n in zip(st.inputs, st.in_row_bytes, strict=True)]
+        writes = [r.sub(0, b * n) for r, n in zip(st.outputs, st.out_row_bytes, strict=True)]
+        return reads, writes
+
+    def _make_graphs(self, program: Program, res: Resident, st: CudaResident, deadline: float) -> str:
+        """Warm every batch size up on the capture stream and capture its graph, largest first;
+        why the model runs eagerly, if it does."""
+        api = self.api
+        api.wait_event(self.capture_s, self._loaded)
+        why = ""
+        if not self.graphs_enabled:
+            why = "CUDA graphs are off (runtime.cuda_graphs)"
+        elif program.capture_problem:
+            why = f"not capturable: {program.capture_problem}"
+        for b in sorted(program.spec.batch_sizes, reverse=True):
+            reads, writes = self._touches(st, b)
+            api.launch(self.capture_s, st.steps[b], reads, writes)  # first run: lazy initialisation
+            if why:
+                continue
+            try:
+                graph = api.capture(self.capture_s, lambda b=b, r=reads, w=writes: api.launch(
+                    self.capture_s, st.steps[b], r, w))
+            except (CaptureError, torch.OutOfMemoryError) as e:
+                why = f"capture failed at batch {b}: {e}"
+                continue
+            pool = api.graph_pool_bytes
+            if pool > self.device.workspace:
+                graph.close()
+                why = (f"its graphs need {pool} bytes of graph memory, more than the workspace reserve "
+                       f"(runtime.device_workspace = {self.device.workspace})")
+                continue
+            st.graphs[b] = graph
+        if why:
+            for g in st.graphs.values():
+                g.close()
+            st.graphs.clear()
+            log.info("%s on %s runs eagerly: %s", res.key, self.device.name, why)
+        self.graph_notes[res.key] = why
+        return why
+
+    # ---------------------------------------------------------------- UNLOAD
+
+    def unload(self, res: Resident) -> None:
+        st: CudaResident = res.state
+        self._release(res, st)
+
+    def _release(self, res: Resident, st: CudaResident) -> None:
+        """Everything a resident holds, in order: graphs (before their memory), the program's view
+        of the weights, then the extent once the device is done with it, then pinned memory."""
+        api = self.api
+        for g in st.graphs.values():
+            g.close()
+        st.graphs.clear()
+        res.program.release(self.device.name)
+        res.runner = lambda xs: ()
+        self.graph_notes.pop(res.key, None)
+        try:
+            if not self._failed:
+                for s in self._streams_used:
+                    api.record(self._fences[s.name], s)
+                    api.wait_event(self.load_s, self._fences[s.name])
+                api.discard(self.arena_buf.region(st.extent.offset, st.extent.nbytes), self.load_s)
+                if st.pinned:  # the host unpins: it must have seen the last copies from and to them
+                    self._fences["h2d"].wait(self._deadline())
+                    self._fences["d2h"].wait(self._deadline())
+        except DeviceFault as e:
+            self._fault(e)
+        with self._lock:
+            self.arena.free(st.extent)
+        for buf in st.pinned:
+            try:
+                api.unpin(buf)
+            except Exception as e:
+                log.warning("%s: unpinning %s failed: %s", self.device.name, buf.label, e)
+        self.host.release(st.pinned_bytes)
+        st.pinned.clear()
+        st.pinned_bytes = 0
+
+    # ---------------------------------------------------------------- INFER
+
+    def infer(self, res: Resident, io: IOBuffers, fill: Fill, deadline: float) -> tuple[tuple[np.ndarray, ...], float]:
+        self._usable()
+        api = self.api
+        st: CudaResident = res.state
+        assert st.ring is not None
+        b = io.batch_size
+        stage = st.staging[b]
+        slot = -2
+        try:
+            api.host_write(stage.region())
+            rows = fill(io)
+            for k, (dst, n) in enumerate(zip(st.inputs, st.in_row_bytes, strict=True)):
+                if n:
+                    api.copy(dst.sub(0, b * n), stage.region(st.staging_offsets[k], b * n), self.h2d)
+            api.record(self.ev_in, self.h2d)
+            api.wait_event(self.exec, self.ev_in)
+            api.record(self.ev_begin, self.exec)
+            graph = st.graphs.get(b)
+            if graph is not None:
+                graph.replay(self.exec)
+            else:
+                reads, writes = self._touches(st, b)
+                api.launch(self.exec, st.steps[b], reads, writes)
+            api.record(self.ev_end, self.exec)
+            api.wait_event(self.d2h, self.ev_end)
+            slot = st.ring.acquire()
+            dst_regions = st.ring.regions(slot, rows)
+            for dst, src, n in zip(dst_regions, st.outputs, st.out_row_bytes, strict=True):
+                if n:
+                    api.copy(dst, src.sub(0, rows * n), self.d2h)
+            api.record(self.ev_out, self.d2h)
+            self.ev_out.wait(deadline)
+            for r in dst_regions:
+                api.host_read(r)
+            duration = self.ev_begin.elapsed_s(self.ev_end)
+            outputs = st.ring.hand_out(slot, rows)
+        except DeviceFault as e:
+            self._fault(e)
+            if slot > -2:
+                st.ring.cancel(slot)
+            raise
+        except BaseException:
+            if slot > -2:
+                st.ring.cancel(slot)
+            raise
+        return outputs, duration
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.hang_timeout_s
+
+    def close(self) -> None:
+        try:
+            if not self._failed:
+                self.api.synchronize(self._deadline())
+        except DeviceFault:
+            pass
+        for buf in self._staging:
+            try:
+                self.api.unpin(buf)
+            except Exception:
+                pass
+        self._staging = []
+        if not self.arena_buf.freed:
+            self.api.free(self.arena_buf)
+        self.api.close()
+

@@ -4,26 +4,32 @@ Each executor has two lanes, each a thread with a queue ordered by `earliest`: o
 on the device's exec stream, the other LOAD and UNLOAD on its copy stream. A lane takes an
 action only once its `earliest` has come, and refuses it without doing any work if its
 `latest` has passed. Every result carries measured timings and goes back through `post`
-(thread-safe; the daemon hands it to the event loop).
+(thread-safe; the daemon hands it to the event loop), or to the action's own `reply` (warm-ups
+run on the serving executor this way, beside the controller's work). A failed action says why
+(`Failure`): a model error, no memory, or a lost device; once the backend reports its device
+lost, every later action fails at once.
 """
 
 from __future__ import annotations
 
 import heapq
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 import torch
 
-from daemon.actions import Action, ActionKind, Result, ResultStatus
+from daemon.actions import Action, ActionKind, Failure, Result, ResultStatus
 from daemon.clock import Clock
-from daemon.runtime.backend import Backend, IOBuffers
+from daemon.runtime.backend import Backend, IOBuffers, NoMemory, Resident
+from daemon.runtime.devapi import DeviceFault
 from daemon.runtime.devices import Device
 from daemon.runtime.faults import Faults
-from daemon.runtime.program import Program, Runner
+from daemon.runtime.program import Program
+
+LOAD_FLOOR_BPS = 1e9  # a LOAD slower than this (plus the hang timeout) is a hung device
 
 log = logging.getLogger("escapement.executor")
 
@@ -34,12 +40,13 @@ class Lane:
     """A thread running actions in order of `earliest`, each only inside its window."""
 
     def __init__(self, name: str, run: Callable[[Action, float], Result], clock: Clock, post: Post,
-                 setup: Callable[[], None]) -> None:
+                 setup: Callable[[], None], lost: Callable[[], str] = lambda: "") -> None:
         self.name = name
         self._run = run
         self._clock = clock
         self._post = post
         self._setup = setup
+        self._lost = lost  # why the device is lost ("" while it is not)
         self._heap: list[tuple[float, int, Action, float]] = []
         self._cond = threading.Condition()
         self._stopping = False
@@ -54,7 +61,8 @@ class Lane:
         received = self._clock.now()
         with self._cond:
             if self._stopping:
-                self._post(_refused(action, ResultStatus.CANCELLED, received, "executor is stopping"))
+                (action.reply or self._post)(_refused(action, ResultStatus.CANCELLED, received,
+                                                      "executor is stopping"))
                 return
             heapq.heappush(self._heap, (action.earliest, action.id, action, received))
             if self._heap[0][2] is action:  # a new head may start sooner than the one waited for
@@ -72,7 +80,7 @@ class Lane:
             self._cond.notify_all()
         now = self._clock.now()
         for _, _, action, received in cancelled:
-            self._post(_refused(action, ResultStatus.CANCELLED, received, "executor stopped", now))
+            (action.reply or self._post)(_refused(action, ResultStatus.CANCELLED, received, "executor stopped", now))
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -102,7 +110,10 @@ class Lane:
             action, received = item
             now = self._clock.now()
             ready = max(action.earliest, received, self._free_since)
-            if now > action.latest:
+            lost = self._lost()
+            if lost:
+                result = Result(action, ResultStatus.FAILED, received, now, now, error=lost, failure=Failure.DEVICE)
+            elif now > action.latest:
                 result = _refused(action, ResultStatus.TOO_LATE, received,
                                   f"could not start by latest (late by {(now - action.latest) * 1e3:.3f} ms)",
                                   now)
@@ -112,14 +123,24 @@ class Lane:
                 try:
                     result = self._run(action, received)
                 except Exception as e:  # a failed action is a result, never a dead thread
-                    log.exception("%s: %r failed", self.name, action)
+                    failure = _failure(e)
+                    if failure == Failure.ERROR:
+                        log.exception("%s: %r failed", self.name, action)
                     end = self._clock.now()
                     result = Result(action, ResultStatus.FAILED, received, now, end,
-                                    error=f"{type(e).__name__}: {e}")
+                                    error=f"{type(e).__name__}: {e}", failure=failure)
             result.ready_at = ready
             self.busy = False
             self._free_since = self._clock.now()
-            self._post(result)
+            (action.reply or self._post)(result)
+
+
+def _failure(e: BaseException) -> Failure:
+    if isinstance(e, DeviceFault):
+        return Failure.DEVICE
+    if isinstance(e, NoMemory | torch.OutOfMemoryError):
+        return Failure.NO_MEMORY
+    return Failure.ERROR
 
 
 def _refused(action: Action, status: ResultStatus, received: float, why: str,
@@ -128,31 +149,32 @@ def _refused(action: Action, status: ResultStatus, received: float, why: str,
     return Result(action, status, received, t, t, error=why)
 
 
-@dataclass(slots=True, eq=False)
-class Resident:
-    """A model's weights on a device, with its bound runner and IO buffers per batch size."""
-
-    program: Program
-    block: torch.Tensor
-    runner: Runner
-    io: dict[int, IOBuffers] = field(default_factory=dict)
-
-
 class Executor:
     def __init__(self, device: Device, backend: Backend, clock: Clock, post: Post,
-                 programs: Mapping[str, Program]) -> None:
+                 programs: Mapping[str, Program], hang_timeout_s: float = 2.0) -> None:
         self.device = device
         self.backend = backend
         self.clock = clock
         self.programs = programs
+        self.hang_timeout_s = hang_timeout_s
         self.resident: dict[str, Resident] = {}
-        self.used_bytes = 0
         self.faults = Faults()
-        self._lock = threading.Lock()
         self.infer_lane = Lane(f"{device.name}/infer", self._infer, clock, post,
-                               lambda: backend.thread_setup("infer"))
+                               lambda: backend.thread_setup("infer"), lambda: backend.failed)
         self.load_lane = Lane(f"{device.name}/load", self._load_or_unload, clock, post,
-                              lambda: backend.thread_setup("load"))
+                              lambda: backend.thread_setup("load"), lambda: backend.failed)
+
+    @property
+    def used_bytes(self) -> int:
+        """Device bytes charged now (resident models, and the workspace reserve on CUDA)."""
+        return self.backend.charged
+
+    @property
+    def failed(self) -> str:
+        return self.backend.failed
+
+    def footprint(self, program: Program) -> int:
+        return self.backend.footprint(program)
 
     def start(self) -> None:
         self.infer_lane.start()
@@ -162,6 +184,10 @@ class Executor:
         self.faults.release()  # a hung lane must not keep the daemon from stopping
         self.load_lane.stop(timeout)
         self.infer_lane.stop(timeout)
+        try:
+            self.backend.close()
+        except Exception:
+            log.exception("%s: closing the device failed", self.device.name)
 
     def submit(self, action: Action) -> None:
         if action.device != self.device.name:
@@ -172,17 +198,21 @@ class Executor:
 
     def _infer(self, action: Action, received: float) -> Result:
         begin = self.clock.now()
-        res = self.resident.get(action.model.key)
+        res = self.resident.get(action.holder)
         if res is None:
-            return Result(action, ResultStatus.FAILED, received, begin, begin,
+            return Result(action, ResultStatus.FAILED, received, begin, begin, failure=Failure.ERROR,
                           error=f"weights of {action.model.key} are not on {self.device.name}")
         io = res.io.get(action.batch_size)
         if io is None or action.samples > action.batch_size:
-            return Result(action, ResultStatus.FAILED, received, begin, begin,
+            return Result(action, ResultStatus.FAILED, received, begin, begin, failure=Failure.ERROR,
                           error=f"invalid batch: {action.samples} samples at batch size {action.batch_size}")
         self.faults.before()
-        rows = io.fill_coded(action.coded, action.encoder) if action.coded is not None else io.fill(action.requests)
-        outputs, duration = self.backend.infer(res.runner, io, rows)
+        coded, encoder, requests = action.coded, action.encoder, action.requests
+
+        def fill(io: IOBuffers) -> int:
+            return io.fill_coded(coded, encoder) if coded is not None else io.fill(requests)
+        deadline = begin + self.hang_timeout_s + 10 * action.expected_duration
+        outputs, duration = self.backend.infer(res, io, fill, deadline)
         extra = self.faults.extra(self.clock.now() - begin, begin)
         if extra > 0:
             time.sleep(extra)  # an injected slowdown holds the device, as a slow device would
@@ -193,57 +223,54 @@ class Executor:
 
     def _load(self, action: Action, received: float) -> Result:
         begin = self.clock.now()
-        key = action.model.key
-        program = self.programs.get(key)
+        key = action.holder
+        program = action.program or self.programs.get(action.model.key)
         if program is None:
-            return Result(action, ResultStatus.FAILED, received, begin, begin, error=f"unknown model {key}")
+            return Result(action, ResultStatus.FAILED, received, begin, begin, failure=Failure.ERROR,
+                          error=f"unknown model {key}")
         if key in self.resident:
-            return Result(action, ResultStatus.FAILED, received, begin, begin,
+            return Result(action, ResultStatus.FAILED, received, begin, begin, failure=Failure.ERROR,
                           error=f"{key} is already on {self.device.name}")
-        nbytes = program.weight_bytes
-        with self._lock:
-            # kept blocks and live weights together stay within the budget
-            self.backend.trim(self.device.weight_budget - self.used_bytes - nbytes)
-            if self.used_bytes + nbytes > self.device.weight_budget:
-                return Result(action, ResultStatus.FAILED, received, begin, begin,
-                              error=f"insufficient weight memory on {self.device.name}: {nbytes} bytes "
-                                    f"needed, {self.device.weight_budget - self.used_bytes} free")
-            self.used_bytes += nbytes
-        try:
-            block = self.backend.alloc(program.layout.nbytes)
-            duration = self.backend.copy_weights(program.host_block, block)
-            runner = program.bind(program.layout.views(block), native=self.device.kind == "cpu",
-                                  owner=self.device.name)
-            io = {b: self.backend.make_io(program.spec, b) for b in program.spec.batch_sizes}
-        except BaseException:
-            with self._lock:
-                self.used_bytes -= nbytes
-            raise
-        self.resident[key] = Resident(program, block, runner, io)
-        return Result(action, ResultStatus.OK, received, begin, self.clock.now(), duration, weight_bytes=nbytes)
+        deadline = begin + self.hang_timeout_s + program.weight_bytes / LOAD_FLOOR_BPS + 10 * action.expected_duration
+        res, duration = self.backend.load(key, program, deadline)
+        self.resident[key] = res
+        return Result(action, ResultStatus.OK, received, begin, self.clock.now(), duration, weight_bytes=res.charged)
 
     def _unload(self, action: Action, received: float) -> Result:
         begin = self.clock.now()
-        res = self.resident.pop(action.model.key, None)
+        res = self.resident.pop(action.holder, None)
         if res is None:
-            return Result(action, ResultStatus.FAILED, received, begin, begin,
-                          error=f"{action.model.key} is not on {self.device.name}")
-        res.program.release(self.device.name)
-        self.backend.free(res.block)
-        nbytes = res.program.weight_bytes
-        with self._lock:
-            self.used_bytes -= nbytes
-        del res
-        return Result(action, ResultStatus.OK, received, begin, self.clock.now(), weight_bytes=nbytes)
+            return Result(action, ResultStatus.FAILED, received, begin, begin, failure=Failure.ERROR,
+                          error=f"{action.holder} is not on {self.device.name}")
+        self.backend.unload(res)
+        return Result(action, ResultStatus.OK, received, begin, self.clock.now(), weight_bytes=res.charged)
 
 
-def make_backend(device: Device, cpu_threads: int, core: int | None = None) -> Backend:
-    if device.kind == "cuda":
+def make_backend(device: Device, cpu_threads: int, core: int | None = None, *, host: object | None = None,
+                 graphs: bool = True, hang_timeout_s: float = 2.0, emucuda: object | None = None) -> Backend:
+    """The backend of a device; CUDA and stand-in devices share `host` (the process's pinned memory)."""
+    if device.kind in ("cuda", "emucuda"):
         from daemon.runtime.cuda import CudaBackend
+        from daemon.runtime.hostmem import HostPins
 
-        return CudaBackend(device)
+        api: object
+        if device.kind == "cuda":
+            from daemon.runtime.torchcuda import TorchCuda
+
+            api = TorchCuda.get(device.index)
+        else:
+            from daemon.runtime import emucuda as emu
+
+            api = emu.device(device.index, emu.settings_from(emucuda))
+        pins = host if isinstance(host, HostPins) else HostPins(default_pinned_budget())
+        return CudaBackend(device, api, pins, graphs=graphs, hang_timeout_s=hang_timeout_s)  # type: ignore[arg-type]
     if device.kind == "cpu":
         from daemon.runtime.backend import CpuBackend
 
         return CpuBackend(device, cpu_threads, core)
     raise ValueError(f"no backend for {device.kind} devices in a real executor")
+
+
+def default_pinned_budget() -> int:
+    """Half of the host's memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2

@@ -95,9 +95,16 @@ class ResultQueue:
         return self.q.get(timeout=600)
 
 
-def measure(executor: Executor, spec: ModelSpec, clock: Clock, results: ResultQueue, reps: int = 10,
-            warmup: int = 2) -> dict[str, Any]:
-    """LOAD the model, run every batch size `warmup + reps` times, UNLOAD; the profile entry."""
+def measure(executor: Executor, program: Program, clock: Clock, reps: int = 10, warmup: int = 2,
+            holder: str = "") -> dict[str, Any]:
+    """LOAD the model, run every batch size `warmup + reps` times, UNLOAD; the profile entry.
+
+    The actions go straight to the executor (which may be serving the controller's work at the
+    same time) and come back here; the weights are held under `holder` (default: the model's key).
+    """
+    spec = program.spec
+    results = ResultQueue()
+
     def run(action: Action) -> Result:
         executor.submit(action)
         r = results.get()
@@ -107,7 +114,8 @@ def measure(executor: Executor, spec: ModelSpec, clock: Clock, results: ResultQu
 
     def act(kind: ActionKind, **kw: Any) -> Action:
         now = clock.now()
-        return Action(kind, spec, executor.device.name, now, now + 600, **kw)
+        return Action(kind, spec, executor.device.name, now, now + 600, program=program, resident=holder,
+                      reply=results.post, **kw)
 
     infer: dict[int, list[float]] = {}
     rng = np.random.default_rng(0)
@@ -119,18 +127,21 @@ def measure(executor: Executor, spec: ModelSpec, clock: Clock, results: ResultQu
     # The first LOAD lands on fresh memory (page faults); later ones reuse a freed block, as
     # loads of a model the device has held before do.
     run(act(ActionKind.LOAD))
-    for b in spec.batch_sizes:
-        xs = tuple((rng.random((b, *t.sample_shape)) if t.datatype.numpy.kind == "f"
-                    else np.zeros((b, *t.sample_shape))).astype(t.datatype.numpy) for t in spec.inputs)
-        req = InferenceRequest(spec, xs, b, 0.0, 0.0)
-        times = []
-        for k in range(warmup + reps):
-            r = run(act(ActionKind.INFER, batch_size=b, requests=[req]))
-            if k >= warmup:
-                times.append(r.end - r.begin)
-        infer[b] = times
-    run(act(ActionKind.UNLOAD))
-    return {
+    notes = executor.resident[holder or spec.key].notes
+    try:
+        for b in spec.batch_sizes:
+            xs = tuple((rng.random((b, *t.sample_shape)) if t.datatype.numpy.kind == "f"
+                        else np.zeros((b, *t.sample_shape))).astype(t.datatype.numpy) for t in spec.inputs)
+            req = InferenceRequest(spec, xs, b, 0.0, 0.0)
+            times = []
+            for k in range(warmup + reps):
+                r = run(act(ActionKind.INFER, batch_size=b, requests=[req]))
+                if k >= warmup:
+                    times.append(r.end - r.begin)
+            infer[b] = times
+    finally:
+        run(act(ActionKind.UNLOAD))
+    entry: dict[str, Any] = {
         "device": executor.device.name,
         "measured": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "reps": reps,
@@ -139,15 +150,19 @@ def measure(executor: Executor, spec: ModelSpec, clock: Clock, results: ResultQu
         "load_first_ms": loads[0] * 1e3,
         "infer_ms": {str(b): float(np.percentile(t, PERCENTILE)) * 1e3 for b, t in infer.items()},
         "infer_median_ms": {str(b): float(np.median(t)) * 1e3 for b, t in infer.items()},
+        "device_bytes": executor.footprint(program),
     }
+    if notes:
+        entry["notes"] = notes
+    return entry
 
 
 def profile_program(program: Program, device: Device, backend: Backend, clock: Clock, reps: int) -> dict[str, Any]:
-    """Measure one program on `device` with an executor of its own, started and stopped here."""
-    results = ResultQueue()
-    ex = Executor(device, backend, clock, results.post, {program.spec.key: program})
+    """Measure one program on `device` with an executor of its own, started and stopped here
+    (`escapement profile`: no daemon serves on the device meanwhile)."""
+    ex = Executor(device, backend, clock, lambda r: None, {program.spec.key: program})
     ex.start()
     try:
-        return measure(ex, program.spec, clock, results, reps=reps, warmup=2)
+        return measure(ex, program, clock, reps=reps, warmup=2)
     finally:
         ex.stop()

@@ -33,6 +33,7 @@ import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
 from daemon.repository import ModelSpec
+from daemon.runtime.retarget import capture_lint, check_runs_on, to_device
 from daemon.runtime.weights import WeightLayout, pack
 
 log = logging.getLogger("escapement.repository")
@@ -41,7 +42,8 @@ Runner = Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]]
 
 
 class Binder(Protocol):
-    def __call__(self, views: list[torch.Tensor], owner: str | None = None) -> Runner: ...
+    def __call__(self, views: list[torch.Tensor], owner: str | None = None,
+                 device: torch.device | None = None) -> Runner: ...
 
 
 class ProgramError(ValueError):
@@ -52,11 +54,13 @@ class ProgramError(ValueError):
 class Program:
     spec: ModelSpec
     layout: WeightLayout
-    host_block: torch.Tensor  # flat uint8, pinned on CUDA machines
+    host_block: torch.Tensor  # flat uint8 (CUDA backends page-lock it in place, runtime/hostmem.py)
     bind_graph: Binder | None  # any device (None for TorchScript files)
     bind_native: Binder | None  # CPU devices: one call without the GIL
     seed_timings: dict[int, float] = field(default_factory=dict)  # batch size -> seconds, host CPU
     host_runner: Runner = field(init=False)
+    graph: torch.fx.GraphModule | None = None  # the exported graph (None for TorchScript files)
+    capture_problem: str | None = None  # why a CUDA graph cannot capture it (retarget.capture_lint)
 
     def __post_init__(self) -> None:
         self.host_runner = self.bind(self.layout.views(self.host_block), native=True)
@@ -67,13 +71,33 @@ class Program:
 
     releasers: list[Callable[[str], None]] = field(default_factory=list)
 
-    def bind(self, views: list[torch.Tensor], native: bool, owner: str | None = None) -> Runner:
+    def bind(self, views: list[torch.Tensor], native: bool, owner: str | None = None,
+             device: torch.device | None = None) -> Runner:
         """A runner over `views`; `native` picks the GIL-free runner when there is one. An `owner`
         (a device) keeps one instance and re-points it at each new set of views, so what the
-        instance learned on its first calls (TorchScript's profiling) is not paid again."""
+        instance learned on its first calls (TorchScript's profiling) is not paid again. With a
+        `device`, the graph's baked devices are rewritten to it (retarget.py)."""
         binder = (self.bind_native or self.bind_graph) if native else (self.bind_graph or self.bind_native)
         assert binder is not None
-        return binder(views, owner)
+        return binder(views, owner, device)
+
+    def check_device(self, device: torch.device, batch: int) -> None:
+        """Raise ProgramError unless the exported graph, moved to `device`, runs there (checked on
+        fake tensors: no device needed). TorchScript files cannot be checked ahead."""
+        if self.graph is None:
+            return
+        weights = [(e.dtype, e.shape) for e in self.layout.entries]
+        inputs = [(t.datatype.torch, (batch, *t.sample_shape)) for t in self.spec.inputs]
+        args = [weights[i] if i >= 0 else inputs[-i - 1] for i in self._plan()]
+        try:
+            check_runs_on(to_device(self.graph, device), device, args)
+        except Exception as e:
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise ProgramError(f"{self.spec.key}: the exported graph cannot run on {device.type}: "
+                               f"{type(e).__name__}: {first}") from e
+
+    def _plan(self) -> list[int]:
+        return getattr(self.bind_graph, "plan", [])
 
     def release(self, owner: str) -> None:
         """Drop the owner's instance's references to its views (its weights were unloaded)."""
@@ -129,7 +153,8 @@ def _script_binder(module: torch.jit.ScriptModule, spec: ModelSpec, slot: Callab
         _set_tensor(_submodule(shell, path), attr, empties[(path, attr)])
     instances: dict[str, torch.jit.ScriptModule] = {}  # owner -> its instance (one per device)
 
-    def bind(views: list[torch.Tensor], owner: str | None = None) -> Runner:
+    def bind(views: list[torch.Tensor], owner: str | None = None, device: torch.device | None = None) -> Runner:
+        # A script's baked devices cannot be rewritten; a LOAD on CUDA runs it once to find out.
         inst = instances.get(owner) if owner is not None else None
         if inst is None:
             inst = copy.deepcopy(shell)
@@ -154,7 +179,7 @@ def _script_binder(module: torch.jit.ScriptModule, spec: ModelSpec, slot: Callab
 # ------------------------------------------------------------------ model.pt2
 
 
-def _load_exported(spec: ModelSpec, pin: bool) -> Program:
+def _load_exported(spec: ModelSpec) -> Program:
     ep = torch.export.load(str(spec.path))
     sig = ep.graph_signature
     weights: list[tuple[str, torch.Tensor]] = []
@@ -186,23 +211,31 @@ def _load_exported(spec: ModelSpec, pin: bool) -> Program:
         raise ProgramError(f"{spec.key}: the program takes {n_inputs} inputs but config.toml lists "
                            f"{len(spec.inputs)}")
     gm = ep.graph_module
-    layout, block = pack(weights, pin=pin)
+    layout, block = pack(weights)
     simple = plan == list(range(len(layout.entries))) + [-(k + 1) for k in range(n_inputs)]
+    moved: dict[str, torch.fx.GraphModule] = {"cpu": gm}
 
-    def bind_graph(views: list[torch.Tensor], owner: str | None = None) -> Runner:
+    def bind_graph(views: list[torch.Tensor], owner: str | None = None,
+                   device: torch.device | None = None) -> Runner:
+        g = gm
+        if device is not None:
+            g = moved.get(str(device)) or moved.setdefault(str(device), to_device(gm, device))
         if simple:
             def run(xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-                return _as_tuple(gm(*views, *xs), spec)
+                return _as_tuple(g(*views, *xs), spec)
         else:
             def run(xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
                 args = [views[i] if i >= 0 else xs[-i - 1] for i in plan]
-                return _as_tuple(gm(*args), spec)
+                return _as_tuple(g(*args), spec)
         return run
 
+    bind_graph.plan = plan  # type: ignore[attr-defined]
     native = _trace_binder(ep, spec, layout)
+    lint = capture_lint(gm)
     if native is None:
-        return Program(spec, layout, block, bind_graph, None)
-    return Program(spec, layout, block, bind_graph, native[0], releasers=[native[1]])
+        return Program(spec, layout, block, bind_graph, None, graph=gm, capture_problem=lint)
+    return Program(spec, layout, block, bind_graph, native[0], releasers=[native[1]], graph=gm,
+                   capture_problem=lint)
 
 
 def _trace_binder(ep: torch.export.ExportedProgram, spec: ModelSpec, layout: WeightLayout
@@ -228,7 +261,7 @@ def _trace_binder(ep: torch.export.ExportedProgram, spec: ModelSpec, layout: Wei
 # ------------------------------------------------------------------ model.ts
 
 
-def _load_torchscript(spec: ModelSpec, pin: bool) -> Program:
+def _load_torchscript(spec: ModelSpec) -> Program:
     with warnings.catch_warnings():
         # torch 2.13 deprecates TorchScript; existing .ts models are still served.
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -240,7 +273,7 @@ def _load_torchscript(spec: ModelSpec, pin: bool) -> Program:
         if id(t) not in ids:
             ids[id(t)] = len(weights)
             weights.append((f"{path}.{attr}" if path else attr, t))
-    layout, block = pack(weights, pin=pin)
+    layout, block = pack(weights)
     bind, release = _script_binder(module, spec, lambda _p, _a, t: ids[id(t)])
     return Program(spec, layout, block, None, bind, releasers=[release])
 
@@ -288,14 +321,24 @@ def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
         for x, y in zip(a, b, strict=True))
 
 
-def load_program(spec: ModelSpec, pin: bool = False) -> Program:
+def _native_agrees(spec: ModelSpec, native: Runner, xs: list[torch.Tensor], reference: tuple[torch.Tensor, ...],
+                   batch: int) -> bool:
+    try:
+        outs = native(xs)
+        check_outputs(spec, outs, batch)
+    except Exception:
+        return False
+    return _same(outs, reference)
+
+
+def load_program(spec: ModelSpec) -> Program:
     """Read the model file into host memory and check it against its config by running it.
 
     Runs batch 1, 2 and the largest batch size on the host CPU: this validates the shapes,
     checks the native runner against the graph, and gives first timings to seed estimates.
     """
     try:
-        program = _load_exported(spec, pin) if spec.format == "pt2" else _load_torchscript(spec, pin)
+        program = _load_exported(spec) if spec.format == "pt2" else _load_torchscript(spec)
     except ProgramError:
         raise
     except Exception as e:  # torch raises many types for a bad file
@@ -312,9 +355,10 @@ def load_program(spec: ModelSpec, pin: bool = False) -> Program:
                 if reference is not None:
                     check_outputs(spec, reference, b)
                 if native is not None:
-                    outs = native(xs)
-                    check_outputs(spec, outs, b)
-                    if reference is not None and not _same(outs, reference):
+                    if reference is None:
+                        check_outputs(spec, native(xs), b)
+                    elif not _native_agrees(spec, native, xs, reference, b):
+                        # a trace can bake shapes or control flow the graph keeps dynamic
                         log.warning("%s: the native runner disagrees with the graph at batch %d; CPU devices "
                                     "use the graph runner", spec.key, b)
                         program.bind_native = native = None

@@ -1,9 +1,9 @@
 """Model weights laid out as one contiguous block.
 
 Every model's parameters, buffers and constant tensors are packed into one flat byte buffer
-(each tensor aligned), like Clockwork's paged weights: host memory holds it once (pinned on
-CUDA machines), a LOAD is one large host-to-device copy into a block the device owns, and the
-device's tensors are views into that block. UNLOAD drops the block.
+(each tensor aligned), like Clockwork's paged weights: host memory holds it once (page-locked
+in place on CUDA machines, within a budget: hostmem.py), a LOAD copies it into memory the
+device owns (an extent of the CUDA weight arena), and the device's tensors are views into it.
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ class WeightLayout:
         return out
 
 
-def pack(tensors: list[tuple[str, torch.Tensor]], pin: bool = False) -> tuple[WeightLayout, torch.Tensor]:
+def pack(tensors: list[tuple[str, torch.Tensor]]) -> tuple[WeightLayout, torch.Tensor]:
     """Copy `tensors` into one new flat host block; returns its layout and the block."""
     layout = WeightLayout.of(tensors)
-    block = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+    block = torch.empty(layout.nbytes, dtype=torch.uint8)
     block.zero_()
     for (_, t), view in zip(tensors, layout.views(block), strict=True):
         view.copy_(t.detach())

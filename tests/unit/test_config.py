@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,8 +27,13 @@ def test_embedded_default_is_config_file_and_equals_builtin_defaults() -> None:
 
 
 def test_default_file_states_every_setting() -> None:
-    data = tomllib.loads(default_config_text())
-    stated = {f"{sec}.{k}" for sec, table in data.items() for k in table}
+    def keys(table: dict[str, Any], prefix: str) -> set[str]:
+        out: set[str] = set()
+        for k, v in table.items():
+            out |= keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
+        return out
+
+    stated = keys(tomllib.loads(default_config_text()), "")
     assert stated == {key for key, _, _ in describe()}
 
 

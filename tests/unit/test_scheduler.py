@@ -6,7 +6,7 @@ import pytest
 
 from daemon.actions import ActionKind, ResultStatus
 from daemon.controller.clockwork import ClockworkPolicy
-from daemon.controller.core import FAILURE_COOLDOWN, MAX_FAILURES
+from daemon.controller.core import FAILURE_COOLDOWN, LOAD_BACKOFF, MAX_FAILURES
 from daemon.errors import DeadlineExceeded, InternalError, NotFound, Overloaded, Unavailable
 from daemon.request import RequestStatus
 from tests.unit.harness import MS, Harness, kinds, make_spec
@@ -236,8 +236,11 @@ def test_a_failed_load_fails_the_waiting_requests() -> None:
     h.result(load, ResultStatus.FAILED, error="insufficient weight memory")
     assert isinstance(r.error, Unavailable) and "insufficient" in r.error.message
     assert h.sched.devices["cpu:0"].memory.used == 0
+    with pytest.raises(Unavailable, match="failed to load"):  # backing off: refused at once, with why
+        h.request(spec)
+    h.clock.advance(LOAD_BACKOFF[0])
     h.request(spec)
-    assert kinds(h.step()) == ["LOAD"]  # a new request tries again
+    assert kinds(h.step()) == ["LOAD"]  # after the back-off a new request tries again
 
 
 def test_cancelled_requests_are_dropped_queued_or_running() -> None:

@@ -1,0 +1,74 @@
+"""Page-locked host memory, under a budget of its own.
+
+A LOAD copies a model's host block to a device; the copy is asynchronous (and fast) only
+from page-locked memory. Pinning every model would lock as much host memory as all models
+hold, invisibly (torch's pinned allocator also rounds each block up to a power of two and
+keeps it). Here a process pins model blocks by registering them in place, exactly their
+size, while `runtime.host_pinned_budget` allows; the rest stay pageable, and their LOADs go
+through a small pinned staging ring (slower, but bounded). IO buffers of loaded models are
+charged to the same budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from daemon.runtime.devapi import Buffer, DeviceApi, Where
+
+log = logging.getLogger("escapement.runtime")
+
+
+class HostPins:
+    """The process's pinned host memory: model blocks pinned once, shared by every device."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.used = 0
+        self._blocks: dict[int, tuple[Buffer, DeviceApi]] = {}  # id(host block) -> its pinned buffer
+        self._lock = threading.Lock()
+
+    def charge(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.used + nbytes > self.budget:
+                return False
+            self.used += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.used -= nbytes
+
+    def block(self, host_block: torch.Tensor, api: DeviceApi, label: str) -> Buffer:
+        """The block as a Buffer: pinned (once, by whichever device asks first) while the budget
+        allows, else pageable."""
+        with self._lock:
+            entry = self._blocks.get(id(host_block))
+            if entry is not None and entry[0].tensor is host_block:
+                return entry[0]
+            n = host_block.numel()
+            if self.used + n > self.budget:
+                return Buffer(host_block, Where.PAGEABLE, label)
+            buf = api.pin(host_block, label)
+            self.used += n
+            self._blocks[id(host_block)] = (buf, api)
+            return buf
+
+    def forget(self, host_block: torch.Tensor) -> None:
+        """Unpin a block no device will load again (its model version is gone)."""
+        with self._lock:
+            entry = self._blocks.pop(id(host_block), None)
+            if entry is None:
+                return
+            buf, api = entry
+            self.used -= buf.nbytes
+        try:
+            api.unpin(buf)
+        except Exception as e:  # a failed device cannot unregister; the memory is the process's anyway
+            log.warning("unpinning %s failed: %s", buf.label, e)
+
+    @property
+    def blocks(self) -> int:
+        return len(self._blocks)

@@ -1,0 +1,292 @@
+"""The device seam over `torch.cuda`: the only module of the daemon that touches it.
+
+Notes on what torch does by default and why this module does otherwise:
+- Streams come from torch's pool, which hands the same streams out again after 32 requests;
+  ours are made once per device per process and checked distinct.
+- Pinned memory from `pin_memory=True` goes through torch's caching host allocator, which
+  rounds each block up to a power of two and keeps it; ours registers exactly the bytes asked
+  for (`cudaHostRegister`) and unregisters them when told.
+- `torch.cuda.graph(...)` synchronizes the whole device and empties the cache on entry (a
+  device-wide stall under live work); captures here call `capture_begin/capture_end` on our
+  capture stream directly, in thread-local capture mode, so other threads keep working.
+- Host waits poll the event with a deadline instead of `synchronize()`, which cannot time out.
+- Errors from CUDA (a device-side assert, an illegal address) leave the context unusable:
+  they are turned into DeviceFault, and every later call raises it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from daemon.runtime.devapi import Buffer, CaptureError, DeviceFault, DeviceHang, Kernel, Region, Where
+
+PAGE = 4096
+REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context
+_SPIN_S = 50e-6  # poll without sleeping this long, then sleep in growing steps up to _POLL_MAX_S
+_POLL_MAX_S = 200e-6
+
+
+def device_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def memory(index: int) -> tuple[int, int]:
+    free, total = torch.cuda.mem_get_info(index)
+    return int(free), int(total)
+
+
+def _is_cuda_error(e: BaseException) -> bool:
+    accel = getattr(torch, "AcceleratorError", None)
+    return (accel is not None and isinstance(e, accel)) or (isinstance(e, RuntimeError) and "CUDA error" in str(e))
+
+
+class CudaStream:
+    def __init__(self, name: str, raw: torch.cuda.Stream) -> None:
+        self.name = name
+        self.raw = raw
+
+
+class CudaEvent:
+    def __init__(self, dev: TorchCuda, timing: bool) -> None:
+        self._dev = dev
+        self.raw = torch.cuda.Event(enable_timing=timing)
+        self.recorded = False
+
+    def query(self) -> bool:
+        return self._dev._guard(self.raw.query)
+
+    def wait(self, deadline: float | None) -> None:
+        self._dev._poll(self.raw.query, deadline, "an event")
+
+    def elapsed_s(self, end: CudaEvent) -> float:
+        return self._dev._guard(lambda: self.raw.elapsed_time(end.raw)) / 1000.0
+
+
+class CudaGraph:
+    def __init__(self, dev: TorchCuda, raw: torch.cuda.CUDAGraph, nbytes: int) -> None:
+        self._dev = dev
+        self.raw: torch.cuda.CUDAGraph | None = raw
+        self.nbytes = nbytes
+
+    def replay(self, stream: CudaStream) -> None:  # type: ignore[override]
+        if self.raw is None:
+            raise RuntimeError("replay of a closed graph")
+        raw = self.raw
+
+        def run() -> None:
+            with torch.cuda.stream(stream.raw):
+                raw.replay()
+        self._dev._guard(run)
+
+    def close(self) -> None:
+        self.raw = None  # torch frees the graph's share of the pool once the graph object is gone
+        self._dev._graphs -= 1
+
+
+class TorchCuda:
+    """One CUDA device of this process; see the module docstring."""
+
+    kind = "cuda"
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.name = f"cuda:{index}"
+        self.torch_device = torch.device("cuda", index)
+        self.allocations = 0
+        self.fault = ""
+        self._streams: dict[str, CudaStream] = {}
+        self._pinned: dict[int, tuple[int, int]] = {}  # buffer id -> (pointer, page-rounded bytes)
+        self._pool = torch.cuda.graph_pool_handle()
+        self._graphs = 0
+        self._buffer_bytes = 0
+        self._capturing: set[int] = set()
+        self._lock = threading.Lock()
+        torch.cuda.set_device(self.torch_device)
+        torch.cuda.init()
+
+    # ---------------------------------------------------------------- errors
+
+    def _guard(self, fn: Callable[[], Any]) -> Any:
+        if self.fault:
+            raise DeviceFault(f"{self.name}: {self.fault}")
+        try:
+            return fn()
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:
+            if _is_cuda_error(e):
+                self.fault = str(e).splitlines()[0]
+                raise DeviceFault(f"{self.name}: {self.fault}") from e
+            raise
+
+    def _poll(self, done: Callable[[], bool], deadline: float | None, what: str) -> None:
+        if threading.get_ident() in self._capturing:
+            raise CaptureError(f"{self.name}: cannot synchronize while capturing a graph")
+        start = time.monotonic()
+        pause = 10e-6
+        while not self._guard(done):
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise DeviceHang(f"{self.name}: {what} did not finish by its deadline")
+            if now - start > _SPIN_S:
+                time.sleep(pause)
+                pause = min(pause * 2, _POLL_MAX_S)
+
+    def check(self) -> None:
+        self._guard(lambda: None)
+
+    # ---------------------------------------------------------------- streams and events
+
+    def stream(self, name: str, priority: int = 0) -> CudaStream:
+        with self._lock:
+            if name in self._streams:  # made once per device per process, whoever asks again
+                return self._streams[name]
+            raw = self._guard(lambda: torch.cuda.Stream(self.torch_device, priority=priority))
+            if any(s.raw.cuda_stream == raw.cuda_stream for s in self._streams.values()):
+                raise RuntimeError(f"{self.name}: torch handed out stream {name} twice (its pool is exhausted)")
+            s = self._streams[name] = CudaStream(name, raw)
+            self.allocations += 1
+            return s
+
+    def event(self, timing: bool = True) -> CudaEvent:
+        self.allocations += 1
+        return CudaEvent(self, timing)
+
+    def record(self, event: CudaEvent, stream: CudaStream) -> None:  # type: ignore[override]
+        self._guard(lambda: event.raw.record(stream.raw))
+        event.recorded = True
+
+    def wait_event(self, stream: CudaStream, event: CudaEvent) -> None:  # type: ignore[override]
+        self._guard(lambda: stream.raw.wait_event(event.raw))
+
+    # ---------------------------------------------------------------- memory
+
+    def alloc(self, nbytes: int, label: str = "") -> Buffer:
+        self.allocations += 1
+        t = self._guard(lambda: torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device))
+        self._buffer_bytes += nbytes
+        return Buffer(t, Where.DEVICE, label)
+
+    def free(self, buffer: Buffer) -> None:
+        self._buffer_bytes -= buffer.nbytes
+        buffer.freed = True
+        buffer.tensor = torch.empty(0, dtype=torch.uint8, device=self.torch_device)
+
+    def alloc_pinned(self, nbytes: int, label: str = "") -> Buffer:
+        return self.pin(torch.empty(max(nbytes, 1), dtype=torch.uint8)[:nbytes], label)
+
+    def pin(self, tensor: torch.Tensor, label: str = "") -> Buffer:
+        if tensor.dtype != torch.uint8 or tensor.dim() != 1 or tensor.device.type != "cpu":
+            raise ValueError("pin() takes a flat uint8 host tensor")
+        n = max(tensor.numel(), 1)
+        ptr = tensor.data_ptr()
+        rt = torch.cuda.cudart()
+        self._guard(lambda: torch.cuda.check_error(rt.cudaHostRegister(ptr, n, REGISTER_PORTABLE)))
+        self.allocations += 1
+        buf = Buffer(tensor, Where.PINNED, label)
+        self._pinned[buf.id] = (ptr, -(-n // PAGE) * PAGE)
+        return buf
+
+    def unpin(self, buffer: Buffer) -> None:
+        entry = self._pinned.pop(buffer.id, None)
+        if entry is None:
+            raise ValueError(f"{self.name}: {buffer.label or 'buffer'} is not pinned here")
+        rt = torch.cuda.cudart()
+        self._guard(lambda: torch.cuda.check_error(rt.cudaHostUnregister(entry[0])))
+        buffer.freed = True
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(n for _, n in self._pinned.values())
+
+    @property
+    def graph_pool_bytes(self) -> int:
+        # What the caching allocator holds beyond our own buffers: the graph pool, and what
+        # eager runs cached; the backend charges it against its workspace reserve.
+        return max(0, int(torch.cuda.memory_reserved(self.torch_device)) - self._buffer_bytes)
+
+    def memory(self) -> tuple[int, int]:
+        return self._guard(lambda: memory(self.index))
+
+    def limit(self, nbytes: int) -> None:
+        """Make the caching allocator refuse (OutOfMemoryError) past `nbytes` on this device."""
+        _, total = self.memory()
+        torch.cuda.set_per_process_memory_fraction(min(1.0, nbytes / total), self.torch_device)
+
+    # ---------------------------------------------------------------- work
+
+    def copy(self, dst: Region, src: Region, stream: CudaStream) -> None:  # type: ignore[override]
+        if dst.nbytes != src.nbytes:
+            raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
+
+        def run() -> None:
+            with torch.cuda.stream(stream.raw):
+                dst.bytes().copy_(src.bytes(), non_blocking=True)
+        self._guard(run)
+
+    def launch(self, stream: CudaStream, kernel: Kernel, reads: Sequence[Region],  # type: ignore[override]
+               writes: Sequence[Region]) -> None:
+        def run() -> None:
+            with torch.cuda.stream(stream.raw):
+                kernel()
+        self._guard(run)
+
+    def host_read(self, region: Region) -> None:
+        pass
+
+    def host_write(self, region: Region) -> None:
+        pass
+
+    def discard(self, region: Region, stream: CudaStream) -> None:  # type: ignore[override]
+        pass
+
+    def capture(self, stream: CudaStream, body: Callable[[], None]) -> CudaGraph:  # type: ignore[override]
+        before = torch.cuda.memory_reserved(self.torch_device)
+        g = torch.cuda.CUDAGraph()
+        me = threading.get_ident()
+
+        def run() -> None:
+            with torch.cuda.stream(stream.raw):
+                g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    body()
+                finally:
+                    g.capture_end()
+        self._capturing.add(me)
+        try:
+            self._guard(run)
+        except DeviceFault:
+            raise
+        except Exception as e:
+            raise CaptureError(f"{self.name}: capture failed: {type(e).__name__}: {e}") from e
+        finally:
+            self._capturing.discard(me)
+        self.allocations += 1
+        self._graphs += 1
+        return CudaGraph(self, g, int(torch.cuda.memory_reserved(self.torch_device)) - int(before))
+
+    def synchronize(self, deadline: float | None = None) -> None:
+        for s in list(self._streams.values()):
+            self._poll(s.raw.query, deadline, s.name)
+
+    def stream_synchronize(self, stream: CudaStream, deadline: float | None = None) -> None:
+        self._poll(stream.raw.query, deadline, stream.name)
+
+    def close(self) -> None:
+        pass
+
+    _instances: dict[int, TorchCuda] = {}  # noqa: RUF012  # one per device per process
+    _instances_lock = threading.Lock()
+
+    @classmethod
+    def get(cls, index: int) -> TorchCuda:
+        with cls._instances_lock:
+            dev = cls._instances.get(index)
+            if dev is None:
+                dev = cls._instances[index] = cls(index)
+            return dev
