@@ -198,10 +198,10 @@ class CpuBackend:
             block.copy_(program.host_block)
             duration = time.perf_counter() - t0
             try:
-                runner = program.bind(program.layout.views(block), native=True, owner=self.device.name)
+                runner = program.bind(program.layout.views(block), native=True, owner=f"{self.device.name}/{key}")
                 io = {b: self._make_io(program.spec, b) for b in program.spec.batch_sizes}
             except BaseException:
-                program.release(self.device.name)
+                program.release(f"{self.device.name}/{key}")
                 self.pool.give(block)
                 raise
         except BaseException:
@@ -211,7 +211,7 @@ class CpuBackend:
         return Resident(key, program, nbytes, runner, io, state=block), duration
 
     def unload(self, res: Resident) -> None:
-        res.program.release(self.device.name)
+        res.program.release(f"{self.device.name}/{res.key}")
         self.pool.give(res.state)
         with self._lock:
             self.used -= res.charged

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from daemon.runtime.arena import Arena, Extent, aligned
+from daemon.errors import ConfigError
+from daemon.runtime.arena import Arena, Extent, Move, aligned
 from daemon.runtime.backend import Fill, IOBuffers, NoMemory, Resident
 from daemon.runtime.devapi import Buffer, CaptureError, DeviceApi, DeviceFault, Graph, Region, Where
 from daemon.runtime.devices import Device
@@ -149,6 +150,11 @@ class CudaResident:
     graphs: dict[int, Graph] = field(default_factory=dict)
     pinned: list[Buffer] = field(default_factory=list)  # to unpin at UNLOAD
     pinned_bytes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)  # held by an INFER, or by a compaction moving it
+
+
+def _unbound(xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    raise RuntimeError("the model is not bound to the device")
 
 
 def _sample_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -179,6 +185,7 @@ class CudaBackend:
         self.graphs_enabled = graphs
         self.hang_timeout_s = hang_timeout_s
         self.check_target = torch.device("cuda", device.index)  # what the stand-in stands in for
+        self.load_chunk = LOAD_CHUNK
         self._failed = ""
         self._lock = threading.Lock()  # the arena and the charge
         self.arena = Arena(device.model_budget)
@@ -195,8 +202,15 @@ class CudaBackend:
         self._copy_begin, self._copy_end = api.event(), api.event()
         self._loaded, self._captured = api.event(timing=False), api.event(timing=False)
         self._fences = {s.name: api.event(timing=False) for s in self._streams_used}
+        if not host.charge(LOAD_CHUNK * LOAD_INFLIGHT):
+            raise ConfigError(f"runtime.host_pinned_budget = {host.budget} bytes leaves no room for {device.name}'s "
+                              f"staging ring ({LOAD_CHUNK * LOAD_INFLIGHT} bytes)")
         self._staging = [api.alloc_pinned(LOAD_CHUNK, f"{device.name} staging") for _ in range(LOAD_INFLIGHT)]
         self.graph_notes: dict[str, str] = {}
+        self._residents: dict[int, Resident] = {}  # extent id -> the model in it
+        limit = getattr(api, "limit", None)
+        if limit is not None:  # torch's allocator refuses past the budget rather than overrun it
+            limit(device.weight_budget)
 
     # ---------------------------------------------------------------- accounting
 
@@ -230,21 +244,13 @@ class CudaBackend:
         self._usable()
         program.check_device(self.check_target, program.spec.max_batch_size)
         need = self.footprint(program)
-        with self._lock:
-            if self.charged + need > self.device.weight_budget:
-                raise NoMemory(f"{key} needs {need} bytes on {self.device.name}; "
-                               f"{self.device.weight_budget - self.charged} of its budget are free")
-            ext = self.arena.alloc(need, key)
-            if ext is None:
-                raise NoMemory(f"{key} needs {need} contiguous bytes on {self.device.name}; the largest free "
-                               f"extent of its arena is {self.arena.largest_free} ({self.arena.free_bytes} free)")
+        ext = self._place(key, need, deadline)
         st = self._layout(program, ext)
-        res = Resident(key, program, need, lambda xs: (), {}, st)
+        res = Resident(key, program, need, _unbound, {}, st)
         try:
             duration = self._copy_weights(program, st, deadline)
-            views = program.layout.views(self.arena_buf.tensor[ext.offset : ext.offset + program.weight_bytes])
-            res.runner = program.bind(views, native=False, owner=self.device.name, device=self.api.torch_device)
-            self._make_io(program, res, st)
+            self._pin_io(program, res, st)
+            self._bind(res, st)
             res.notes = self._make_graphs(program, res, st, deadline)
             self.api.record(self._captured, self.capture_s)
             self._captured.wait(deadline)
@@ -255,7 +261,25 @@ class CudaBackend:
         except BaseException:
             self._release(res, st)
             raise
+        with self._lock:
+            self._residents[ext.id] = res
         return res, duration
+
+    def _place(self, key: str, need: int, deadline: float) -> Extent:
+        """An extent of `need` bytes: first fit, else after compacting idle extents; NoMemory if the
+        budget or the arena has no room."""
+        with self._lock:
+            if self.charged + need > self.device.weight_budget:
+                raise NoMemory(f"{key} needs {need} bytes on {self.device.name}; "
+                               f"{self.device.weight_budget - self.charged} of its budget are free")
+            ext = self.arena.alloc(need, key)
+        if ext is None:
+            ext = self._compact(key, need, deadline)
+        if ext is None:
+            raise NoMemory(f"{key} needs {need} contiguous bytes on {self.device.name}; the largest free extent "
+                           f"of its arena is {self.arena.largest_free} ({self.arena.free_bytes} free), and "
+                           "moving its idle models would not make one")
+        return ext
 
     def _layout(self, program: Program, ext: Extent) -> CudaResident:
         wbytes, ins, outs, _ = extent_layout(program)
@@ -275,8 +299,8 @@ class CudaBackend:
         src = self.host.block(program.host_block, api, f"{program.spec.key} weights")
         n = program.weight_bytes
         api.record(self._copy_begin, self.load_s)
-        for i, off in enumerate(range(0, n, LOAD_CHUNK)):
-            size = min(LOAD_CHUNK, n - off)
+        for i, off in enumerate(range(0, n, self.load_chunk)):
+            size = min(self.load_chunk, n - off)
             slot = i % LOAD_INFLIGHT
             ev = self._chunk_events[slot]
             if i >= LOAD_INFLIGHT:
@@ -295,28 +319,23 @@ class CudaBackend:
         self._copy_end.wait(deadline)
         return self._copy_begin.elapsed_s(self._copy_end)
 
-    def _make_io(self, program: Program, res: Resident, st: CudaResident) -> None:
+    def _pin_io(self, program: Program, res: Resident, st: CudaResident) -> None:
+        """Pinned host memory for the model's IO: input staging per batch size, the output ring."""
         spec = program.spec
-        api = self.api
         in_offsets, off = [], 0
         for rb in st.in_row_bytes:
             in_offsets.append(off)
             off += aligned(spec.max_batch_size * rb)
         st.staging_offsets = in_offsets
-        in_views = [st.inputs[k].buffer.view(st.inputs[k].offset, t.datatype.torch, (spec.max_batch_size,
-                                                                                       *t.sample_shape))
-                    for k, t in enumerate(spec.inputs)]
-        out_views = [st.outputs[k].buffer.view(st.outputs[k].offset, t.datatype.torch, (spec.max_batch_size,
-                                                                                          *t.sample_shape))
-                     for k, t in enumerate(spec.outputs)]
         for b in spec.batch_sizes:
             size = sum(aligned(b * rb) for rb in st.in_row_bytes)
             stage = self._pin(st, size, f"{spec.key} inputs b{b}")
+            self.api.host_write(stage.region())
+            stage.tensor.zero_()  # padding rows of a batch are zeros, never what the memory held
             st.staging[b] = stage
             host = [stage.view(o, t.datatype.torch, (b, *t.sample_shape)).numpy()
                     for o, t in zip(in_offsets, spec.inputs, strict=True)]
-            res.io[b] = IOBuffers(b, host, [v[:b] for v in in_views])
-            st.steps[b] = self._kernel(res, [v[:b] for v in in_views], [v[:b] for v in out_views], b)
+            res.io[b] = IOBuffers(b, host, [])
         out_offsets, off = [], 0
         for rb in st.out_row_bytes:
             out_offsets.append(off)
@@ -325,7 +344,73 @@ class CudaBackend:
         spare = self._pin(st, max(off, 1), f"{spec.key} outputs spare")
         st.ring = OutputRing(slots, spare, out_offsets, [t.sample_shape for t in spec.outputs],
                              [t.datatype.torch for t in spec.outputs])
-        api.check()
+
+    def _bind(self, res: Resident, st: CudaResident) -> None:
+        """Point the model at its extent: weights, static inputs and outputs, one kernel per batch size."""
+        program, spec, ext = res.program, res.program.spec, st.extent
+        views = program.layout.views(self.arena_buf.tensor[ext.offset : ext.offset + program.weight_bytes])
+        # one instance per resident (a program may be held twice here: served, and warming up)
+        res.runner = program.bind(views, native=False, owner=f"{self.device.name}/{res.key}",
+                                  device=self.api.torch_device)
+        in_views = [r.buffer.view(r.offset, t.datatype.torch, (spec.max_batch_size, *t.sample_shape))
+                    for r, t in zip(st.inputs, spec.inputs, strict=True)]
+        out_views = [r.buffer.view(r.offset, t.datatype.torch, (spec.max_batch_size, *t.sample_shape))
+                     for r, t in zip(st.outputs, spec.outputs, strict=True)]
+        for b in spec.batch_sizes:
+            res.io[b].device = [v[:b] for v in in_views]
+            st.steps[b] = self._kernel(res, [v[:b] for v in in_views], [v[:b] for v in out_views], b)
+
+    # ---------------------------------------------------------------- compaction
+
+    def _compact(self, key: str, need: int, deadline: float) -> Extent | None:
+        """Slide idle models' extents towards the start of the arena until `need` contiguous bytes
+        are free; the new extent, or None. A model is idle when its lock is free (no INFER runs);
+        an INFER that comes for it meanwhile waits until it is moved and its graphs captured again."""
+        locked: list[Resident] = []
+        try:
+            with self._lock:
+                candidates = list(self._residents.values())
+            for r in candidates:
+                if r.state.lock.acquire(blocking=False):
+                    locked.append(r)
+            by_extent = {r.state.extent.id: r for r in locked}
+            with self._lock:
+                moves = self.arena.plan_compaction(set(by_extent), need)
+            if moves is None:
+                return None
+            for m in moves:
+                self._move(by_extent[m.extent.id], m, deadline)
+            log.info("%s: compacted its arena (%d model(s) moved) for %s", self.device.name, len(moves), key)
+            with self._lock:
+                return self.arena.alloc(need, key)
+        finally:
+            for r in locked:
+                r.state.lock.release()
+
+    def _move(self, res: Resident, move: Move, deadline: float) -> None:
+        api = self.api
+        st: CudaResident = res.state
+        n = st.extent.nbytes
+        shift = move.old - move.new
+        step = min(self.load_chunk, shift)  # chunks never overlap what they read from (moves go down)
+        for off in range(0, n, step):
+            size = min(step, n - off)
+            api.copy(self.arena_buf.region(move.new + off, size), self.arena_buf.region(move.old + off, size),
+                     self.load_s)
+        vacated = max(move.new + n, move.old)
+        api.discard(self.arena_buf.region(vacated, move.old + n - vacated), self.load_s)
+        api.record(self._loaded, self.load_s)
+        for g in st.graphs.values():
+            g.close()
+        st.graphs.clear()
+        with self._lock:
+            self.arena.apply([move])
+        moved = self._layout(res.program, st.extent)
+        st.weights, st.inputs, st.outputs = moved.weights, moved.inputs, moved.outputs
+        self._bind(res, st)
+        res.notes = self._make_graphs(res.program, res, st, deadline)
+        api.record(self._captured, self.capture_s)
+        self._captured.wait(deadline)
 
     def _pin(self, st: CudaResident, nbytes: int, label: str) -> Buffer:
         if not self.host.charge(nbytes):
@@ -404,8 +489,8 @@ class CudaBackend:
         for g in st.graphs.values():
             g.close()
         st.graphs.clear()
-        res.program.release(self.device.name)
-        res.runner = lambda xs: ()
+        res.program.release(f"{self.device.name}/{res.key}")
+        res.runner = _unbound
         self.graph_notes.pop(res.key, None)
         try:
             if not self._failed:
@@ -419,6 +504,7 @@ class CudaBackend:
         except DeviceFault as e:
             self._fault(e)
         with self._lock:
+            self._residents.pop(st.extent.id, None)
             self.arena.free(st.extent)
         for buf in st.pinned:
             try:
@@ -439,6 +525,7 @@ class CudaBackend:
         b = io.batch_size
         stage = st.staging[b]
         slot = -2
+        st.lock.acquire()  # a compaction may be moving this model
         try:
             api.host_write(stage.region())
             rows = fill(io)
@@ -476,6 +563,8 @@ class CudaBackend:
             if slot > -2:
                 st.ring.cancel(slot)
             raise
+        finally:
+            st.lock.release()
         return outputs, duration
 
     def _deadline(self) -> float:
@@ -490,8 +579,9 @@ class CudaBackend:
         for buf in self._staging:
             try:
                 self.api.unpin(buf)
-            except Exception:
-                pass
+            except Exception as e:
+                log.warning("%s: unpinning its staging ring failed: %s", self.device.name, e)
+            self.host.release(buf.nbytes)
         self._staging = []
         if not self.arena_buf.freed:
             self.api.free(self.arena_buf)

@@ -86,6 +86,7 @@ class _Op:
     hang: bool = False
     fail: str = ""  # a sticky fault this op raises when it runs
     t_end: float = 0.0
+    error: BaseException | None = None  # raised by its kernel while it was being launched
 
 
 @dataclass(slots=True, eq=False)
@@ -229,6 +230,8 @@ class EmuCuda:
         self._faults: collections.deque[str] = collections.deque()  # pending: "sticky:<msg>" | "hang"
         self._released = threading.Event()
         self.closed = False
+        self.hung = False
+        self._launching: _Op | None = None
 
     # ---------------------------------------------------------------- faults (tests)
 
@@ -313,8 +316,11 @@ class EmuCuda:
             self._no_capture("free device memory")
             if buffer.freed or buffer.id not in self._buffers:
                 raise ValueError(f"{self.name}: {buffer.label or 'buffer'} freed twice or not ours")
-            # The host frees it now: queued work still using it would read poison, and races.
-            self.races.access(HOST, self.races.host_tick(), buffer.id, 0, buffer.nbytes, True, f"free({buffer.label})")
+            # The host frees it now: queued work still using it would read poison, and races (a
+            # failed device runs nothing more, so nothing can race then).
+            if not (self.fault or self.hung):
+                self.races.access(HOST, self.races.host_tick(), buffer.id, 0, buffer.nbytes, True,
+                                  f"free({buffer.label})")
             buffer.tensor.fill_(POISON)
             buffer.freed = True
             del self._buffers[buffer.id]
@@ -344,8 +350,9 @@ class EmuCuda:
             if self._pinned.pop(buffer.id, None) is None:
                 raise ValueError(f"{self.name}: {buffer.label or 'buffer'} is not pinned here")
             # Unregistering while a copy still reads it is a race, as on CUDA.
-            self.races.access(HOST, self.races.host_tick(), buffer.id, 0, buffer.nbytes, True,
-                              f"unpin({buffer.label})")
+            if not (self.fault or self.hung):
+                self.races.access(HOST, self.races.host_tick(), buffer.id, 0, buffer.nbytes, True,
+                                  f"unpin({buffer.label})")
             buffer.freed = True
             self.races.forget(buffer.id)
 
@@ -441,7 +448,15 @@ class EmuCuda:
                 self.races.access(stream.name, clock, r.buffer.id, r.offset, r.end, False, what)
             for r in writes:
                 self.races.access(stream.name, clock, r.buffer.id, r.offset, r.end, True, what)
-            self._after_enqueue()
+            self._launching = op
+            try:
+                self._after_enqueue()
+            finally:
+                self._launching = None
+            if op.error is not None:
+                # A kernel that ran as it was launched and raised: the launch raises, as CUDA's
+                # host-side errors do (a kernel run later raises a sticky device fault instead).
+                raise op.error
 
     def _enqueue(self, op: _Op, check: bool = True) -> Clock:
         op.submitted = time.monotonic()
@@ -503,9 +518,12 @@ class EmuCuda:
                 try:
                     with meter:
                         op.effect()
-                except Exception as e:  # an error inside device work is sticky, as on CUDA
-                    self.fault = f"{type(e).__name__} in {op.what}: {e}"
-                    self._cond.notify_all()
+                except Exception as e:
+                    if op is self._launching:
+                        op.error = e
+                    else:  # an error inside device work run later is sticky, as on CUDA
+                        self.fault = f"{type(e).__name__} in {op.what}: {e}"
+                        self._cond.notify_all()
                 self.kernels_run += 1
                 self.peak_activation_bytes = max(self.peak_activation_bytes, meter.peak)
                 duration = self.settings.kernel_s if self.settings.kernel_s is not None else time.perf_counter() - t0
@@ -548,6 +566,7 @@ class EmuCuda:
     def _blocked(self, deadline: float | None, what: str) -> None:
         """Nothing can run: a hung kernel. Wait (without the lock) until released or the deadline."""
         if deadline is not None and time.monotonic() >= deadline:
+            self.hung = True  # whoever gave up on it abandons the device: nothing is ordered after
             raise DeviceHang(f"{self.name}: {what} did not finish by its deadline (a kernel hangs)")
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         self._cond.wait(timeout)
@@ -627,6 +646,11 @@ class EmuCuda:
             self.allocations += 1
         try:
             body()
+        except (DeviceFault, CaptureError):
+            raise
+        except Exception as e:  # an op refused inside a kernel surfaces wrapped (TorchScript does so)
+            raise CaptureError(f"{self.name}: capture failed: {type(e).__name__}: "
+                               f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}") from e
         finally:
             with self._lock:
                 del self._capturing[me]

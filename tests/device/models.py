@@ -1,0 +1,78 @@
+"""Models that exercise what the CUDA path must handle (built on the CPU, with the local torch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from daemon.demo import save_model
+
+
+class Converts(nn.Module):
+    """Converts dtypes and builds tensors in forward: exported with CPU devices baked in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.linspace(-1, 1, 12).reshape(3, 4))
+            self.fc.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.float32)
+        pos = torch.arange(x.shape[1], dtype=torch.float32)
+        return self.fc(x + pos) + torch.zeros(x.shape[0], 1) + torch.full((1, 3), 0.5)
+
+
+class Branchy(nn.Module):
+    """A branch on data: needs a host sync, which CUDA graph capture forbids (TorchScript)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool(x.sum() > 0):
+            return x * 2
+        return x - 1
+
+
+class Wide(nn.Module):
+    """A few MiB of weights: LOADs of several chunks."""
+
+    def __init__(self, width: int = 1024) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = nn.Linear(16, width)
+        self.b = nn.Linear(width, width)
+        self.c = nn.Linear(width, 4)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def config(inp: int, out: int, in_type: str = "FP32", max_batch: int = 8) -> str:
+    return f"""max_batch_size = {max_batch}
+slo_ms = 1000
+[[inputs]]
+name = "INPUT__0"
+datatype = "{in_type}"
+shape = [-1, {inp}]
+[[outputs]]
+name = "OUTPUT__0"
+datatype = "FP32"
+shape = [-1, {out}]
+"""
+
+
+def build_device_repo(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    half = torch.zeros(2, 4, dtype=torch.float16)
+    save_model(Converts().eval(), "pt2", half, 8, root / "converts" / "1" / "model.pt2")
+    (root / "converts" / "config.toml").write_text(config(4, 3, "FP16"))
+    save_model(Branchy().eval(), "ts", torch.zeros(2, 3), 8, root / "branchy" / "1" / "model.ts")
+    (root / "branchy" / "config.toml").write_text(config(3, 3))
+    save_model(Wide().eval(), "pt2", torch.zeros(2, 16), 8, root / "wide" / "1" / "model.pt2")
+    (root / "wide" / "config.toml").write_text(config(16, 4))
+    return root
