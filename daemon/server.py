@@ -76,6 +76,7 @@ class Prepared:
     program: Program
     seeds: Seeds
     parity: Prepared | None = None  # its parity model, when it has one that loads
+    notes: str = ""  # what a device cannot do for it (e.g. why it runs without CUDA graphs)
 
 
 @dataclass(slots=True)
@@ -557,12 +558,13 @@ class Daemon:
         if need > largest:
             raise _NotServed(f"it needs {need} bytes on a device (weights and IO buffers), more than any device's "
                              f"budget leaves for models ({largest} bytes; runtime.weight_budget)")
+        notes: list[str] = []
         try:
-            model_seeds = await self._profile(spec, program)
+            model_seeds = await self._profile(spec, program, notes)
         except Exception as e:  # a model that cannot even be warmed up is not served
             raise _NotServed(f"warm-up failed: {e}") from e
         parity = await self._prepare_parity(spec, stamp) if spec.parity is not None else None
-        return Prepared(spec, stamp, program, model_seeds, parity)
+        return Prepared(spec, stamp, program, model_seeds, parity, "; ".join(notes))
 
     def _footprint(self, program: Program) -> int:
         """Device bytes a LOAD of `program` charges: the most any device's backend charges."""
@@ -584,8 +586,9 @@ class Daemon:
         log.info("model %s: parity k=%d (%s) with %s", spec.key, spec.parity.k, spec.parity.encoder, pspec.path.name)
         return Prepared(pspec, stamp, program, parity_seeds)
 
-    async def _profile(self, spec: ModelSpec, program: Program) -> Seeds:
-        """Estimates per device kind from the stored profile, measuring (and storing) what is missing."""
+    async def _profile(self, spec: ModelSpec, program: Program, notes: list[str] | None = None) -> Seeds:
+        """Estimates per device kind from the stored profile, measuring (and storing) what is missing;
+        what a device kind cannot do for the model goes to `notes`."""
         stored = await asyncio.to_thread(read_profile, spec)
         out: Seeds = {}
         for kind in sorted({d.kind for d in self.devices}):
@@ -596,6 +599,8 @@ class Daemon:
                 log.info("model %s: profiled on %s in its warm-up%s", spec.key, entry["device"],
                          "" if stored_ok else " (repository read-only: not stored)")
             out[kind] = seeds(entry)
+            if entry.get("notes") and notes is not None:
+                notes.append(f"on {kind}: {entry['notes']}")
         return out
 
     async def _warm_up(self, spec: ModelSpec, program: Program, kind: str) -> dict[str, Any]:
@@ -646,8 +651,9 @@ class Daemon:
             await self.controller.until(lambda s: _landed(s, served.keys))
             if not sched.ready_on.get(spec.key):
                 log.warning("model %s: preloading failed; it is loaded when requests come", spec.key)
-        self.registry.set_state(spec, ModelState.READY)
-        log.info("model %s ready (%s, %.1f MiB of weights)", spec.key, spec.format, p.program.weight_bytes / 2**20)
+        self.registry.set_state(spec, ModelState.READY, p.notes)
+        log.info("model %s ready (%s, %.1f MiB of weights)%s", spec.key, spec.format, p.program.weight_bytes / 2**20,
+                 f"; {p.notes}" if p.notes else "")
 
     def _stop_admitting(self, key: str, state: ModelState, reason: str) -> None:
         """New requests for a served version are refused from now on (its accepted ones are not)."""

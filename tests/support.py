@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import shutil
 import tempfile
 import threading
@@ -113,6 +114,15 @@ def settings(repo: Path, sock_dir: Path, **sections: dict[str, Any]) -> Settings
     return settings_from_dict(data)
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 class DaemonThread:
     """A real daemon on its own uvloop thread, so blocking clients can call it from the test."""
 
@@ -123,10 +133,18 @@ class DaemonThread:
         self._thread = threading.Thread(target=self._run, name="daemon", daemon=True)
         self._started = threading.Event()
         self._error: BaseException | None = None
+        self.log = _Records()  # ERROR (and worse) records of the daemon's loggers while it runs
+        self.loop_errors: list[dict[str, Any]] = []  # what reached the loop's exception handler
+
+    @property
+    def errors(self) -> list[str]:
+        """Every ERROR the daemon logged and every exception that reached its loop."""
+        return [r.getMessage() for r in self.log.records] + [str(c.get("message")) for c in self.loop_errors]
 
     def _run(self) -> None:
         loop = uvloop.new_event_loop()
         self.loop = loop
+        loop.set_exception_handler(lambda _loop, ctx: self.loop_errors.append(ctx))
         asyncio.set_event_loop(loop)
         try:
             loop.run_until_complete(self.daemon.start())
@@ -142,6 +160,7 @@ class DaemonThread:
         loop.close()
 
     def start(self, timeout: float = 120) -> DaemonThread:
+        logging.getLogger("escapement").addHandler(self.log)
         self._thread.start()
         if not self._started.wait(timeout):
             raise TimeoutError("the daemon did not start")
@@ -172,6 +191,7 @@ class DaemonThread:
         if self.loop is not None and self._thread.is_alive():
             self.loop.call_soon_threadsafe(self.daemon.request_stop)
         self._thread.join(timeout)
+        logging.getLogger("escapement").removeHandler(self.log)
 
     @property
     def http(self) -> str:

@@ -124,7 +124,11 @@ class HttpFrontend:
 
     async def ready(self, request: Request) -> Response:
         ok = self.daemon.is_ready()
-        return json_response({"ready": ok}, 200 if ok else 503)
+        body: dict[str, Any] = {"ready": ok}
+        lost = self.daemon.lost_devices()
+        if lost:  # which device failed, and why (a sticky CUDA error, a hang)
+            body["lost_devices"] = lost
+        return json_response(body, 200 if ok else 503)
 
     # ---------------------------------------------------------------- models
 

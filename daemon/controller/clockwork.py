@@ -458,7 +458,12 @@ class ClockworkPolicy:
             if tl.copy.free_at(now) >= now + self.horizon:
                 continue  # its copy lane is busy: plan the load later
             meter = self.copy_busy.get(dev.name)
-            pressed = meter is not None and meter.value(now) > COPY_PRESSURE
+            # Under copy pressure a load evicts no model in more demand, unless its head request
+            # must load now or never: waiting for pressure to ease would starve it to its deadline.
+            urgent = head is not None and head.deadline - (
+                tl.copy.free_at(now) + self._load_est(state, entry, dev.kind) + self._est(state, key, b1, dev)
+            ) <= self.horizon
+            pressed = meter is not None and meter.value(now) > COPY_PRESSURE and not urgent
 
             def evictable(k: str, d: DeviceState = dev, p: bool = pressed) -> bool:
                 if d.busy[k]:

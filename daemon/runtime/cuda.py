@@ -206,7 +206,7 @@ class CudaBackend:
             raise ConfigError(f"runtime.host_pinned_budget = {host.budget} bytes leaves no room for {device.name}'s "
                               f"staging ring ({LOAD_CHUNK * LOAD_INFLIGHT} bytes)")
         self._staging = [api.alloc_pinned(LOAD_CHUNK, f"{device.name} staging") for _ in range(LOAD_INFLIGHT)]
-        self.graph_notes: dict[str, str] = {}
+        self._said: dict[str, str] = {}  # model -> why it runs eagerly, as logged
         self._residents: dict[int, Resident] = {}  # extent id -> the model in it
         limit = getattr(api, "limit", None)
         if limit is not None:  # torch's allocator refuses past the budget rather than overrun it
@@ -472,9 +472,10 @@ class CudaBackend:
             for g in st.graphs.values():
                 g.close()
             st.graphs.clear()
-            log.info("%s on %s runs eagerly: %s", res.key, self.device.name, why)
-        self.graph_notes[res.key] = why
-        return why
+            if self._said.get(program.spec.key) != why:  # once per model, not at every LOAD
+                log.info("%s on %s runs eagerly: %s", program.spec.key, self.device.name, why)
+                self._said[program.spec.key] = why
+        return f"runs without CUDA graphs: {why}" if why else ""
 
     # ---------------------------------------------------------------- UNLOAD
 
@@ -491,7 +492,6 @@ class CudaBackend:
         st.graphs.clear()
         res.program.release(f"{self.device.name}/{res.key}")
         res.runner = _unbound
-        self.graph_notes.pop(res.key, None)
         try:
             if not self._failed:
                 for s in self._streams_used:
