@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from daemon.actions import Action, ActionKind, Result, ResultStatus
+from daemon.actions import Action, ActionKind, Failure, Result, ResultStatus
 from daemon.clock import FakeClock
 from daemon.config import ControllerSettings
 from daemon.controller.batching import DynamicBatchingPolicy
@@ -63,7 +63,8 @@ class Harness:
         return self._take(self.sched.schedule(self.now))
 
     def result(self, action: Action, status: ResultStatus = ResultStatus.OK, duration: float | None = None,
-               error: str = "", outputs: tuple[np.ndarray, ...] | None = None) -> list[Action]:
+               error: str = "", outputs: tuple[np.ndarray, ...] | None = None,
+               failure: Failure = Failure.NONE) -> list[Action]:
         """Complete `action` after `duration` (default: as long as the scheduler expected)."""
         if duration is None:
             duration = action.expected_duration if action.kind == ActionKind.INFER else 1 * MS
@@ -71,7 +72,9 @@ class Harness:
         self.clock.advance(duration)
         if outputs is None and action.kind == ActionKind.INFER and status == ResultStatus.OK:
             outputs = (np.arange(action.samples, dtype=np.float32).reshape(-1, 1),)
-        r = Result(action, status, begin, begin, self.now, duration, outputs, error)
+        if status == ResultStatus.FAILED and failure == Failure.NONE:
+            failure = Failure.ERROR
+        r = Result(action, status, begin, begin, self.now, duration, outputs, error, failure=failure)
         self._take(self.sched.on_result(r, self.now))
         return self.step()
 

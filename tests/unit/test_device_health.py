@@ -1,0 +1,124 @@
+"""Lost devices, LOADs refused for memory, failed LOADs and warm-up room: the controller's side."""
+
+from __future__ import annotations
+
+import pytest
+
+from daemon.actions import Action, ActionKind, Failure, ResultStatus
+from daemon.controller.batching import DynamicBatchingPolicy
+from daemon.controller.clockwork import ClockworkPolicy
+from daemon.controller.core import LOAD_BACKOFF, NO_MEMORY_RETRIES
+from daemon.controller.policy import Policy
+from daemon.errors import Unavailable
+from daemon.request import InferenceRequest
+from tests.unit.harness import MS, Harness, kinds, make_spec
+
+
+def drain(h: Harness, todo: list[Action], r: InferenceRequest) -> None:
+    """Complete actions in order until `r` is finished."""
+    while not r.status.finished:
+        assert todo, "the request is stuck"
+        todo = todo[1:] + h.result(todo[0])
+
+
+POLICIES = [pytest.param(lambda: DynamicBatchingPolicy(0.0), id="dynamic"),
+            pytest.param(lambda: ClockworkPolicy(5 * MS, 0.0), id="clockwork")]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_lost_device_gets_no_more_work_and_its_requests_move(policy: type[Policy]) -> None:
+    h = Harness(devices=2, policy=policy())
+    spec = h.add(make_spec())
+    h.preload(spec, 2)
+    r = h.request(spec, timeout=1.0)
+    (infer,) = h.step()
+    lost = infer.device
+    todo = h.result(infer, ResultStatus.FAILED, error="DeviceFault: device-side assert", failure=Failure.DEVICE)
+    dev = h.sched.devices[lost]
+    assert dev.failed and dev.memory.budget == 0 and not dev.memory.models()
+    assert lost not in h.sched.ready_on.get(spec.key, set())
+    assert all(a.device != lost for a in todo)
+    drain(h, todo, r)
+    assert r.ok
+    for _ in range(5):  # later work too stays off it
+        h.run_until(h.request(spec, timeout=1.0))
+    assert all(a.device != lost for a in h.actions if a.issued_at > infer.issued_at)
+    assert h.sched.statistics()["devices"][lost]["failed"]
+
+
+def test_when_every_device_is_lost_requests_are_refused_at_once() -> None:
+    h = Harness(devices=1)
+    spec = h.add(make_spec())
+    h.preload(spec, 1)
+    queued = [h.request(spec, timeout=1.0) for _ in range(3)]
+    infer, *_ = h.step()
+    h.result(infer, ResultStatus.FAILED, error="DeviceHang: a kernel hangs", failure=Failure.DEVICE)
+    assert all(r.status.finished and not r.ok for r in queued)
+    assert all(isinstance(r.error, Unavailable) for r in queued if r not in infer.requests)
+    with pytest.raises(Unavailable, match="every device"):
+        h.request(spec)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_load_refused_for_memory_evicts_and_tries_again(policy: type[Policy]) -> None:
+    h = Harness(devices=1, budget=300, policy=policy())
+    a, b, c = (h.add(make_spec(name)) for name in "abc")
+    h.use(a)
+    h.use(b)  # 200 of 300 used: c fits on paper
+    r = h.request(c, timeout=1.0)
+    (load,) = h.step()
+    assert load.model is c
+    todo = h.result(load, ResultStatus.FAILED, error="NoMemory: fragmented", failure=Failure.NO_MEMORY)
+    assert not r.status.finished  # still queued
+    evicted = [x for x in h.actions if x.kind == ActionKind.UNLOAD and x.issued_at == h.now]
+    assert [x.model for x in evicted] == [a]  # the least recently used goes
+    assert kinds(todo) == ["LOAD"] and todo[0].model is c  # and the load is tried again
+    drain(h, todo, r)
+    assert r.ok
+    assert h.sched.counters["load_retries"] == 1
+
+
+def test_loads_refused_for_memory_too_often_back_off() -> None:
+    h = Harness(devices=1, budget=1000)
+    spec = h.add(make_spec())
+    r = h.request(spec, timeout=10.0)
+    todo = h.step()
+    for _ in range(NO_MEMORY_RETRIES + 1):
+        (load,) = [a for a in todo if a.kind == ActionKind.LOAD]
+        todo = h.result(load, ResultStatus.FAILED, error="NoMemory: pinned budget", failure=Failure.NO_MEMORY)
+    assert r.status.finished and isinstance(r.error, Unavailable)
+    assert h.sched.devices["cpu:0"].load_backoff[spec.key] > h.now
+
+
+def test_a_failed_load_backs_off_that_device_and_another_serves() -> None:
+    h = Harness(devices=2)
+    spec = h.add(make_spec())
+    r = h.request(spec, timeout=5.0)
+    (load,) = h.step()
+    bad = load.device
+    todo = h.result(load, ResultStatus.FAILED, error="RuntimeError: broken kernel")
+    assert not r.status.finished  # the other device may load it
+    assert not h.sched.devices[bad].can_load(spec.key, h.now)
+    (again,) = [a for a in todo if a.kind == ActionKind.LOAD]
+    assert again.device != bad
+    drain(h, todo, r)
+    assert r.ok
+    h.clock.advance(LOAD_BACKOFF[0])
+    assert h.sched.devices[bad].can_load(spec.key, h.now)
+
+
+def test_warm_up_room_evicts_idle_models_and_is_never_a_victim() -> None:
+    h = Harness(devices=1, budget=300)
+    a, b = h.add(make_spec("a")), h.add(make_spec("b"))
+    h.use(a)
+    h.use(b)
+    dev = h.sched.reserve("warmup:c:1", 200, "cpu", h.now)
+    assert dev == "cpu:0"
+    unloads = h.sched._take().actions
+    assert kinds(unloads) == ["UNLOAD"] and unloads[0].model is a
+    assert h.sched.reserve("warmup:d:1", 200, "cpu", h.now) is None  # b is all that could go: not enough
+    h.sched._take()
+    h.use(a)  # serving goes on beside the warm-up: b makes room, the warm-up's bytes stay
+    assert h.sched.devices["cpu:0"].memory.state("warmup:c:1") is not None
+    h.sched.unreserve("warmup:c:1", "cpu:0")
+    assert h.sched.devices["cpu:0"].memory.state("warmup:c:1") is None
