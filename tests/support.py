@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -96,6 +97,12 @@ def build_test_repo(root: Path) -> Path:
     (root / "bad_toml" / "1").mkdir(parents=True)
     (root / "bad_toml" / "config.toml").write_text("max_batch_size = [", encoding="utf-8")
     return root
+
+
+def gpu_device() -> str:
+    """The device `gpu`-marked tests run on: cuda:0, or the stand-in when ESCAPEMENT_TEST_GPU=emucuda
+    (`bench/gpu/check.sh --standin` runs the GPU flow on a CPU machine this way)."""
+    return "emucuda:0" if os.environ.get("ESCAPEMENT_TEST_GPU") == "emucuda" else "cuda:0"
 
 
 def short_tmpdir() -> Path:

@@ -153,6 +153,13 @@ class CudaResident:
     lock: threading.Lock = field(default_factory=threading.Lock)  # held by an INFER, or by a compaction moving it
 
 
+def _zero(tensors: list[torch.Tensor]) -> Callable[[], None]:
+    def zero() -> None:
+        for t in tensors:
+            t.zero_()
+    return zero
+
+
 def _unbound(xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     raise RuntimeError("the model is not bound to the device")
 
@@ -445,6 +452,9 @@ class CudaBackend:
         why the model runs eagerly, if it does."""
         api = self.api
         api.wait_event(self.capture_s, self._loaded)
+        # The first runs read the static inputs: zeros, never what the arena held (an index read
+        # from stale bytes can trip a device-side assert).
+        api.launch(self.capture_s, _zero(res.io[program.spec.max_batch_size].device), [], st.inputs)
         why = ""
         if not self.graphs_enabled:
             why = "CUDA graphs are off (runtime.cuda_graphs)"
