@@ -1,0 +1,1 @@
+"""GPU checks and figures: `bench/gpu/check.sh [--standin] OUTDIR` (see bench/README.md)."""

@@ -1,0 +1,148 @@
+"""GPU figures through the device seam, on `cuda:N` (or `emucuda:N`, to check the script).
+
+`python -m bench.gpu.figures --device cuda:0 --models DIR --out DIR [--quick]`
+
+- LOAD bandwidth: the backend's chunked LOAD of a model's weights against one plain pinned
+  host-to-device copy of the same bytes, in the same run (device time from events; median).
+- INFER spread: device time per INFER at a few batch sizes, eager against CUDA graphs:
+  p50, p99, p99.99 and p99.99 / p50 (Clockwork measured 1.0003 on a V100).
+
+On the stand-in every time is modelled (copies at its configured bandwidth, kernels at their
+CPU time): the figures only show that the script works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from daemon.demo import save_model
+from daemon.repository import scan
+from daemon.request import InferenceRequest
+from daemon.runtime.cuda import CudaBackend
+from daemon.runtime.devices import Device
+from daemon.runtime.executor import make_backend
+from daemon.runtime.program import Program, load_program
+
+
+def device_name(dev: Device) -> str:
+    if dev.kind == "cuda":
+        return torch.cuda.get_device_name(dev.index)
+    return f"{dev.name} (the CPU stand-in: modelled times)"
+
+
+def weights_model(mib: int, root: Path) -> Program:
+    """A two-layer model holding about `mib` MiB of random weights."""
+    width = int((mib * 2**20 / 4 / 2) ** 0.5)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 8)).eval()
+    extra = torch.nn.Linear(width, width)  # a second square layer without its own output
+    model = torch.nn.Sequential(model[0], extra, model[1]).eval()
+    save_model(model, "pt2", torch.zeros(2, width), 2, root / f"w{mib}" / "1" / "model.pt2")
+    (root / f"w{mib}" / "config.toml").write_text(
+        f'max_batch_size = 2\n[[inputs]]\nname = "x"\ndatatype = "FP32"\nshape = [-1, {width}]\n'
+        '[[outputs]]\nname = "y"\ndatatype = "FP32"\nshape = [-1, 8]\n')
+    return load_program(next(m for m in scan(root).models if m.name == f"w{mib}"))
+
+
+def load_bandwidth(be: CudaBackend, program: Program, reps: int) -> dict[str, Any]:
+    api = be.api
+    n = program.weight_bytes
+    loads, plain = [], []
+    for i in range(reps):
+        res, seconds = be.load(f"bw{i}", program, time.monotonic() + 60)
+        loads.append(seconds)
+        be.unload(res)
+    src = be.host.block(program.host_block, api, "plain copy source")
+    stream = api.stream("figures-plain")
+    api.synchronize(time.monotonic() + 60)  # the last UNLOAD's work on the arena is done
+    a, b = api.event(), api.event()
+    for _ in range(reps):
+        api.record(a, stream)
+        api.copy(be.arena_buf.region(0, n), src.region(0, n), stream)
+        api.record(b, stream)
+        b.wait(time.monotonic() + 60)
+        plain.append(a.elapsed_s(b))
+    api.synchronize(time.monotonic() + 60)
+    load_s, plain_s = statistics.median(loads), statistics.median(plain)
+    return {"weight_bytes": n, "load_gbps": n / load_s / 1e9, "plain_copy_gbps": n / plain_s / 1e9,
+            "fraction_of_plain": plain_s / load_s, "load_ms": load_s * 1e3, "plain_ms": plain_s * 1e3,
+            "reps": reps}
+
+
+def infer_spread(be: CudaBackend, program: Program, batches: list[int], runs: int) -> list[dict[str, Any]]:
+    rows = []
+    spec = program.spec
+    for graphs in (False, True):
+        be.graphs_enabled = graphs
+        res, _ = be.load(f"spread-{graphs}", program, time.monotonic() + 60)
+        for b in batches:
+            xs = tuple(np.random.default_rng(b).random((b, *t.sample_shape)).astype(t.datatype.numpy)
+                       for t in spec.inputs)
+            req = InferenceRequest(spec, xs, b, 0.0, 0.0)
+            d = []
+            for _ in range(runs):
+                outs, seconds = be.infer(res, res.io[b], lambda io, r=req: io.fill([r]), time.monotonic() + 10)
+                d.append(seconds)
+                del outs
+            a = np.array(d[min(100, runs // 10):])  # past the first runs
+            p50, p99, p9999 = (float(np.percentile(a, q)) for q in (50, 99, 99.99))
+            rows.append({"model": spec.name, "mode": "graph" if graphs and res.state.graphs else "eager",
+                         "batch": b, "runs": len(a), "p50_us": p50 * 1e6, "p99_us": p99 * 1e6,
+                         "p9999_us": p9999 * 1e6, "max_us": float(a.max()) * 1e6,
+                         "p9999_over_p50": p9999 / p50 if p50 > 0 else float("nan")})
+        be.unload(res)
+    be.graphs_enabled = True
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu.figures")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--models", required=True, help="a demo repository (escapement demo --out DIR)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    kind, _, idx = args.device.partition(":")
+    budget = (2 << 30) if kind == "cuda" else (768 << 20)
+    dev = Device(args.device, kind, int(idx), budget, 256 << 20)  # type: ignore[arg-type]
+    be = make_backend(dev, 1)
+    assert isinstance(be, CudaBackend)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = 300 if args.quick or kind != "cuda" else 10_000
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        bandwidth = [load_bandwidth(be, weights_model(mib, Path(tmp)), 5) for mib in
+                     ((16,) if kind != "cuda" else (64, 256))]
+    mlp = load_program(next(m for m in scan(args.models).models if m.name == "mlp_784"))
+    spread = infer_spread(be, mlp, [1, 8, 32], runs)
+    be.close()
+    result = {"device": device_name(dev), "torch": torch.__version__,
+              "command": f"python -m bench.gpu.figures --device {args.device} --models DIR --out DIR"
+                         + (" --quick" if args.quick else ""),
+              "seconds": time.monotonic() - t0, "load_bandwidth": bandwidth, "infer_spread": spread}
+    (out / "figures.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [f"# GPU figures on {result['device']}", "", f"`{result['command']}` (torch {torch.__version__})", "",
+             "## LOAD bandwidth (chunked LOAD vs one plain pinned copy of the same bytes)", "",
+             "| MiB | LOAD GB/s | plain GB/s | fraction |", "|---|---|---|---|"]
+    lines += [f"| {r['weight_bytes'] / 2**20:.0f} | {r['load_gbps']:.2f} | {r['plain_copy_gbps']:.2f} | "
+              f"{r['fraction_of_plain']:.3f} |" for r in bandwidth]
+    lines += ["", "## INFER device time spread (mlp_784)", "",
+              "| mode | batch | runs | p50 µs | p99 µs | p99.99 µs | p99.99 / p50 |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['mode']} | {r['batch']} | {r['runs']} | {r['p50_us']:.1f} | {r['p99_us']:.1f} | "
+              f"{r['p9999_us']:.1f} | {r['p9999_over_p50']:.4f} |" for r in spread]
+    (out / "figures.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
