@@ -15,6 +15,7 @@ SCENARIOS = {
     "simulate": "bench.scenarios.simulate",
     "parity": "bench.scenarios.parity",
     "http-server": "bench.scenarios.http_server",
+    "standin-races": "bench.scenarios.standin_races",
 }
 
 

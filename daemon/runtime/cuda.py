@@ -45,7 +45,7 @@ from daemon.runtime.arena import Arena, Extent, Move, aligned
 from daemon.runtime.backend import Fill, IOBuffers, NoMemory, Resident
 from daemon.runtime.devapi import Buffer, CaptureError, DeviceApi, DeviceFault, Graph, Region, Where
 from daemon.runtime.devices import Device
-from daemon.runtime.hostmem import HostPins
+from daemon.runtime.hostmem import HostPins, pages
 from daemon.runtime.program import Program
 
 log = logging.getLogger("escapement.cuda")
@@ -215,6 +215,7 @@ class CudaBackend:
         self._staging = [api.alloc_pinned(LOAD_CHUNK, f"{device.name} staging") for _ in range(LOAD_INFLIGHT)]
         self._said: dict[str, str] = {}  # model -> why it runs eagerly, as logged
         self._residents: dict[int, Resident] = {}  # extent id -> the model in it
+        self.compactions = 0  # arena compactions done (models moved to make a LOAD fit)
         limit = getattr(api, "limit", None)
         if limit is not None:  # torch's allocator refuses past the budget rather than overrun it
             limit(device.weight_budget)
@@ -387,6 +388,7 @@ class CudaBackend:
                 return None
             for m in moves:
                 self._move(by_extent[m.extent.id], m, deadline)
+            self.compactions += 1
             log.info("%s: compacted its arena (%d model(s) moved) for %s", self.device.name, len(moves), key)
             with self._lock:
                 return self.arena.alloc(need, key)
@@ -429,7 +431,7 @@ class CudaBackend:
             self.host.release(nbytes)
             raise
         st.pinned.append(buf)
-        st.pinned_bytes += nbytes
+        st.pinned_bytes += pages(nbytes)
         return buf
 
     @staticmethod

@@ -20,6 +20,12 @@ from daemon.runtime.devapi import Buffer, DeviceApi, Where
 
 log = logging.getLogger("escapement.runtime")
 
+PAGE = 4096  # page-locking locks whole pages: what is charged is what is locked
+
+
+def pages(nbytes: int) -> int:
+    return -(-max(nbytes, 1) // PAGE) * PAGE
+
 
 class HostPins:
     """The process's pinned host memory: model blocks pinned once, shared by every device."""
@@ -32,14 +38,16 @@ class HostPins:
 
     def charge(self, nbytes: int) -> bool:
         with self._lock:
-            if self.used + nbytes > self.budget:
+            if self.used + pages(nbytes) > self.budget:
                 return False
-            self.used += nbytes
+            self.used += pages(nbytes)
             return True
 
     def release(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
         with self._lock:
-            self.used -= nbytes
+            self.used -= pages(nbytes)
 
     def block(self, host_block: torch.Tensor, api: DeviceApi, label: str) -> Buffer:
         """The block as a Buffer: pinned (once, by whichever device asks first) while the budget
@@ -48,7 +56,7 @@ class HostPins:
             entry = self._blocks.get(id(host_block))
             if entry is not None and entry[0].tensor is host_block:
                 return entry[0]
-            n = host_block.numel()
+            n = pages(host_block.numel())
             if self.used + n > self.budget:
                 return Buffer(host_block, Where.PAGEABLE, label)
             buf = api.pin(host_block, label)
@@ -63,7 +71,7 @@ class HostPins:
             if entry is None:
                 return
             buf, api = entry
-            self.used -= buf.nbytes
+            self.used -= pages(buf.nbytes)
         try:
             api.unpin(buf)
         except Exception as e:  # a failed device cannot unregister; the memory is the process's anyway

@@ -115,9 +115,11 @@ def test_defect3_every_charged_byte_counts_and_never_exceeds_the_budget(programs
     assert be.charged <= be.device.weight_budget
     assert api.graph_pool_bytes <= be.device.workspace
     assert api.device_bytes == be.arena.size + api.graph_pool_bytes
+    assert api.pinned_bytes == be.host.used  # every pinned byte is charged: blocks, IO, staging
     be.unload(a)
     be.unload(b)
     assert be.charged == 8 << 20
+    assert api.pinned_bytes == be.host.used  # the weights stay pinned (the program is still served)
     be.close()
 
 
@@ -224,6 +226,7 @@ def test_defect8_a_failed_load_leaves_nothing_behind(programs: dict[str, Program
         with pytest.raises((torch.OutOfMemoryError, NoMemory)):
             load(be, p, f"broken{after}")
         assert (be.charged, api.pinned_bytes, be.arena.used) == (charged, pinned, used)
+        assert api.pinned_bytes == be.host.used
     check(be, ok, 2)  # the TorchScript instance still points at its own weights
     be.unload(ok)
     be.close()

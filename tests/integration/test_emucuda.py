@@ -93,7 +93,7 @@ def test_dtype_conversions_built_tensors_torchscript_and_eager_models(mixed_repo
         shutil.rmtree(d, ignore_errors=True)
 
 
-def test_warm_ups_share_the_serving_device(mixed_repo: Path) -> None:
+def test_defect5_warm_ups_share_the_serving_device(mixed_repo: Path) -> None:
     """Reloads warm new versions up on the serving executor: no second backend, no new streams."""
     d = short_tmpdir()
     repo = d / "repo"
