@@ -89,6 +89,18 @@ class _Op:
     error: BaseException | None = None  # raised by its kernel while it was being launched
 
 
+@dataclass(frozen=True, slots=True)
+class Traced:
+    """One op as it ran, in modelled device time (tests read when work waited and for what)."""
+
+    what: str
+    stream: str
+    engine: str
+    submitted: float
+    start: float
+    end: float
+
+
 @dataclass(slots=True, eq=False)
 class EmuStream:
     name: str
@@ -231,6 +243,7 @@ class EmuCuda:
         self._released = threading.Event()
         self.closed = False
         self.hung = False
+        self.trace: list[Traced] | None = None  # set to a list to record every op's modelled times
         self._launching: _Op | None = None
 
     # ---------------------------------------------------------------- faults (tests)
@@ -534,6 +547,8 @@ class EmuCuda:
             self._engines[op.engine] = op.t_end
         s.t = op.t_end
         op.done = True
+        if self.trace is not None:
+            self.trace.append(Traced(op.what, s.name, op.engine, op.submitted, start, op.t_end))
         self._cond.notify_all()
 
     def _complete(self, target: _Op, deadline: float | None) -> None:

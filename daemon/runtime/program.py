@@ -61,6 +61,7 @@ class Program:
     host_runner: Runner = field(init=False)
     graph: torch.fx.GraphModule | None = None  # the exported graph (None for TorchScript files)
     capture_problem: str | None = None  # why a CUDA graph cannot capture it (retarget.capture_lint)
+    checked_on: set[str] = field(default_factory=set)  # device types check_device passed on
 
     def __post_init__(self) -> None:
         self.host_runner = self.bind(self.layout.views(self.host_block), native=True)
@@ -84,8 +85,8 @@ class Program:
     def check_device(self, device: torch.device, batch: int) -> None:
         """Raise ProgramError unless the exported graph, moved to `device`, runs there (checked on
         fake tensors: no device needed). TorchScript files cannot be checked ahead."""
-        if self.graph is None:
-            return
+        if self.graph is None or device.type in self.checked_on:
+            return  # checked once per program and device type (tens of ms on fake tensors)
         weights = [(e.dtype, e.shape) for e in self.layout.entries]
         inputs = [(t.datatype.torch, (batch, *t.sample_shape)) for t in self.spec.inputs]
         args = [weights[i] if i >= 0 else inputs[-i - 1] for i in self._plan()]
@@ -95,6 +96,7 @@ class Program:
             first = str(e).splitlines()[0] if str(e) else ""
             raise ProgramError(f"{self.spec.key}: the exported graph cannot run on {device.type}: "
                                f"{type(e).__name__}: {first}") from e
+        self.checked_on.add(device.type)
 
     def _plan(self) -> list[int]:
         return getattr(self.bind_graph, "plan", [])

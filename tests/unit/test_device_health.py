@@ -26,7 +26,7 @@ POLICIES = [pytest.param(lambda: DynamicBatchingPolicy(0.0), id="dynamic"),
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_a_lost_device_gets_no_more_work_and_its_requests_move(policy: type[Policy]) -> None:
+def test_defect7_a_lost_device_gets_no_more_work_and_its_requests_move(policy: type[Policy]) -> None:
     h = Harness(devices=2, policy=policy())
     spec = h.add(make_spec())
     h.preload(spec, 2)
@@ -46,7 +46,7 @@ def test_a_lost_device_gets_no_more_work_and_its_requests_move(policy: type[Poli
     assert h.sched.statistics()["devices"][lost]["failed"]
 
 
-def test_when_every_device_is_lost_requests_are_refused_at_once() -> None:
+def test_defect7_when_every_device_is_lost_requests_are_refused_at_once() -> None:
     h = Harness(devices=1)
     spec = h.add(make_spec())
     h.preload(spec, 1)
@@ -60,7 +60,7 @@ def test_when_every_device_is_lost_requests_are_refused_at_once() -> None:
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_a_load_refused_for_memory_evicts_and_tries_again(policy: type[Policy]) -> None:
+def test_defect8_a_load_refused_for_memory_evicts_and_tries_again(policy: type[Policy]) -> None:
     h = Harness(devices=1, budget=300, policy=policy())
     a, b, c = (h.add(make_spec(name)) for name in "abc")
     h.use(a)
@@ -78,7 +78,7 @@ def test_a_load_refused_for_memory_evicts_and_tries_again(policy: type[Policy]) 
     assert h.sched.counters["load_retries"] == 1
 
 
-def test_loads_refused_for_memory_too_often_back_off() -> None:
+def test_defect8_loads_refused_for_memory_too_often_back_off() -> None:
     h = Harness(devices=1, budget=1000)
     spec = h.add(make_spec())
     r = h.request(spec, timeout=10.0)
@@ -90,7 +90,7 @@ def test_loads_refused_for_memory_too_often_back_off() -> None:
     assert h.sched.devices["cpu:0"].load_backoff[spec.key] > h.now
 
 
-def test_a_failed_load_backs_off_that_device_and_another_serves() -> None:
+def test_defect8_a_failed_load_backs_off_that_device_and_another_serves() -> None:
     h = Harness(devices=2)
     spec = h.add(make_spec())
     r = h.request(spec, timeout=5.0)
@@ -107,7 +107,7 @@ def test_a_failed_load_backs_off_that_device_and_another_serves() -> None:
     assert h.sched.devices[bad].can_load(spec.key, h.now)
 
 
-def test_warm_up_room_evicts_idle_models_and_is_never_a_victim() -> None:
+def test_defect5_warm_up_room_evicts_idle_models_and_is_never_a_victim() -> None:
     h = Harness(devices=1, budget=300)
     a, b = h.add(make_spec("a")), h.add(make_spec("b"))
     h.use(a)
