@@ -41,6 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from daemon.runtime.devapi import Buffer, CaptureError, DeviceFault, DeviceHang, Kernel, Region, Where
+from daemon.runtime.hostmem import page_aligned
 from daemon.runtime.racecheck import HOST, Clock, RaceChecker
 from daemon.runtime.retarget import SYNC_OPS
 
@@ -236,6 +237,7 @@ class EmuCuda:
         self._buffers: dict[int, Buffer] = {}
         self._device_bytes = 0
         self._pinned: dict[int, int] = {}  # buffer id -> page-rounded bytes
+        self._pages: dict[int, tuple[int, int]] = {}  # registered buffer id -> its first and last page
         self._graphs: set[EmuGraph] = set()
         self._capturing: dict[int, tuple[EmuStream, EmuGraph]] = {}  # thread id -> its capture
         self._fail_alloc_at = 0  # the allocation number that raises OOM (0: none)
@@ -344,7 +346,9 @@ class EmuCuda:
         with self._lock:
             self._no_capture("allocate pinned memory")
             self._count_allocation(nbytes)
-            buf = Buffer(torch.full((nbytes,), POISON, dtype=torch.uint8), Where.PINNED, label)
+            t = page_aligned(nbytes)
+            t.fill_(POISON)
+            buf = Buffer(t, Where.PINNED, label)
             self._pinned[buf.id] = -(-max(nbytes, 1) // PAGE) * PAGE
             return buf
 
@@ -353,15 +357,23 @@ class EmuCuda:
             raise ValueError("pin() takes a flat uint8 host tensor")
         with self._lock:
             self._no_capture("register host memory")
+            first = tensor.data_ptr() // PAGE
+            last = (tensor.data_ptr() + max(tensor.numel(), 1) - 1) // PAGE
+            for other, (a, b) in self._pages.items():
+                if first <= b and a <= last:  # CUDA locks whole pages, and a page only once
+                    raise RuntimeError(f"{self.name}: cudaErrorHostMemoryAlreadyRegistered: {label or 'memory'} "
+                                       f"shares a page with buffer {other}, registered already")
             self._count_allocation(tensor.numel())
             buf = Buffer(tensor, Where.PINNED, label)
-            self._pinned[buf.id] = -(-max(tensor.numel(), 1) // PAGE) * PAGE
+            self._pinned[buf.id] = (last - first + 1) * PAGE
+            self._pages[buf.id] = (first, last)
             return buf
 
     def unpin(self, buffer: Buffer) -> None:
         with self._lock:
             if self._pinned.pop(buffer.id, None) is None:
                 raise ValueError(f"{self.name}: {buffer.label or 'buffer'} is not pinned here")
+            self._pages.pop(buffer.id, None)
             # Unregistering while a copy still reads it is a race, as on CUDA.
             if not (self.fault or self.hung):
                 self.races.access(HOST, self.races.host_tick(), buffer.id, 0, buffer.nbytes, True,

@@ -27,6 +27,14 @@ def pages(nbytes: int) -> int:
     return -(-max(nbytes, 1) // PAGE) * PAGE
 
 
+def page_aligned(nbytes: int) -> torch.Tensor:
+    """Flat uint8 host memory starting on a page and owning its last page alone: it can be
+    page-locked in place without sharing a page with anything else (CUDA locks a page once)."""
+    raw = torch.empty(pages(nbytes) + PAGE, dtype=torch.uint8)
+    off = -raw.data_ptr() % PAGE
+    return raw[off : off + nbytes]
+
+
 class HostPins:
     """The process's pinned host memory: model blocks pinned once, shared by every device."""
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from daemon.runtime.devapi import Buffer, CaptureError, DeviceFault, DeviceHang, Kernel, Region, Where
+from daemon.runtime.hostmem import page_aligned
 
 PAGE = 4096
 REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context
@@ -101,13 +102,13 @@ class TorchCuda:
         self.fault = ""
         self._streams: dict[str, CudaStream] = {}
         self._pinned: dict[int, tuple[int, int]] = {}  # buffer id -> (pointer, page-rounded bytes)
-        self._pool = torch.cuda.graph_pool_handle()
+        torch.cuda.init()
+        torch.cuda.set_device(self.torch_device)
+        self._pool = torch.cuda.graph_pool_handle()  # one graph pool for the device (cuda.py says why)
         self._graphs = 0
         self._buffer_bytes = 0
         self._capturing: set[int] = set()
         self._lock = threading.Lock()
-        torch.cuda.set_device(self.torch_device)
-        torch.cuda.init()
 
     # ---------------------------------------------------------------- errors
 
@@ -178,7 +179,7 @@ class TorchCuda:
         buffer.tensor = torch.empty(0, dtype=torch.uint8, device=self.torch_device)
 
     def alloc_pinned(self, nbytes: int, label: str = "") -> Buffer:
-        return self.pin(torch.empty(max(nbytes, 1), dtype=torch.uint8)[:nbytes], label)
+        return self.pin(page_aligned(nbytes), label)
 
     def pin(self, tensor: torch.Tensor, label: str = "") -> Buffer:
         if tensor.dtype != torch.uint8 or tensor.dim() != 1 or tensor.device.type != "cpu":

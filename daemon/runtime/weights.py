@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from daemon.runtime.hostmem import page_aligned
+
 ALIGN = 256  # bytes; enough for any dtype and for coalesced GPU access
 
 
@@ -52,7 +54,7 @@ class WeightLayout:
 def pack(tensors: list[tuple[str, torch.Tensor]]) -> tuple[WeightLayout, torch.Tensor]:
     """Copy `tensors` into one new flat host block; returns its layout and the block."""
     layout = WeightLayout.of(tensors)
-    block = torch.empty(layout.nbytes, dtype=torch.uint8)
+    block = page_aligned(layout.nbytes)  # so that a CUDA backend can page-lock it in place
     block.zero_()
     for (_, t), view in zip(tensors, layout.views(block), strict=True):
         view.copy_(t.detach())

@@ -10,6 +10,7 @@ import torch
 
 from daemon.runtime.devapi import CaptureError, DeviceApi, DeviceFault, DeviceHang, Where
 from daemon.runtime.emucuda import POISON, EmuCuda, EmuSettings
+from daemon.runtime.hostmem import page_aligned
 from daemon.runtime.racecheck import RaceError
 
 SOON = 5.0
@@ -40,10 +41,20 @@ def test_copies_round_trip_after_their_event(api: DeviceApi) -> None:
     api.unpin(out)
 
 
+def test_pinned_memory_sharing_a_page_cannot_be_registered_twice() -> None:
+    """CUDA locks whole pages, each once: two small tensors on one page cannot both be pinned."""
+    emu = EmuCuda(0, EmuSettings(capacity=1 << 20))
+    raw = page_aligned(8192)
+    emu.pin(raw[:100])
+    with pytest.raises(RuntimeError, match="AlreadyRegistered"):
+        emu.pin(raw[200:300])
+    emu.pin(raw[4096:4196])  # the next page is free
+
+
 def test_pinned_memory_is_counted_exactly_page_rounded(api: DeviceApi) -> None:
     before = api.pinned_bytes
     a = api.alloc_pinned(10_000)
-    b = api.pin(torch.empty(5000, dtype=torch.uint8))
+    b = api.pin(page_aligned(5000))
     assert api.pinned_bytes - before == 12288 + 8192  # pages, never a power of two (16384 + 8192)
     assert a.where == Where.PINNED
     api.unpin(a)
