@@ -234,8 +234,9 @@ class CudaBackend:
         return aligned(extent_layout(program)[3], self.arena.align)
 
     def thread_setup(self, role: str) -> None:
-        if self.api.kind == "cuda":
-            torch.cuda.set_device(self.api.torch_device)
+        setup = getattr(self.api, "thread_setup", None)
+        if setup is not None:  # the calling thread's current device (torch.cuda keeps it per thread)
+            setup()
 
     def _usable(self) -> None:
         if self._failed:

@@ -141,6 +141,9 @@ class TorchCuda:
     def check(self) -> None:
         self._guard(lambda: None)
 
+    def thread_setup(self) -> None:
+        torch.cuda.set_device(self.torch_device)
+
     # ---------------------------------------------------------------- streams and events
 
     def stream(self, name: str, priority: int = 0) -> CudaStream:
