@@ -15,6 +15,11 @@ import torch
 from ray import serve
 from starlette.requests import Request
 
+# python bench/peers/ray_app.py MODEL.pt2 PORT [MAX_BATCH WAIT_MS]: the batching knobs are read before
+# the class is defined, because @serve.batch takes them there (the class travels to Ray's workers whole).
+MAX_BATCH = int(sys.argv[3]) if len(sys.argv) > 3 else 32
+WAIT_S = float(sys.argv[4]) / 1000 if len(sys.argv) > 4 else 0.005
+
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=1024)
 class Model:
@@ -22,7 +27,7 @@ class Model:
         torch.set_num_threads(1)
         self.model = torch.export.load(path).module()
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+    @serve.batch(max_batch_size=MAX_BATCH, batch_wait_timeout_s=WAIT_S)
     async def batched(self, xs: list[np.ndarray]) -> list[list[list[float]]]:
         counts = [len(x) for x in xs]
         with torch.inference_mode():

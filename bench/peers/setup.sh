@@ -4,13 +4,16 @@
 # local CPU build). TorchServe also needs a Java runtime (11+) on PATH.
 #
 #   bench/peers/setup.sh              # all peers
-#   bench/peers/setup.sh torchserve   # one of: torchserve ray
+#   bench/peers/setup.sh torchserve   # one of: torchserve ray triton
+#
+# triton: the PyPI wheel nvidia-pytriton bundles tritonserver 2.51 and its python backend (used
+# both as a plain Triton server over a python-backend model, and through PyTriton).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 dest="$root/bench/.peers"
 mkdir -p "$dest"
-want="${*:-torchserve ray}"
+want="${*:-torchserve ray triton}"
 
 install() {  # name, packages...
   local name="$1"; shift
@@ -32,6 +35,7 @@ for peer in $want; do
       # the worker imports yaml and numpy without declaring them
       install torchserve torchserve==0.12.0 torch-model-archiver==0.12.0 pyyaml numpy ;;
     ray) install ray "ray[serve]" ;;
-    *) echo "unknown peer $peer (torchserve, ray)" >&2; exit 2 ;;
+    triton) install triton nvidia-pytriton==0.7.0 numpy ;;
+    *) echo "unknown peer $peer (torchserve, ray, triton)" >&2; exit 2 ;;
   esac
 done

@@ -16,6 +16,8 @@ SCENARIOS = {
     "parity": "bench.scenarios.parity",
     "http-server": "bench.scenarios.http_server",
     "standin-races": "bench.scenarios.standin_races",
+    "limit": "bench.scenarios.limit",
+    "peers-tuning": "bench.scenarios.peers_tuning",
 }
 
 
