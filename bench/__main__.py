@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from bench.results import RESULTS
-from bench.scenarios import SCENARIOS, get
+from bench.scenarios import NOT_IN_ALL, SCENARIOS, get
 
 
 def _options(extra: list[str]) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
     lines = [f"# Benchmarks, {stamp}{' (quick)' if args.quick else ''}", ""]
     failed = 0
-    for name in SCENARIOS:
+    for name in [n for n in SCENARIOS if n not in NOT_IN_ALL]:
         t0 = time.monotonic()
         try:
             result = get(name)(quick=args.quick, json_out=None)

@@ -21,6 +21,10 @@ SCENARIOS = {
 }
 
 
+# Run on their own, not by `python -m bench all`: a calibration whose result is written into code.
+NOT_IN_ALL = frozenset({"peers-tuning"})
+
+
 def get(name: str) -> Callable[..., dict[str, Any]]:
     if name not in SCENARIOS:
         raise SystemExit(f"unknown scenario {name!r}; scenarios: {', '.join(SCENARIOS)}")

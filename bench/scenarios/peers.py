@@ -107,6 +107,13 @@ def _wait_http(port: int, raw: bytes, timeout: float, proc: subprocess.Popen[byt
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    # Descendants that left the group (PyTriton starts tritonserver in a session of its own) too.
+    strays = [p for p in tree_pids(proc.pid) if p != proc.pid] if proc.poll() is None else []
+    for pid in strays:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -117,6 +124,17 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
             except ProcessLookupError:
                 pass
             proc.wait(30)
+    # Wait until every descendant is gone: a peer still shutting down can refuse the next start
+    # (TorchServe: "already running") or hold its port.
+    deadline = time.monotonic() + 30
+    while strays and time.monotonic() < deadline:
+        strays = [p for p in strays if Path(f"/proc/{p}").exists()]
+        time.sleep(0.2)
+    for pid in strays:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _json_body(x: np.ndarray) -> bytes:
@@ -342,11 +360,11 @@ SYSTEMS = "escapement,triton,pytriton,torchserve,ray-serve,plain-aiohttp"
 # recorded sweep (`python -m bench run peers-tuning`, bench/results/peers-tuning.md). escapement
 # gets only what its own docs recommend on 2 cores: one CPU device with one intra-op thread.
 TUNED: dict[str, Any] = {
-    "escapement": {"runtime": {"devices": ["cpu:0"], "cpu_threads": 1}, "controller": {"batch_wait_ms": 4.0}},
+    "escapement": {"runtime": {"devices": ["cpu:0"], "cpu_threads": 1}, "controller": {"batch_wait_ms": 0.0}},
     "triton": TritonConfig(instances=2, max_batch=32, delay_us=500),
     "pytriton": TritonConfig(instances=2, max_batch=32, delay_us=500),
-    "torchserve": BatchConfig(workers=2, max_batch=32, delay_ms=5.0),
-    "ray-serve": BatchConfig(workers=1, max_batch=32, delay_ms=5.0),
+    "torchserve": BatchConfig(workers=2, max_batch=32, delay_ms=1.0),
+    "ray-serve": BatchConfig(workers=1, max_batch=32, delay_ms=1.0),
     "plain-aiohttp": None,
 }
 
