@@ -1,6 +1,6 @@
 """PyTriton app for the `peers` benchmark: an `@batch` function bound to Triton.
 
-    python bench/peers/pytriton_app.py MODEL.pt2 HTTP_PORT INSTANCES MAX_BATCH QUEUE_DELAY_US
+    python bench/peers/pytriton_app.py MODEL.pt2 HTTP_PORT GRPC_PORT METRICS_PORT INSTANCES MAX_BATCH QUEUE_DELAY_US
 
 PyTriton starts the bundled tritonserver and forwards each batch to this process (ZeroMQ);
 requests use Triton's KServe v2 HTTP API, the same bytes as escapement's.
@@ -18,7 +18,8 @@ from pytriton.triton import Triton, TritonConfig
 
 
 def main() -> None:
-    path, port, instances, max_batch, delay_us = sys.argv[1], int(sys.argv[2]), *map(int, sys.argv[3:6])
+    path = sys.argv[1]
+    port, grpc_port, metrics_port, instances, max_batch, delay_us = map(int, sys.argv[2:8])
     torch.set_num_threads(1)
     with torch.inference_mode():
         model = torch.jit.trace(torch.export.load(path).module(), torch.zeros(2, 784), check_trace=False)
@@ -28,8 +29,8 @@ def main() -> None:
         with torch.inference_mode():
             return {"OUTPUT__0": model(torch.from_numpy(INPUT__0)).numpy()}
 
-    config = TritonConfig(http_address="127.0.0.1", http_port=port, grpc_port=port + 1, metrics_port=port + 2,
-                          allow_grpc=True)
+    config = TritonConfig(http_address="127.0.0.1", http_port=port, grpc_address="127.0.0.1", grpc_port=grpc_port,
+                          metrics_port=metrics_port)
     with Triton(config=config) as triton:
         triton.bind(model_name="mlp_784", infer_func=[infer] * instances,
                     inputs=[Tensor(name="INPUT__0", dtype=np.float32, shape=(784,))],

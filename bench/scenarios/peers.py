@@ -308,9 +308,10 @@ def start_pytriton(model_file: Path, request: HttpRequest, cfg: TritonConfig = T
     work = Path(tempfile.mkdtemp(prefix="pytriton-"))
     port = free_port()
     env = {**_triton_env(), "HOME": str(work)}  # its ~22 MB copy of the server goes here, and is removed
-    proc = subprocess.Popen([str(python), str(HERE / "pytriton_app.py"), str(model_file), str(port),
-                             str(cfg.instances), str(cfg.max_batch), str(cfg.delay_us)], cwd=work, env=env,
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = (work / "pytriton.log").open("wb")
+    proc = subprocess.Popen([str(python), str(HERE / "pytriton_app.py"), str(model_file), str(port), str(free_port()),
+                             str(free_port()), str(cfg.instances), str(cfg.max_batch), str(cfg.delay_us)], cwd=work,
+                            env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
 
     def stop() -> None:
         _kill_group(proc)
@@ -318,9 +319,12 @@ def start_pytriton(model_file: Path, request: HttpRequest, cfg: TritonConfig = T
 
     try:
         _wait_http(port, request.raw, 300, proc)
-    except Exception:
+    except Exception as e:
+        tail = (work / "pytriton.log").read_text(errors="replace")[-600:]
         stop()
-        raise
+        raise RuntimeError(f"{e}; its log ends: {tail}") from e
+    finally:
+        log.close()
     return System("pytriton", port, request, proc.pid, stop,
                   [f"pytriton: nvidia-pytriton 0.7.0, @batch, {cfg.describe()}, PYTRITON_NO_TENSORSTORE=1, "
                    "the program traced to TorchScript"])
@@ -334,7 +338,10 @@ def triton_stats(port: int) -> dict[str, float]:
         while chunk := s.recv(65536):
             data += chunk
     body = data.split(b"\r\n\r\n", 1)[1]
-    st = orjson.loads(body)["model_stats"][0]["inference_stats"]
+    try:
+        st = orjson.loads(body)["model_stats"][0]["inference_stats"]
+    except (KeyError, IndexError, orjson.JSONDecodeError):
+        return {}
     n = max(int(st["success"]["count"]), 1)
     return {"requests": n, **{f"{k}_us": int(st[k]["ns"]) / n / 1e3
                               for k in ("queue", "compute_input", "compute_infer", "compute_output")}}
@@ -460,7 +467,14 @@ def run(quick: bool = False, json_out: str | None = None, model: str = "mlp_784"
                 by_system[name] = capacity_search(sys_, model, slo, grid, refine, seconds, quick)
                 facts[name] = {"startup_s": sys_.startup_s, "idle_rss_mb": sys_.idle_rss_mb}
                 if name in ("triton", "pytriton"):
-                    facts[name]["triton_stats_us_per_request"] = triton_stats(sys_.port)
+                    try:
+                        facts[name]["triton_stats_us_per_request"] = triton_stats(sys_.port)
+                    except OSError as e:
+                        facts[name]["triton_stats_us_per_request"] = {}
+                        notes.append(f"{name}: its statistics could not be read ({e})")
+                    if not facts[name]["triton_stats_us_per_request"]:
+                        notes.append(f"{name}: no statistics (PyTriton restricts Triton's statistics API to its "
+                                     "access token)")
                 notes += sys_.notes
         except MISSING as e:
             missing[name] = f"{type(e).__name__}: {e}"
@@ -498,7 +512,7 @@ def run(quick: bool = False, json_out: str | None = None, model: str = "mlp_784"
         if p99_common.get("escapement") and p99_common.get(best_peer):
             summary["p99_ratio_vs_best_peer_at_common_load"] = p99_common["escapement"] / p99_common[best_peer]
     for n in ("triton", "pytriton"):
-        if n in facts:
+        if facts.get(n, {}).get("triton_stats_us_per_request"):
             summary[f"{n}_stats_us_per_request"] = facts[n]["triton_stats_us_per_request"]
     config = {"command": command("peers", quick), "model": model, "seconds_per_point": seconds,
               "common_grid_rps": grid, "search": f"x2 from the grid's top until a point fails, then {refine} "
