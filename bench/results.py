@@ -198,6 +198,37 @@ def plot_curve(name: str, rows: list[dict[str, Any]], slo_ms: float, title: str,
     return out
 
 
+def plot_goodput(name: str, rows: list[dict[str, Any]], title: str, group: str = "label") -> Path | None:
+    """Goodput against offered load, one line per `group`, with the y = x line; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(str(r.get(group, "")), []).append(r)
+    top = 0.0
+    for label, rs in groups.items():
+        rs = sorted(rs, key=lambda r: r["offered_rps"])
+        ax.plot([r["offered_rps"] for r in rs], [r["goodput_rps"] for r in rs], "o-", label=label)
+        top = max(top, max(r["offered_rps"] for r in rs))
+    ax.plot([0, top], [0, top], color="gray", linestyle=":", label="goodput = offered")
+    ax.set_xlabel("offered load (requests/s)")
+    ax.set_ylabel("goodput (requests/s within the SLO)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    out = RESULTS / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def capacity_at_slo(rows: list[dict[str, Any]], min_attainment: float = 0.99) -> float:
     """The highest offered load whose p99 is within the SLO with enough requests answered in it.
 

@@ -18,6 +18,7 @@ SCENARIOS = {
     "standin-races": "bench.scenarios.standin_races",
     "limit": "bench.scenarios.limit",
     "peers-tuning": "bench.scenarios.peers_tuning",
+    "scale": "bench.scenarios.scale",
 }
 
 

@@ -1,0 +1,134 @@
+"""`scale`: the controller at GPU-node scale, on simulated devices in virtual time.
+
+Eight devices with Clockwork's V100 profiles made 5x and 20x faster (standing in for an H100
+until the GPU issue measures real ones), 1,000 models (and 10,000 for the cost's growth with
+the number of models), Zipf popularity, Poisson arrivals up to 100,000 requests/s. The real
+scheduler and clockwork policy make every decision; only the devices are simulated, so the
+controller's CPU time is real while device time is virtual.
+
+Per row: controller CPU µs per request, requests per core-second, the cores the controller
+would need at that load (`controller_cores`), SLO attainment and goodput, and goodput as a
+fraction of the devices' batched capacity. The controller saturates where it needs a whole
+core: `controller_saturation_rps` interpolates that load from the rows (or extrapolates it
+from the cost at the highest load when no row reaches it).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+from bench import loadgen, results
+from bench.scenarios.common import command
+from daemon.config import ControllerSettings
+from daemon.controller.clockwork import ClockworkPolicy
+from daemon.sim import CLOCKWORK_V100, SimProfile, Simulation, sim_spec
+
+GIB = 2**30
+
+
+def scaled(profile: SimProfile, speedup: float) -> SimProfile:
+    return SimProfile(profile.weight_bytes, profile.load_s / speedup,
+                      {b: t / speedup for b, t in profile.infer_s.items()})
+
+
+def models(n: int, speedup: float, max_batch: int = 16) -> list[tuple[Any, SimProfile]]:
+    names = list(CLOCKWORK_V100)
+    return [(sim_spec(f"{names[i % 4]}-{i:05d}", max_batch), scaled(CLOCKWORK_V100[names[i % 4]], speedup))
+            for i in range(n)]
+
+
+def batched_capacity(ms: list[tuple[Any, SimProfile]], popularity: np.ndarray, devices: int) -> float:
+    """Requests/s the devices serve at their largest batch, for this mix (no cold starts)."""
+    per_request = float(np.sum(popularity * np.array([p.infer(s.max_batch_size) / s.max_batch_size
+                                                        for s, p in ms])))
+    return devices / per_request
+
+
+def point(n_models: int, speedup: float, rate: float, seconds: float, devices: int, budget_gib: float,
+          seed: int) -> dict[str, Any]:
+    ms = models(n_models, speedup)
+    popularity = loadgen.zipf_weights(n_models, 1.0)
+    sched = loadgen.poisson(rate, seconds, n_models, popularity, seed=seed)
+    settings = ControllerSettings(max_pending=10**9, max_pending_per_model=10**9)
+    sim = Simulation(ms, devices, ClockworkPolicy(), settings, weight_budget=int(budget_gib * GIB), seed=seed)
+    # Warm: the most popular models resident as they would be after a while of this load.
+    budget = int(budget_gib * GIB)
+    for d in range(devices):
+        used = 0
+        for i in range(d, n_models, devices):
+            if used + ms[i][1].weight_bytes > budget * 0.9:
+                break
+            sim.place(ms[i][0].key, [f"sim:{d}"])
+            used += ms[i][1].weight_bytes
+    res = sim.run(sched.times, sched.targets, [s.key for s, _ in ms], drain_s=1.0)
+    rec = res.records
+    n = len(rec.arrival)
+    capacity = batched_capacity(ms, popularity, devices)
+    c = sim.scheduler.counters
+    return {"label": f"{n_models} models, {speedup:g}x", "models": n_models, "speedup": speedup,
+            "offered_rps": n / seconds, "goodput_rps": float(rec.met.sum()) / seconds,
+            "slo_attainment": res.slo_attainment, "controller_us_per_request": res.controller_s / max(n, 1) * 1e6,
+            "requests_per_core_s": n / max(res.controller_s, 1e-9), "controller_cores": res.controller_s / seconds,
+            "batched_capacity_rps": capacity, "goodput_of_capacity": float(rec.met.sum()) / seconds / capacity,
+            "cold_start_rate": c["cold_starts"] / max(c["admitted"], 1), "requests": n, "wall_s": res.wall_s}
+
+
+def saturation(rows: list[dict[str, Any]]) -> float:
+    """The offered load at which the controller needs one whole core."""
+    rows = sorted(rows, key=lambda r: r["offered_rps"])
+    for a, b in itertools.pairwise(rows):
+        if a["controller_cores"] < 1.0 <= b["controller_cores"]:
+            f = (1.0 - a["controller_cores"]) / (b["controller_cores"] - a["controller_cores"])
+            return a["offered_rps"] + f * (b["offered_rps"] - a["offered_rps"])
+    if rows and rows[0]["controller_cores"] >= 1.0:
+        return 1e6 / rows[0]["controller_us_per_request"]
+    return 1e6 / rows[-1]["controller_us_per_request"] if rows else float("nan")
+
+
+def run(quick: bool = False, json_out: str | None = None, devices: int = 8, budget_gib: float = 64.0,
+        seconds: float | None = None) -> dict[str, Any]:
+    seconds = seconds or (0.5 if quick else 2.0)
+    loads = [5_000, 20_000, 50_000, 100_000] if quick else [5_000, 10_000, 20_000, 35_000, 50_000, 75_000, 100_000]
+    rows: list[dict[str, Any]] = []
+    for speedup in (5.0, 20.0):
+        for i, rate in enumerate(loads):
+            rows.append(point(1000, speedup, rate, seconds, devices, budget_gib, seed=i))
+    # the cost's growth with the number of models: 10,000 models, 20x, at two loads
+    for i, rate in enumerate(loads[1:3]):
+        rows.append(point(10_000, 20.0, rate, seconds, devices, budget_gib, seed=100 + i))
+    summary: dict[str, Any] = {}
+    for speedup in (5.0, 20.0):
+        rs = [r for r in rows if r["speedup"] == speedup and r["models"] == 1000]
+        summary[f"controller_saturation_rps_{speedup:g}x"] = saturation(rs)
+        below = [r for r in rs if r["controller_cores"] < 1.0]
+        summary[f"best_goodput_of_capacity_below_saturation_{speedup:g}x"] = \
+            max((r["goodput_of_capacity"] for r in below), default=0.0)
+    summary["controller_saturation_rps"] = summary["controller_saturation_rps_20x"]
+    by_models: dict[str, float] = {}
+    for n in (1000, 10_000):
+        rs = [r for r in rows if r["models"] == n and r["speedup"] == 20.0 and r["offered_rps"] <= loads[2] * 1.1
+              and r["offered_rps"] >= loads[1] * 0.9]
+        if rs:
+            by_models[str(n)] = float(np.median([r["controller_us_per_request"] for r in rs]))
+    summary["us_per_request_by_models"] = by_models
+    summary["controller_us_per_request"] = float(np.median([r["controller_us_per_request"] for r in rows
+                                                            if r["models"] == 1000]))
+    config = {"command": command("scale", quick), "devices": devices, "weight_budget_gib": budget_gib,
+              "seconds_virtual_per_point": seconds, "offered_rps": loads,
+              "profiles": "Clockwork V100 (resnet18/50/152, se_resnext101) made 5x and 20x faster",
+              "arrivals": "poisson, zipf(1.0) popularity", "policy": "clockwork",
+              "warm": "each device preloaded with the most popular models it has room for (90% of its budget)"}
+    notes = ["Virtual device time; the controller's CPU time is real (measured around every scheduler call). "
+             "controller_cores = controller CPU seconds per virtual second: above 1, one core could not keep up.",
+             "goodput_of_capacity: goodput over the devices' batched capacity for this mix (every request at the "
+             "largest batch, no cold starts)."]
+    png = results.plot_goodput("scale", rows, "clockwork on 8 simulated devices: goodput against offered load")
+    if png:
+        notes.append(f"Plot: {png.name}")
+    return results.write("scale", config, rows, summary, json_out, notes,
+                         columns=["label", "offered_rps", "goodput_rps", "slo_attainment", "goodput_of_capacity",
+                                  "controller_us_per_request", "requests_per_core_s", "controller_cores",
+                                  "cold_start_rate", "wall_s"])
