@@ -39,6 +39,9 @@ class DynamicBatchingPolicy:
     def on_result(self, state: Scheduler, result: Result, now: float) -> None:
         pass
 
+    def on_queued(self, state: Scheduler, entry: ModelEntry, now: float) -> None:
+        pass
+
     def on_extra(self, state: Scheduler, action: Action, now: float) -> None:
         pass
 

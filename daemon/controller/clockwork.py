@@ -26,12 +26,15 @@ Following Clockwork (OSDI '20):
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from daemon.actions import Action, ActionKind, Result
 from daemon.controller.core import DeviceState, ModelEntry
+from daemon.controller.estimates import EXACT_ROW_KINDS
 from daemon.controller.timeline import DeviceTimeline
 from daemon.request import InferenceRequest
 
@@ -49,6 +52,8 @@ SLOW_DEVICE = 1.5  # a device whose recent runs of a model exceed its profile th
 BIND_LEAD = 0.0003  # a batch is chosen this long before it should start (the executor's wake-up)
 MAX_WAIT_OF_SLO = 0.1  # a batch never waits to fill longer than this share of the model's SLO
 MIN_FILL = 8.0  # samples a wait must be expected to bring before a batch waits at all
+COLD_CHECKS = 4  # cold models a pass checks for heads no LOAD can save while every copy lane is busy
+UTIL_REFRESH = 0.05  # seconds a device's utilisation (rates x costs of the models on it) is reused
 
 
 @dataclass(slots=True)
@@ -66,6 +71,51 @@ class RateMeter:
         return self.rate * math.exp(-(now - self.at) / RATE_TAU) if self.rate else 0.0
 
 
+_seq = itertools.count()
+
+
+@dataclass(slots=True)
+class WorkIndex:
+    """Models with queued work, most urgent first, each at most once (one live entry per model).
+
+    Keys are pairs: for a device's ready models, the head request's priority rank and its latest
+    start there; for cold models, the head's deadline and minus the queued work. An entry whose model has since
+    become less urgent (its head left, its estimate grew) is re-keyed when it reaches the top, so
+    a pass looks only at the few most urgent models instead of every model with work.
+    """
+
+    heap: list[tuple[float, float, int, str]] = field(default_factory=list)
+    live: dict[str, tuple[float, float]] = field(default_factory=dict)  # model -> its entry's key
+
+    def push(self, key: str, rank: float, t: float) -> None:
+        cur = self.live.get(key)
+        if cur is not None and cur <= (rank, t):
+            return  # its live entry is at least as urgent: it is re-keyed when it reaches the top
+        self.live[key] = (rank, t)
+        heapq.heappush(self.heap, (rank, t, next(_seq), key))
+
+    def pop(self) -> tuple[float, float, str] | None:
+        heap, live = self.heap, self.live
+        while heap:
+            rank, t, _, key = heapq.heappop(heap)
+            if live.get(key) == (rank, t):
+                del live[key]
+                return rank, t, key
+        return None
+
+    def top(self) -> tuple[float, float] | None:
+        heap, live = self.heap, self.live
+        while heap and live.get(heap[0][3]) != heap[0][:2]:
+            heapq.heappop(heap)
+        return heap[0][:2] if heap else None
+
+    def discard(self, key: str) -> None:
+        self.live.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+
 class ClockworkPolicy:
     name = "clockwork"
 
@@ -78,6 +128,15 @@ class ClockworkPolicy:
         self.copy_busy: dict[str, RateMeter] = {}  # device -> LOAD seconds per second
         self.drops: dict[str, RateMeter] = {}  # model -> requests/s its devices could not run in time
         self._wake: float | None = None
+        # What a pass looks at, kept up to date as requests arrive and results come back: per
+        # device, its ready models with work by urgency (and by latest start, for dropping what
+        # cannot make it); cold models with work by deadline; models whose arrivals may ask for
+        # a replica.
+        self.work: dict[str, WorkIndex] = {}
+        self.late: dict[str, WorkIndex] = {}
+        self.cold = WorkIndex()
+        self._replica_check: set[str] = set()
+        self._util: dict[str, tuple[float, float, dict[str, float]]] = {}  # device -> (when, sum, parts)
 
     # ---------------------------------------------------------------- hooks
 
@@ -85,22 +144,60 @@ class ClockworkPolicy:
         return self._wake
 
     def on_submit(self, state: Scheduler, req: InferenceRequest, now: float) -> None:
-        meter = self.rates.get(req.model.key)
+        key = req.model.key
+        meter = self.rates.get(key)
         if meter is None:
-            meter = self.rates[req.model.key] = RateMeter()
+            meter = self.rates[key] = RateMeter()
         meter.add(req.samples, now)
+        entry = state.models[key]
+        self.on_queued(state, entry, now, req)
+
+    def on_queued(self, state: Scheduler, entry: ModelEntry, now: float, req: InferenceRequest | None = None) -> None:
+        """A model gained queued work (an arrival, requests returned, its weights evicted)."""
+        key = entry.spec.key
+        head = req if req is not None and req.queue_seq else entry.queue.head()
+        if head is None:
+            return
+        placed = state.placed_on.get(key)
+        if not placed:
+            self.cold.push(key, head.deadline, -self._backlog(state, entry))
+            return
+        for name in state.ready_on.get(key, ()):
+            dev = state.devices[name]
+            latest = head.deadline - self._est(state, key, head.samples, dev)
+            self._index(name).push(key, head.rank, latest)
+            self._late(name).push(key, 0, latest)
+        if len(placed) < len(state.devices):
+            self._replica_check.add(key)
 
     def on_result(self, state: Scheduler, result: Result, now: float) -> None:
-        if result.action.kind == ActionKind.LOAD and result.ok:
-            meter = self.copy_busy.get(result.action.device)
-            if meter is None:
-                meter = self.copy_busy[result.action.device] = RateMeter()
-            meter.add(result.end - result.begin, now)
-        tl = self.timelines.get(result.action.device)
+        action = result.action
+        if action.kind == ActionKind.LOAD:
+            if result.ok:
+                meter = self.copy_busy.get(action.device)
+                if meter is None:
+                    meter = self.copy_busy[action.device] = RateMeter()
+                meter.add(result.end - result.begin, now)
+            entry = state.models.get(action.model.key)
+            if entry is not None and entry.queue.requests:
+                self.on_queued(state, entry, now)  # ready here now, or cold again
+        tl = self.timelines.get(action.device)
         if tl is None:
             return
-        lane = tl.exec if result.action.kind == ActionKind.INFER else tl.copy
-        lane.done(result.action.id, result.end)
+        lane = tl.exec if action.kind == ActionKind.INFER else tl.copy
+        lane.done(action.id, result.end)
+
+    def _index(self, device: str) -> WorkIndex:
+        w = self.work.get(device)
+        if w is None:
+            w = self.work[device] = WorkIndex()
+        return w
+
+    def _late(self, device: str) -> WorkIndex:
+        w = self.late.get(device)
+        if w is None:
+            w = self.late[device] = WorkIndex()
+        return w
 
     def on_extra(self, state: Scheduler, action: Action, now: float) -> None:
         # Parity batches and replicas take device time like any INFER: plan around them.
@@ -117,19 +214,24 @@ class ClockworkPolicy:
 
     def schedule(self, state: Scheduler, now: float) -> None:
         self._wake = None
-        active = state.active()
-        if not active:
-            return
         # Inference first: a model whose LOAD just finished gets its batch (and is then busy)
         # before any other LOAD may look for room.
-        self._plan_inference(state, active, now)
-        self._plan_memory(state, state.active(), now)
-        self._plan_inference(state, state.active(), now)
+        self._plan_inference(state, now)
+        if self.cold or self._replica_check:
+            issued = len(state.pending_actions)
+            self._plan_memory(state, now)
+            if len(state.pending_actions) != issued:
+                self._plan_inference(state, now)
 
     # ---------------------------------------------------------------- estimates
 
-    def _est(self, state: Scheduler, key: str, samples: int, where: DeviceState | str) -> float:
-        return state.estimate(key, samples, where)
+    @staticmethod
+    def _est(state: Scheduler, key: str, samples: int, where: DeviceState | str) -> float:
+        if isinstance(where, str):
+            return state.estimate(key, samples, where)
+        est = state.estimator.infer(key, samples if where.kind in EXACT_ROW_KINDS else
+                                    state.models[key].spec.batch_size_for(samples), where.kind, where.name)
+        return est if est is not None else state.estimate(key, samples, where)
 
     def _load_est(self, state: Scheduler, entry: ModelEntry, kind: str) -> float:
         est = state.estimator.load(entry.spec.key, kind)
@@ -137,27 +239,24 @@ class ClockworkPolicy:
 
     # ---------------------------------------------------------------- inference
 
-    def _plan_inference(self, state: Scheduler, active: list[ModelEntry], now: float) -> None:
+    def _plan_inference(self, state: Scheduler, now: float) -> None:
         limit = now + self.horizon
-        by_device: dict[str, list[ModelEntry]] = {}
-        for e in active:
-            for name in state.ready_on.get(e.spec.key, ()):
-                by_device.setdefault(name, []).append(e)
-        devices = sorted((state.devices[n] for n in by_device),
-                         key=lambda d: (self._timeline(d).exec.free_at(now), d.name))
-        seen: set[str] = set()  # models a sooner-free device holding them has already looked at
-        for dev in devices:
-            mine = by_device[dev.name]
+        timelines = self.timelines
+        order = sorted((timelines[n].exec.free_at(now) if n in timelines else now, n)
+                       for n, w in self.work.items() if w.live)
+        for start, name in order:
+            dev = state.devices[name]
             lane = self._timeline(dev).exec
-            while (start := lane.free_at(now)) < limit:
-                if not self._dispatch(state, dev, mine, start, now, seen):
+            work = self.work[name]
+            while start < limit and work:
+                if not self._dispatch(state, dev, start, now):
                     break
-            if start >= limit:
-                self._drop_late(state, dev, mine, start, now, seen)
-            seen.update(e.spec.key for e in mine)
-            if start >= limit and any(e.queue.requests for e in mine):
-                wake = start - self.horizon
-                self._wake = wake if self._wake is None else min(self._wake, wake)
+                start = lane.free_at(now)
+            if start >= limit and work:
+                self._drop_late(state, dev, start, now)
+                if work:
+                    wake = start - self.horizon
+                    self._wake = wake if self._wake is None else min(self._wake, wake)
 
     def _choose_batch(self, state: Scheduler, entry: ModelEntry, dev: DeviceState, start: float
                       ) -> list[InferenceRequest]:
@@ -171,7 +270,11 @@ class ClockworkPolicy:
         smaller batches while the backlog grows (measured: goodput fell to 40% of capacity).
         """
         spec = entry.spec
-        cands = entry.queue.first(4 * spec.max_batch_size)
+        q = entry.queue
+        if q.requests == 1:  # one request queued (most models, most of the time): it is the batch
+            head = q.head()
+            return [head] if head is not None else []
+        cands = q.first(4 * spec.max_batch_size)
         if not cands:
             return []
         rank = cands[0].rank
@@ -222,21 +325,26 @@ class ClockworkPolicy:
                 best_rows, best_at = rows, i
         return best_rows, best_at
 
-    def _drop_late(self, state: Scheduler, dev: DeviceState, mine: list[ModelEntry], start: float, now: float,
-                   seen: set[str]) -> None:
-        """Heads that cannot start in time even when this device (the soonest holding them) frees."""
-        for entry in mine:
-            key = entry.spec.key
-            if key in seen:
+    def _drop_late(self, state: Scheduler, dev: DeviceState, start: float, now: float) -> None:
+        """Heads that cannot start in time even when this device frees, where no device holding
+        them frees sooner: answered now (the latest-start index reaches exactly those)."""
+        late = self._late(dev.name)
+        keep: list[tuple[str, float]] = []
+        while (top := late.top()) is not None and top[1] < start:
+            _, _, key = late.pop()  # type: ignore[misc]
+            entry = state.models.get(key)
+            if entry is None or not dev.memory.is_ready(key):
                 continue
             while (head := entry.queue.head()) is not None:
-                run = self._est(state, key, head.samples, dev)
-                if start <= head.deadline - run or \
-                        self._sooner_elsewhere(state, key, head.samples, dev, head.deadline, now):
+                latest = head.deadline - self._est(state, key, head.samples, dev)
+                if start <= latest or self._sooner_elsewhere(state, key, head.samples, dev, head.deadline, now):
+                    keep.append((key, latest))
                     break
                 entry.queue.pop()
                 state.fail_request(head, state.deadline_error(head, now), now)
                 self._dropped(key, now)
+        for key, latest in keep:
+            late.push(key, 0, latest)
 
     @staticmethod
     def _slow_here(state: Scheduler, key: str, samples: int, dev: DeviceState, run: float) -> bool:
@@ -256,48 +364,61 @@ class ClockworkPolicy:
                 return True
         return False
 
-    def _dispatch(self, state: Scheduler, dev: DeviceState, mine: list[ModelEntry], start: float, now: float,
-                  seen: set[str]) -> bool:
+    def _dispatch(self, state: Scheduler, dev: DeviceState, start: float, now: float) -> bool:
         """Plan one batch on `dev` starting at `start`; False when there is nothing to run there."""
-        best: tuple[tuple[int, float], ModelEntry] | None = None
-        for entry in mine:
-            key = entry.spec.key
-            while (head := entry.queue.head()) is not None:
-                run = self._est(state, key, head.samples, dev)
-                latest_start = head.deadline - run
-                if start <= latest_start:
-                    break
-                if key in seen:
-                    head = None  # a device that frees sooner already judged this model
-                    break
+        work = self.work[dev.name]
+        stash: list[tuple[str, float, float]] = []  # models left to other devices in this pass
+        chosen: tuple[ModelEntry, InferenceRequest, float] | None = None
+        while (top := work.pop()) is not None:
+            rank, latest_key, key = top
+            entry = state.models.get(key)
+            if entry is None or not dev.memory.is_ready(key):
+                continue
+            head = entry.queue.head()
+            if head is None:
+                continue
+            run = self._est(state, key, head.samples, dev)
+            latest_start = head.deadline - run
+            if (head.rank, latest_start) > (rank, latest_key):
+                nxt = work.top()
+                if nxt is not None and nxt < (head.rank, latest_start):
+                    work.push(key, head.rank, latest_start)  # less urgent than it was: in its place
+                    continue
+            if start > latest_start:
                 if self._sooner_elsewhere(state, key, head.samples, dev, head.deadline, now):
-                    head = None  # too slow here, but another device holding it can make it
-                    break
-                # No device holding the model can finish it in time: answer at once.
+                    stash.append((key, head.rank, latest_start))  # too slow here: another device makes it
+                    continue
+                # No device holding the model can finish it in time: answer at once, look again.
                 entry.queue.pop()
                 state.fail_request(head, state.deadline_error(head, now), now)
                 self._dropped(key, now)
-            if head is None:
+                if (h := entry.queue.head()) is not None:
+                    work.push(key, h.rank, h.deadline - self._est(state, key, h.samples, dev))
                 continue
             if not dev.healthy_for(key, now) and any(
                     state.devices[n].healthy_for(key, now) for n in state.ready_on.get(key, ()) if n != dev.name):
-                continue  # its INFERs failed here just now: leave the model to a device where they did not
+                stash.append((key, head.rank, latest_start))  # its INFERs failed here just now
+                continue
             if (start > now or self._slow_here(state, key, head.samples, dev, run)) and \
                     self._sooner_elsewhere(state, key, head.samples, dev, start + run, now):
-                continue  # busy or running slow: leave the model to a device that finishes it sooner
-            urgency = (head.rank, latest_start)
-            if best is None or urgency < best[0]:
-                best = (urgency, entry)
-        if best is None:
+                stash.append((key, head.rank, latest_start))  # busy or slow: a device that finishes sooner
+                continue
+            chosen = (entry, head, latest_start)
+            break
+        for key, rank, latest in stash:
+            work.push(key, rank, latest)
+        if chosen is None:
             return False
-        entry = best[1]
+        entry, head, latest_start = chosen
         spec, q = entry.spec, entry.queue
         bind = self._bind_at(state, entry, dev, start, now)
-        if bind > now and all(e is entry or not e.queue.requests for e in mine):
+        if bind > now and not work:
+            work.push(spec.key, head.rank, latest_start)
             self._wake = bind if self._wake is None else min(self._wake, bind)  # a fuller batch soon: decide then
             return False
         taken = self._choose_batch(state, entry, dev, start)
         if not taken:
+            work.push(spec.key, head.rank, latest_start)
             return False
         for r in taken:
             q.take(r)
@@ -308,6 +429,8 @@ class ClockworkPolicy:
         latest = max(deadline - run, start + LATEST_GRACE)
         action = state.issue_infer(spec, dev, taken, b, now, earliest=now, latest=latest, expected=run)
         action.expected_start = self._timeline(dev).exec.add(action.id, run, now)
+        if (h := q.head()) is not None:
+            work.push(spec.key, h.rank, h.deadline - self._est(state, spec.key, h.samples, dev))
         return True
 
     def _bind_at(self, state: Scheduler, entry: ModelEntry, dev: DeviceState, start: float, now: float) -> float:
@@ -341,32 +464,57 @@ class ClockworkPolicy:
 
     # ---------------------------------------------------------------- memory
 
-    def _plan_memory(self, state: Scheduler, active: list[ModelEntry], now: float) -> None:
+    def _plan_memory(self, state: Scheduler, now: float) -> None:
+        """Loads for the most urgent unmet demand: cold models with work first by their head's
+        deadline (a load takes a copy lane for a while, and a model whose requests expire first
+        must not wait behind newer ones), then replicas of models their devices cannot keep up
+        with. While every copy lane is busy, only the most urgent cold heads are checked, and
+        answered now if no LOAD could serve them in time."""
         wanted: list[tuple[float, float, ModelEntry]] = []
-        for entry in active:
-            key = entry.spec.key
+        for key in self._replica_check:
+            entry = state.models.get(key)
             placed = state.placed_on.get(key)
-            head = entry.queue.head()
-            if head is None:
+            head = entry.queue.head() if entry is not None else None
+            if entry is None or head is None or not placed or len(placed) >= len(state.devices):
                 continue
-            if not placed:
-                # Cold: the most urgent unmet demand first (a load takes a copy lane for a while,
-                # and a model whose requests expire first must not wait behind newer ones), then
-                # the most queued work.
-                wanted.append((head.deadline, -self._backlog(state, entry), entry))
-            elif len(placed) < len(state.devices) and self._needs_replica(
-                    state, entry, [state.devices[n] for n in placed], now):
+            if self._needs_replica(state, entry, [state.devices[n] for n in placed], now):
                 wanted.append((head.deadline, 0.0, entry))
+        self._replica_check.clear()
         wanted.sort(key=lambda w: w[:2])
         limit = now + self.horizon
-        lanes_free = True
-        for *_, entry in wanted:
-            if lanes_free and all(self._timeline(d).copy.free_at(now) >= limit for d in state.devices.values()):
-                lanes_free = False  # every copy lane is busy: plan more loads as they drain
+        later: list[tuple[str, float, float]] = []  # cold models looked at and still cold
+        checked = 0
+
+        def free_lanes() -> bool:
+            return any(self._timeline(d).copy.free_at(now) < limit for d in state.devices.values())
+
+        lanes_free = free_lanes()
+        while (top := self.cold.top()) is not None or wanted:
+            if wanted and (top is None or wanted[0][0] < top[0]):
+                _, _, entry = wanted.pop(0)
+                if lanes_free and self._place(state, entry, now):
+                    lanes_free = free_lanes()
+                continue
+            deadline, minus_backlog, key = self.cold.pop()  # type: ignore[misc]
+            entry = state.models.get(key)
+            if entry is None or state.placed_on.get(key) or (head := entry.queue.head()) is None:
+                continue
+            current = (head.deadline, -self._backlog(state, entry))
+            if current > (deadline, minus_backlog):
+                self.cold.push(key, *current)  # less urgent than it was: in its place
+                continue
             if lanes_free:
-                self._place(state, entry, now)
-            elif not state.placed_on.get(entry.spec.key):
+                if self._place(state, entry, now):
+                    lanes_free = free_lanes()
+            else:
                 self._drop_unloadable(state, entry, now)
+            if not state.placed_on.get(key) and (h := entry.queue.head()) is not None:
+                later.append((key, h.deadline, -self._backlog(state, entry)))
+                checked += 1
+            if checked >= COLD_CHECKS:
+                break  # the rest are less urgent: looked at as lanes drain and loads land
+        for key, deadline, minus_backlog in later:
+            self.cold.push(key, deadline, minus_backlog)
 
     def _drop_unloadable(self, state: Scheduler, entry: ModelEntry, now: float) -> None:
         """Answer at once the queued requests of a cold model that no LOAD could serve in time."""
@@ -390,19 +538,23 @@ class ClockworkPolicy:
 
     def _utilisation(self, state: Scheduler, dev: DeviceState, leaving: list[str], now: float) -> float:
         """Seconds of work per second the models on `dev` bring it (their arrival rates times their
-        cost per sample at their largest batch, shared among their replicas), without `leaving`."""
-        total = 0.0
-        for k in dev.memory.models():
-            if k in leaving:
-                continue
-            entry = state.models.get(k)
-            meter = self.rates.get(k)
-            if entry is None or meter is None:
-                continue
-            b = entry.spec.max_batch_size
-            replicas = len(state.placed_on.get(k, ())) or 1
-            total += meter.value(now) * self._est(state, k, b, dev) / b / replicas
-        return total
+        cost per sample at their largest batch, shared among their replicas), without `leaving`.
+        A device's sum is made at most every UTIL_REFRESH seconds (its rates decay over a second;
+        it spreads load in steps of a tenth of a device), and again after a LOAD or UNLOAD there."""
+        cached = self._util.get(dev.name)
+        if cached is None or now - cached[0] > UTIL_REFRESH:
+            parts: dict[str, float] = {}
+            for k in dev.memory.models():
+                entry = state.models.get(k)
+                meter = self.rates.get(k)
+                if entry is None or meter is None:
+                    continue
+                b = entry.spec.max_batch_size
+                replicas = len(state.placed_on.get(k, ())) or 1
+                parts[k] = meter.value(now) * self._est(state, k, b, dev) / b / replicas
+            cached = self._util[dev.name] = (now, sum(parts.values()), parts)
+        _, total, parts = cached
+        return total - sum(parts.get(k, 0.0) for k in leaving)
 
     def _cold_cost(self, state: Scheduler, entry: ModelEntry, kind: str, now: float) -> float:
         """Copy-lane seconds per second the model would cost if every request found it cold."""
@@ -433,7 +585,8 @@ class ClockworkPolicy:
         capacity = sum(b / max(self._est(state, key, b, d), 1e-9) for d in placed)
         return meter.value(now) > REPLICA_UTILISATION * capacity
 
-    def _place(self, state: Scheduler, entry: ModelEntry, now: float) -> None:
+    def _place(self, state: Scheduler, entry: ModelEntry, now: float) -> bool:
+        """Issue a LOAD of `entry` (and the UNLOADs that make room for it); True if one was issued."""
         key, nbytes = entry.spec.key, entry.weight_bytes
         head = entry.queue.head()
 
@@ -482,7 +635,7 @@ class ClockworkPolicy:
             load = round(self._utilisation(state, dev, victims, now) * 10)
             options.append((sum(wanted(k) for k in victims), len(victims) > 0, load, finish, dev.name, dev, victims))
         if not options:
-            return
+            return False
         finish = min(o[3] for o in options)
         if head is not None and not any(d.memory.state(key) is not None for d in state.devices.values()):
             # Cold: a head that even the best LOAD cannot save is answered now; the load still
@@ -491,15 +644,17 @@ class ClockworkPolicy:
                 entry.queue.pop()
                 state.fail_request(h, state.deadline_error(h, now), now)
             if entry.queue.head() is None:
-                return
+                return False
         *_, dev, victims = min(options, key=lambda o: o[:5])
         for k in victims:
             victim = state.models.get(k)
             if victim is not None:
                 state.issue_unload(victim.spec, dev, now)
+        self._util.pop(dev.name, None)
         action = state.issue_load(entry.spec, dev, now)
         est = self._load_est(state, entry, dev.kind)
         action.expected_duration = est
         action.expected_start = self._timeline(dev).copy.add(action.id, est, now)
         if any(d.memory.state(key) is not None for d in state.devices.values() if d is not dev):
             self.replicated_at[key] = now
+        return True

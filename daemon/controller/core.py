@@ -263,9 +263,12 @@ class Scheduler:
         if hit is not None and hit[2] == version and est.now <= hit[1]:  # no estimate of it changed since
             return hit[0]
         best, until = math.inf, math.inf
-        for d in self.devices.values():
-            rows = req.samples if d.kind in EXACT_ROW_KINDS else spec.batch_size_for(req.samples)
-            e, valid = est.infer_until(spec.key, rows, d.kind, d.name)
+        # The devices holding the model (their recent runs), and each kind's profile: what any other
+        # device would run it in once loaded (a device's own runs count only while it holds it).
+        where = [(self.devices[n].kind, n) for n in self.ready_on.get(spec.key, ())]
+        for kind, name in where + [(k, None) for k in self.kinds]:
+            rows = req.samples if kind in EXACT_ROW_KINDS else spec.batch_size_for(req.samples)
+            e, valid = est.infer_until(spec.key, rows, kind, name)
             if e is not None:
                 best, until = min(best, e), min(until, valid)
         best = best if best < math.inf else 0.0
@@ -292,14 +295,17 @@ class Scheduler:
 
     def schedule(self, now: float) -> Decision:
         self.estimator.now = now
-        flush, items, stragglers = self.coding.due(now)
-        self._apply_coding(items, now)
-        for m in stragglers:
-            self._replicate(m.action, now)
-        for g in flush:
-            self._protect_partial(g, now)
-        self._expire(now)
-        self._watch_overdue(now)
+        if self.coding.groups:
+            flush, items, stragglers = self.coding.due(now)
+            self._apply_coding(items, now)
+            for m in stragglers:
+                self._replicate(m.action, now)
+            for g in flush:
+                self._protect_partial(g, now)
+        if self._expiry and self._expiry[0][0] <= now:
+            self._expire(now)
+        if self._overdue and self._overdue[0][0] <= now:
+            self._watch_overdue(now)
         self.policy.schedule(self, now)
         return self._take()
 
@@ -353,6 +359,11 @@ class Scheduler:
     def deadline_error(req: InferenceRequest, now: float) -> DeadlineExceeded:
         return DeadlineExceeded(f"deadline cannot be met: {max(req.deadline - now, 0) * 1e3:.3f} ms left after "
                                 f"{(now - req.arrival) * 1e3:.3f} ms queued")
+
+    @property
+    def pending_actions(self) -> list[Action]:
+        """Actions issued since the last decision was taken (a policy sees what it has issued)."""
+        return self._decision.actions
 
     def _take(self) -> Decision:
         d, self._decision = self._decision, Decision()
@@ -423,6 +434,9 @@ class Scheduler:
     def issue_unload(self, spec: ModelSpec, dev: DeviceState, now: float) -> Action:
         dev.memory.release(spec.key)
         self._unplace(spec.key, dev.name)
+        entry = self.models.get(spec.key)
+        if entry is not None and entry.queue.requests and not self.placed_on.get(spec.key):
+            self.policy.on_queued(self, entry, now)  # evicted with work waiting: cold now
         dev.load_inflight += 1
         self.counters["unloads"] += 1
         return self.issue(Action(ActionKind.UNLOAD, spec, dev.name, now, float("inf"), expected_start=now), now)
@@ -546,6 +560,7 @@ class Scheduler:
         if retry and entry is not None:
             entry.queue.push_front(retry)
             self._active.add(key)
+            self.policy.on_queued(self, entry, now)
 
     # ---------------------------------------------------------------- coding (ParM)
 
@@ -698,9 +713,14 @@ class Scheduler:
         self.counters["devices_lost"] += 1
         log.critical("device %s is lost: %s; %d of %d devices left", dev.name, dev.failed,
                      len(self.devices) - self.lost, len(self.devices))
-        for key in dev.memory.models():
+        held = dev.memory.models()
+        for key in held:
             self._unplace(key, dev.name)
         dev.memory.retire()
+        for key in held:
+            entry = self.models.get(key)
+            if entry is not None and entry.queue.requests:
+                self.policy.on_queued(self, entry, now)
         if self.lost == len(self.devices):
             err = Unavailable("every device of this daemon has failed")
             for entry in self.models.values():

@@ -15,7 +15,7 @@ from daemon.config import ControllerSettings
 from daemon.request import InferenceRequest
 
 if TYPE_CHECKING:
-    from daemon.controller.core import Scheduler
+    from daemon.controller.core import ModelEntry, Scheduler
 
 
 class Policy(Protocol):
@@ -27,6 +27,11 @@ class Policy(Protocol):
 
     def on_submit(self, state: Scheduler, req: InferenceRequest, now: float) -> None:
         """A request was admitted (after it joined its queue)."""
+        ...
+
+    def on_queued(self, state: Scheduler, entry: ModelEntry, now: float) -> None:
+        """A model gained queued work other than by an arrival: requests returned to its queue, or
+        its weights left the last device holding them while it has work."""
         ...
 
     def on_result(self, state: Scheduler, result: Result, now: float) -> None:
