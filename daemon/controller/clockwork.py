@@ -127,7 +127,6 @@ class ClockworkPolicy:
         self.replicated_at: dict[str, float] = {}
         self.copy_busy: dict[str, RateMeter] = {}  # device -> LOAD seconds per second
         self.drops: dict[str, RateMeter] = {}  # model -> requests/s its devices could not run in time
-        self._wake: float | None = None
         # What a pass looks at, kept up to date as requests arrive and results come back: per
         # device, its ready models with work by urgency (and by latest start, for dropping what
         # cannot make it); cold models with work by deadline; models whose arrivals may ask for
@@ -137,11 +136,15 @@ class ClockworkPolicy:
         self.cold = WorkIndex()
         self._replica_check: set[str] = set()
         self._util: dict[str, tuple[float, float, dict[str, float]]] = {}  # device -> (when, sum, parts)
+        # Devices a pass must look at: those whose work or lanes changed since the last pass, and
+        # those whose horizon reaches their next free time now (`_dev_wake`).
+        self._dirty: set[str] = set()
+        self._dev_wake: dict[str, float] = {}
 
     # ---------------------------------------------------------------- hooks
 
     def next_wakeup(self, state: Scheduler, now: float) -> float | None:
-        return self._wake
+        return min(self._dev_wake.values(), default=None)
 
     def on_submit(self, state: Scheduler, req: InferenceRequest, now: float) -> None:
         key = req.model.key
@@ -167,6 +170,7 @@ class ClockworkPolicy:
             latest = head.deadline - self._est(state, key, head.samples, dev)
             self._index(name).push(key, head.rank, latest)
             self._late(name).push(key, 0, latest)
+            self._dirty.add(name)
         if len(placed) < len(state.devices):
             self._replica_check.add(key)
 
@@ -181,6 +185,7 @@ class ClockworkPolicy:
             entry = state.models.get(action.model.key)
             if entry is not None and entry.queue.requests:
                 self.on_queued(state, entry, now)  # ready here now, or cold again
+        self._dirty.add(action.device)
         tl = self.timelines.get(action.device)
         if tl is None:
             return
@@ -203,6 +208,7 @@ class ClockworkPolicy:
         # Parity batches and replicas take device time like any INFER: plan around them.
         dev = state.devices[action.device]
         action.expected_start = self._timeline(dev).exec.add(action.id, action.expected_duration, now)
+        self._dirty.add(dev.name)
 
     def _timeline(self, dev: DeviceState) -> DeviceTimeline:
         tl = self.timelines.get(dev.name)
@@ -213,7 +219,9 @@ class ClockworkPolicy:
     # ---------------------------------------------------------------- the step
 
     def schedule(self, state: Scheduler, now: float) -> None:
-        self._wake = None
+        if not (self._dirty or self.cold or self._replica_check) and \
+                min(self._dev_wake.values(), default=math.inf) > now:
+            return  # nothing changed since the last pass, and no device's time has come
         # Inference first: a model whose LOAD just finished gets its batch (and is then busy)
         # before any other LOAD may look for room.
         self._plan_inference(state, now)
@@ -241,22 +249,26 @@ class ClockworkPolicy:
 
     def _plan_inference(self, state: Scheduler, now: float) -> None:
         limit = now + self.horizon
-        timelines = self.timelines
+        timelines, work_of, dirty = self.timelines, self.work, self._dirty
+        for name, wake in list(self._dev_wake.items()):
+            if wake <= now:
+                dirty.add(name)
+                del self._dev_wake[name]
         order = sorted((timelines[n].exec.free_at(now) if n in timelines else now, n)
-                       for n, w in self.work.items() if w.live)
+                       for n in dirty if n in work_of and work_of[n].live)
+        dirty.clear()
         for start, name in order:
             dev = state.devices[name]
             lane = self._timeline(dev).exec
-            work = self.work[name]
-            while start < limit and work:
+            work = work_of[name]
+            while start < limit and work.live:
                 if not self._dispatch(state, dev, start, now):
                     break
                 start = lane.free_at(now)
-            if start >= limit and work:
+            if start >= limit and work.live:
                 self._drop_late(state, dev, start, now)
-                if work:
-                    wake = start - self.horizon
-                    self._wake = wake if self._wake is None else min(self._wake, wake)
+                if work.live:
+                    self._dev_wake[name] = start - self.horizon
 
     def _choose_batch(self, state: Scheduler, entry: ModelEntry, dev: DeviceState, start: float
                       ) -> list[InferenceRequest]:
@@ -398,6 +410,8 @@ class ClockworkPolicy:
             if not dev.healthy_for(key, now) and any(
                     state.devices[n].healthy_for(key, now) for n in state.ready_on.get(key, ()) if n != dev.name):
                 stash.append((key, head.rank, latest_start))  # its INFERs failed here just now
+                until = dev.failing[key]
+                self._dev_wake[dev.name] = min(until, self._dev_wake.get(dev.name, until))
                 continue
             if (start > now or self._slow_here(state, key, head.samples, dev, run)) and \
                     self._sooner_elsewhere(state, key, head.samples, dev, start + run, now):
@@ -414,7 +428,7 @@ class ClockworkPolicy:
         bind = self._bind_at(state, entry, dev, start, now)
         if bind > now and not work:
             work.push(spec.key, head.rank, latest_start)
-            self._wake = bind if self._wake is None else min(self._wake, bind)  # a fuller batch soon: decide then
+            self._dev_wake[dev.name] = min(bind, self._dev_wake.get(dev.name, bind))  # a fuller batch soon
             return False
         taken = self._choose_batch(state, entry, dev, start)
         if not taken:

@@ -366,7 +366,9 @@ class Scheduler:
         return self._decision.actions
 
     def _take(self) -> Decision:
-        d, self._decision = self._decision, Decision()
+        d = self._decision
+        if d.actions or d.finished:  # (most passes decide nothing: no new object for those)
+            self._decision = Decision()
         return d
 
     def _finish(self, req: InferenceRequest, status: RequestStatus, error: EscapementError | None,
