@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.utils import floatToGoString
 
-from daemon.controller.core import Scheduler
+from daemon.controller.scheduler import Scheduler
 from daemon.controller.telemetry import Buckets, ModelStats
 from daemon.overload import LagTracker
 

@@ -35,8 +35,8 @@ from daemon.api.uds import SocketFrontend
 from daemon.clock import Clock, MonotonicClock
 from daemon.coding import codes
 from daemon.config import Settings, parse_hostport
-from daemon.controller.core import Scheduler
 from daemon.controller.policy import make_policy
+from daemon.controller.scheduler import Scheduler
 from daemon.controller.service import ControllerService
 from daemon.controller.telemetry import Telemetry, TraceWriter
 from daemon.errors import BadRequest, ConfigError, NotFound, Overloaded, Unavailable

@@ -1,11 +1,9 @@
 """Simulated devices (`sim:N`): the real scheduler and policy, driven in virtual time.
 
-A `Simulation` runs the same `Scheduler` and policy the daemon runs, against simulated
-executors whose actions take the durations of latency profiles (with optional noise and
-injected slowdowns) in virtual time. Thousands of models on many devices run faster than real
-time, and a run is deterministic for a given seed. Simulated executors keep the executor
-contract: lanes run actions in order of `earliest`, refuse those that cannot start by
-`latest`, enforce the weight budget, and report timings.
+A `Simulation` runs the same `Scheduler`, policy and control step (`Driver`) the daemon runs,
+against simulated executors (runtime/simdevice.py) whose actions take the durations of latency
+profiles (with optional noise and injected slowdowns) in virtual time. Thousands of models on
+many devices run faster than real time, and a run is deterministic for a given seed.
 
 The default profiles are Clockwork's published V100 figures (`reference/clockwork.md`):
 ResNet18, ResNet50, ResNet152 and SE-ResNeXt101.
@@ -15,7 +13,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,36 +20,19 @@ from pathlib import Path
 
 import numpy as np
 
-from daemon.actions import Action, ActionKind, Result, ResultStatus
+from daemon.actions import Result
 from daemon.clock import VirtualClock
 from daemon.config import ControllerSettings
-from daemon.controller.core import Decision, Scheduler
+from daemon.controller.driver import Driver
 from daemon.controller.policy import Policy
+from daemon.controller.scheduler import Decision, Scheduler
 from daemon.datatypes import BY_NAME
 from daemon.repository import ModelSpec, TensorSpec
 from daemon.request import InferenceRequest, RequestStatus
 from daemon.runtime.devices import Device
+from daemon.runtime.simdevice import SimExecutor, SimProfile, Slowdown
 
 MB = 1e6
-
-
-@dataclass(frozen=True)
-class SimProfile:
-    """What a model costs on a simulated device: LOAD seconds, INFER seconds per batch size."""
-
-    weight_bytes: int
-    load_s: float
-    infer_s: dict[int, float]
-
-    def infer(self, batch: int) -> float:
-        if batch in self.infer_s:
-            return self.infer_s[batch]
-        sizes = sorted(self.infer_s)
-        lo = max((b for b in sizes if b <= batch), default=sizes[0])
-        hi = min((b for b in sizes if b >= batch), default=sizes[-1])
-        if lo == hi:
-            return self.infer_s[lo] * batch / lo
-        return self.infer_s[lo] + (self.infer_s[hi] - self.infer_s[lo]) * (batch - lo) / (hi - lo)
 
 
 def _ms(d: dict[int, float]) -> dict[int, float]:
@@ -72,114 +52,6 @@ def sim_spec(name: str, max_batch: int = 16, slo_s: float = 0.1) -> ModelSpec:
     fp32 = BY_NAME["FP32"]
     return ModelSpec(name, 1, Path(f"/sim/{name}"), "pt2", (TensorSpec("x", fp32, (-1, 1)),),
                      (TensorSpec("y", fp32, (-1, 1)),), max_batch, slo_s)
-
-
-@dataclass
-class Slowdown:
-    """Makes a device slower: `factor` x durations, plus `add_s`, during [start, end)."""
-
-    device: str
-    factor: float = 1.0
-    add_s: float = 0.0
-    start: float = 0.0
-    end: float = math.inf
-
-    def applies(self, device: str, t: float) -> bool:
-        return device == self.device and self.start <= t < self.end
-
-
-class _SimLane:
-    def __init__(self) -> None:
-        self.heap: list[tuple[float, int, Action, float]] = []
-        self.busy_until = 0.0
-        self.free_since = 0.0
-        self.check_at: float | None = None
-
-
-class SimExecutor:
-    """An executor in virtual time."""
-
-    def __init__(self, device: Device, sim: Simulation) -> None:
-        self.device = device
-        self.sim = sim
-        self.lanes = {"infer": _SimLane(), "load": _SimLane()}
-        self.resident: set[str] = set()
-        self.used = 0
-        self.busy_s = 0.0
-
-    def submit(self, action: Action) -> None:
-        lane = self.lanes["infer" if action.kind == ActionKind.INFER else "load"]
-        now = self.sim.clock.now()
-        heapq.heappush(lane.heap, (action.earliest, action.id, action, now))
-        self._arm(lane, now)
-
-    def _arm(self, lane: _SimLane, now: float) -> None:
-        if not lane.heap:
-            return
-        at = max(now, lane.busy_until, lane.heap[0][0])
-        if lane.check_at is None or at < lane.check_at:
-            lane.check_at = at
-            self.sim.at(at, lambda: self._start(lane))
-
-    def _duration(self, base: float, t: float) -> float:
-        d = base
-        for s in self.sim.slowdowns:
-            if s.applies(self.device.name, t):
-                d = d * s.factor + s.add_s
-        if self.sim.noise > 0:
-            d *= float(self.sim.rng.lognormal(0.0, self.sim.noise))
-        return d
-
-    def _start(self, lane: _SimLane) -> None:
-        now = self.sim.clock.now()
-        if lane.check_at is not None and now < lane.check_at:
-            return  # superseded by an earlier check
-        lane.check_at = None
-        if not lane.heap or now < lane.busy_until or lane.heap[0][0] > now:
-            self._arm(lane, now)
-            return
-        _, _, action, received = heapq.heappop(lane.heap)
-        ready = max(action.earliest, received, lane.free_since)
-        if now > action.latest:
-            self.sim.post(Result(action, ResultStatus.TOO_LATE, received, now, now, ready_at=ready,
-                                 error="could not start by latest"))
-            self._arm(lane, now)
-            return
-        status, error, d, outputs, nbytes = self._work(action, now)
-        lane.busy_until = now + d
-        self.busy_s += d if action.kind == ActionKind.INFER else 0.0
-
-        def finish() -> None:
-            end = self.sim.clock.now()
-            lane.free_since = end
-            if action.kind == ActionKind.UNLOAD and status == ResultStatus.OK:
-                self.resident.discard(action.model.key)
-                self.used -= nbytes
-            if action.kind == ActionKind.LOAD and status == ResultStatus.OK:
-                self.resident.add(action.model.key)
-            self.sim.post(Result(action, status, received, now, end, d, outputs, error, nbytes, ready_at=ready))
-            self._arm(lane, end)
-
-        self.sim.at(now + d, finish)
-
-    def _work(self, action: Action, now: float) -> tuple[ResultStatus, str, float, tuple[np.ndarray, ...] | None, int]:
-        key = action.model.key
-        prof = self.sim.profiles[key]
-        if action.kind == ActionKind.INFER:
-            if key not in self.resident:
-                return ResultStatus.FAILED, f"weights of {key} are not on {self.device.name}", 0.0, None, 0
-            rows = action.samples  # simulated devices run exactly the filled rows, like CPU ones
-            return ResultStatus.OK, "", self._duration(prof.infer(rows), now), (self.sim.zeros[:rows],), 0
-        if action.kind == ActionKind.LOAD:
-            if key in self.resident:
-                return ResultStatus.FAILED, "already loaded", 0.0, None, 0
-            if self.used + prof.weight_bytes > self.device.weight_budget:
-                return ResultStatus.FAILED, "insufficient weight memory", 0.0, None, 0
-            self.used += prof.weight_bytes  # reserved from the start, as real executors do
-            return ResultStatus.OK, "", self._duration(prof.load_s, now), None, prof.weight_bytes
-        if key not in self.resident:
-            return ResultStatus.FAILED, "not loaded", 0.0, None, 0
-        return ResultStatus.OK, "", 1e-6, None, prof.weight_bytes
 
 
 @dataclass
@@ -292,6 +164,7 @@ class Simulation:
         index: dict[int, int] = {}
         x = np.zeros((1, 1), np.float32)
         sched = self.scheduler
+        driver = Driver(sched)
         wall0 = time.perf_counter()
 
         def arrive(i: int) -> None:
@@ -300,7 +173,7 @@ class Simulation:
             req = InferenceRequest(spec, (x,), 1, now, now + spec.slo_s)
             index[req.id] = i
             try:
-                self._timed(lambda: (sched.submit(req, now), Decision())[1])
+                self._timed(lambda: (driver.submit(req, now), Decision())[1])
             except Exception as e:  # refused at admission
                 index.pop(req.id, None)
                 records.finish[i] = now
@@ -318,10 +191,8 @@ class Simulation:
             if self.events and self.events[0][0] <= t:
                 continue  # coalesce everything at this instant into one scheduling step
             results, self._pending_results = self._pending_results, []
-            for r in results:
-                self._apply(self._timed(lambda r=r: sched.on_result(r, self.clock.now())), records, index)
-            self._apply(self._timed(lambda: sched.schedule(self.clock.now())), records, index)
-            wake = sched.next_wakeup(self.clock.now())
+            self._apply(self._timed(lambda r=results: driver.step(self.clock.now(), r)), records, index)
+            wake = driver.next_wakeup(self.clock.now())
             if wake is not None and wake != self._wake_at:
                 self._wake_at = wake
                 self.at(max(wake, self.clock.now()), lambda: None)

@@ -34,7 +34,7 @@ from bench import loadgen, results
 from bench.scenarios.common import demo_repo, measure, spec_of
 from bench.servers import Escapement
 from daemon.coding import trainer
-from daemon.controller.clockwork import ClockworkPolicy
+from daemon.controller.policies.clockwork import ClockworkPolicy
 from daemon.repository import ParitySpec, parity_model, scan
 from daemon.runtime.program import load_program
 from daemon.sim import CLOCKWORK_V100, Simulation, random_bursts, sim_spec

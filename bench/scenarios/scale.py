@@ -23,7 +23,7 @@ import numpy as np
 from bench import loadgen, results
 from bench.scenarios.common import command
 from daemon.config import ControllerSettings
-from daemon.controller.clockwork import ClockworkPolicy
+from daemon.controller.policies.clockwork import ClockworkPolicy
 from daemon.sim import CLOCKWORK_V100, SimProfile, Simulation, sim_spec
 
 GIB = 2**30

@@ -18,8 +18,8 @@ import numpy as np
 from bench import loadgen, results
 from bench.scenarios.common import command
 from daemon.config import PolicyName
-from daemon.controller.batching import DynamicBatchingPolicy
-from daemon.controller.clockwork import ClockworkPolicy
+from daemon.controller.policies.clockwork import ClockworkPolicy
+from daemon.controller.policies.dynamic import DynamicBatchingPolicy
 from daemon.controller.policy import Policy
 from daemon.sim import Simulation, clockwork_models
 

@@ -16,7 +16,7 @@ import orjson
 
 from daemon import metrics
 from daemon.api.httpserver import Request, Response, Router
-from daemon.controller.core import Scheduler
+from daemon.controller.scheduler import Scheduler
 from daemon.controller.telemetry import ModelStats, Span
 from daemon.registry import ModelState
 from daemon.repository import ModelSpec

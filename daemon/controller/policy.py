@@ -15,7 +15,8 @@ from daemon.config import ControllerSettings
 from daemon.request import InferenceRequest
 
 if TYPE_CHECKING:
-    from daemon.controller.core import ModelEntry, Scheduler
+    from daemon.controller.scheduler import Scheduler
+    from daemon.controller.state import ModelEntry
 
 
 class Policy(Protocol):
@@ -45,11 +46,11 @@ class Policy(Protocol):
 
 def make_policy(settings: ControllerSettings) -> Policy:
     if settings.policy == "dynamic":
-        from daemon.controller.batching import DynamicBatchingPolicy
+        from daemon.controller.policies.dynamic import DynamicBatchingPolicy
 
         return DynamicBatchingPolicy(max_queue_delay=settings.max_queue_delay_ms / 1000.0)
     if settings.policy == "clockwork":
-        from daemon.controller.clockwork import ClockworkPolicy
+        from daemon.controller.policies.clockwork import ClockworkPolicy
 
         return ClockworkPolicy(schedule_ahead=settings.schedule_ahead_ms / 1000.0,
                                batch_wait=settings.batch_wait_ms / 1000.0)

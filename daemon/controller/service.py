@@ -15,11 +15,16 @@ from typing import Protocol
 
 from daemon.actions import Action, Result
 from daemon.clock import Clock
-from daemon.controller.core import Decision, Scheduler
+from daemon.controller.driver import Driver
+from daemon.controller.scheduler import Decision, Scheduler
 from daemon.errors import Unavailable
 from daemon.request import InferenceRequest
 
 log = logging.getLogger("escapement.controller")
+
+
+def _result_failed(result: Result, e: Exception) -> None:
+    log.error("applying the result of %r failed", result.action, exc_info=e)
 
 
 class ActionSink(Protocol):
@@ -30,6 +35,7 @@ class ControllerService:
     def __init__(self, scheduler: Scheduler, executors: Mapping[str, ActionSink], clock: Clock,
                  loop: asyncio.AbstractEventLoop) -> None:
         self.scheduler = scheduler
+        self.driver = Driver(scheduler)
         self.executors = executors
         self.clock = clock
         self.loop = loop
@@ -42,6 +48,7 @@ class ControllerService:
         self._settled = asyncio.Event()  # idle, and no coding group left waiting for a flush
         self._settled.set()
         self._waiters: list[tuple[Callable[[Scheduler], bool], asyncio.Future[None]]] = []
+        self._results: list[Result] = []  # came back since the last step
 
     # ---------------------------------------------------------------- from frontends
 
@@ -49,13 +56,13 @@ class ControllerService:
         """Admit a request (raises the error to answer with if refused)."""
         if not self.accepting:
             raise Unavailable("the daemon is shutting down")
-        self.scheduler.submit(req, self.clock.now())
+        self.driver.submit(req, self.clock.now())
         self._idle.clear()
         self._settled.clear()
         self._kick()
 
     def cancel(self, req: InferenceRequest) -> None:
-        self._deliver(self.scheduler.cancel(req, self.clock.now()))
+        self._deliver(self.driver.cancel(req, self.clock.now()))
         self._kick()
 
     # ---------------------------------------------------------------- from executors
@@ -65,7 +72,7 @@ class ControllerService:
         self.loop.call_soon_threadsafe(self._on_result, result)
 
     def _on_result(self, result: Result) -> None:
-        self._deliver(self.scheduler.on_result(result, self.clock.now()))
+        self._results.append(result)  # applied by the next step, with everything else that came back
         self._kick()
 
     # ---------------------------------------------------------------- the step
@@ -78,8 +85,9 @@ class ControllerService:
     def _step(self) -> None:
         self._dirty = False
         now = self.clock.now()
+        results, self._results = self._results, []
         try:
-            self._deliver(self.scheduler.schedule(now))
+            self._deliver(self.driver.step(now, results, on_error=_result_failed))
         except Exception:  # a bug in a policy must not stop the controller
             log.exception("scheduling step failed")
         self._arm(now)

@@ -9,9 +9,10 @@ import numpy as np
 from daemon.actions import Action, ActionKind, Failure, Result, ResultStatus
 from daemon.clock import FakeClock
 from daemon.config import ControllerSettings
-from daemon.controller.batching import DynamicBatchingPolicy
-from daemon.controller.core import Decision, Scheduler
+from daemon.controller.driver import Driver
+from daemon.controller.policies.dynamic import DynamicBatchingPolicy
 from daemon.controller.policy import Policy
+from daemon.controller.scheduler import Decision, Scheduler
 from daemon.datatypes import BY_NAME
 from daemon.repository import ModelSpec, TensorSpec
 from daemon.request import InferenceRequest
@@ -35,6 +36,7 @@ class Harness:
         settings = ControllerSettings(max_queue_delay_ms=delay / MS, **limits)
         self.sched = Scheduler([Device(f"cpu:{i}", "cpu", i, budget) for i in range(devices)],
                                policy or DynamicBatchingPolicy(delay), settings)
+        self.driver = Driver(self.sched)
         self.actions: list[Action] = []
         self.finished: list[InferenceRequest] = []
 
@@ -60,7 +62,7 @@ class Harness:
         return d.actions
 
     def step(self) -> list[Action]:
-        return self._take(self.sched.schedule(self.now))
+        return self._take(self.driver.step(self.now))
 
     def result(self, action: Action, status: ResultStatus = ResultStatus.OK, duration: float | None = None,
                error: str = "", outputs: tuple[np.ndarray, ...] | None = None,

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from daemon.actions import Action, ActionKind, ResultStatus
-from daemon.controller.clockwork import ClockworkPolicy
+from daemon.controller.policies.clockwork import ClockworkPolicy
 from daemon.controller.telemetry import Histogram
 from daemon.controller.timeline import LaneTimeline
 from daemon.errors import DeadlineExceeded

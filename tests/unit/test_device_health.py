@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from daemon.actions import Action, ActionKind, Failure, ResultStatus
-from daemon.controller.batching import DynamicBatchingPolicy
-from daemon.controller.clockwork import ClockworkPolicy
-from daemon.controller.core import LOAD_BACKOFF, NO_MEMORY_RETRIES
+from daemon.controller.policies.clockwork import ClockworkPolicy
+from daemon.controller.policies.dynamic import DynamicBatchingPolicy
 from daemon.controller.policy import Policy
+from daemon.controller.scheduler import LOAD_BACKOFF, NO_MEMORY_RETRIES
 from daemon.errors import Unavailable
 from daemon.request import InferenceRequest
 from tests.unit.harness import MS, Harness, kinds, make_spec

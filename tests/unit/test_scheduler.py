@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from daemon.actions import ActionKind, ResultStatus
-from daemon.controller.clockwork import ClockworkPolicy
-from daemon.controller.core import FAILURE_COOLDOWN, LOAD_BACKOFF, MAX_FAILURES
+from daemon.controller.policies.clockwork import ClockworkPolicy
+from daemon.controller.scheduler import FAILURE_COOLDOWN, LOAD_BACKOFF, MAX_FAILURES
 from daemon.errors import DeadlineExceeded, InternalError, NotFound, Overloaded, Unavailable
 from daemon.request import RequestStatus
 from tests.unit.harness import MS, Harness, kinds, make_spec

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from daemon.controller.batching import DynamicBatchingPolicy
-from daemon.controller.clockwork import ClockworkPolicy
+from daemon.controller.policies.clockwork import ClockworkPolicy
+from daemon.controller.policies.dynamic import DynamicBatchingPolicy
 from daemon.sim import CLOCKWORK_V100, SimProfile, Simulation, Slowdown, clockwork_models
 
 GIB = 2**30

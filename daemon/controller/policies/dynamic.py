@@ -15,12 +15,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from daemon.actions import Action, Result
-from daemon.controller.core import LATEST_GRACE, DeviceState, ModelEntry
+from daemon.controller.state import LATEST_GRACE, DeviceState, ModelEntry
 from daemon.errors import Unavailable
 from daemon.request import InferenceRequest
 
 if TYPE_CHECKING:
-    from daemon.controller.core import Scheduler
+    from daemon.controller.scheduler import Scheduler
 
 
 class DynamicBatchingPolicy:

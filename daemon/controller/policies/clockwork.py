@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from daemon.actions import Action, ActionKind, Result
-from daemon.controller.core import DeviceState, ModelEntry
 from daemon.controller.estimates import EXACT_ROW_KINDS
+from daemon.controller.state import DeviceState, ModelEntry
 from daemon.controller.timeline import DeviceTimeline
 from daemon.request import InferenceRequest
 
 if TYPE_CHECKING:
-    from daemon.controller.core import Scheduler
+    from daemon.controller.scheduler import Scheduler
 
 LATEST_GRACE = 0.001  # the least room an action's window gets after its planned start
 LOAD_BANDWIDTH_GUESS = 4e9  # bytes/s, for a model's first LOAD before any is measured

@@ -19,7 +19,6 @@ import heapq
 import logging
 import math
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,7 +28,17 @@ from daemon.config import ControllerSettings
 from daemon.controller.coding import DECODE_MARGIN, Coding, Group, MemberState, Release, Save
 from daemon.controller.estimates import EXACT_ROW_KINDS, Estimator
 from daemon.controller.memory import DeviceMemory
-from daemon.controller.queues import ModelQueue
+from daemon.controller.state import (
+    FAILURE_COOLDOWN,
+    LATEST_GRACE,
+    LOAD_BACKOFF,
+    MAX_FAILURES,
+    NO_MEMORY_RETRIES,
+    OVERDUE_GRACE,
+    Decision,
+    DeviceState,
+    ModelEntry,
+)
 from daemon.controller.telemetry import Telemetry
 from daemon.errors import DeadlineExceeded, EscapementError, InternalError, NotFound, Overloaded, Unavailable
 from daemon.repository import ModelSpec, parity_key
@@ -40,59 +49,6 @@ if TYPE_CHECKING:
     from daemon.controller.policy import Policy
 
 log = logging.getLogger("escapement.controller")
-
-LATEST_GRACE = 0.002  # an action may start this much after the plan before it is refused
-FAILURE_COOLDOWN = 1.0  # seconds a model's INFERs keep off a device where one failed (if another holds it)
-LOAD_BACKOFF = (1.0, 30.0)  # a model whose LOAD failed keeps off that device 1, 2, 4 ... at most 30 s
-NO_MEMORY_RETRIES = 3  # LOADs refused for memory in a row before the device is backed off like a failure
-MAX_FAILURES = 2  # a request whose INFER failed this often is answered with the error
-OVERDUE_GRACE = 0.005  # an INFER not back this long after its requests' deadline: answer them 504
-
-
-@dataclass(slots=True, eq=False)
-class DeviceState:
-    device: Device
-    memory: DeviceMemory
-    infer_inflight: int = 0
-    load_inflight: int = 0
-    busy: Counter[str] = field(default_factory=Counter)  # model key -> its actions in flight here
-    # model key -> until when to keep its INFERs off this device (they failed here), while another holds it
-    failing: dict[str, float] = field(default_factory=dict)
-    # model key -> until when no LOAD of it goes here (its LOAD failed here), and failures in a row
-    load_backoff: dict[str, float] = field(default_factory=dict)
-    load_failures: Counter[str] = field(default_factory=Counter)
-    failed: str = ""  # why the device is lost (a sticky error, a hang); "" while it is healthy
-
-    def healthy_for(self, key: str, now: float) -> bool:
-        return self.failing.get(key, 0.0) <= now
-
-    def can_load(self, key: str, now: float) -> bool:
-        """No LOAD of `key` here while backing off from a failed one, or once the device is lost."""
-        return not self.failed and self.load_backoff.get(key, 0.0) <= now
-
-    @property
-    def name(self) -> str:
-        return self.device.name
-
-    @property
-    def kind(self) -> str:
-        return self.device.kind
-
-
-@dataclass(slots=True)
-class Decision:
-    actions: list[Action] = field(default_factory=list)
-    finished: list[InferenceRequest] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class ModelEntry:
-    spec: ModelSpec
-    weight_bytes: int
-    queue: ModelQueue = field(default_factory=ModelQueue)
-    load_failures: int = 0  # LOADs that failed in a row (any device)
-    load_error: str = ""  # the last one's error
-
 
 class Scheduler:
     def __init__(self, devices: list[Device], policy: Policy, settings: ControllerSettings,
