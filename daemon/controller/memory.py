@@ -82,13 +82,21 @@ class DeviceMemory:
         need = nbytes - self.free
         if need <= 0:
             return []
-        candidates = [k for k, (s, _) in self._models.items() if s == Residency.READY and evictable(k)]
-        idle = [k for k in candidates if not wanted(k)]
-        for k in idle:
-            if self._models[k][1] >= need:
+        # In LRU order, lazily: the first idle model that frees enough alone ends the search
+        # (usually after a few models, however many the device holds).
+        idle: list[str] = []
+        in_demand: list[str] = []
+        for k, (s, n) in self._models.items():
+            if s != Residency.READY or not evictable(k):
+                continue
+            if wanted(k):
+                in_demand.append(k)
+            elif n >= need:
                 return [k]
+            else:
+                idle.append(k)
         chosen: list[str] = []
-        for k in idle + [k for k in candidates if wanted(k)]:
+        for k in idle + in_demand:
             chosen.append(k)
             need -= self._models[k][1]
             if need <= 0:
