@@ -71,8 +71,22 @@ class ServerSettings:
     shed_lag_ms: float = doc("Refuse new inference with 503 while the event loop runs this far behind "
                              "(requests are then waiting unseen in socket buffers); 0 disables.", 25.0)
     log_level: LogLevel = doc("Log level: debug, info, warning or error.", "info")
-    admin_token: str = doc("Bearer token for management endpoints; when empty they are open on a loopback "
-                           "listener and refused on any other.", "")
+    admin_token: str = doc("Bearer token for management endpoints (prefer admin_token_file: this file may be "
+                           "readable by socket users).", "")
+    admin_token_file: str = doc("A file holding the bearer token for management endpoints; also read from "
+                                "$CREDENTIALS_DIRECTORY/admin-token (systemd LoadCredential=) when that exists.",
+                                "")
+    admin_open_loopback: bool = doc("Let management endpoints be called without a token on a loopback listener "
+                                    "(any local user could then load, unload and inject faults).", False)
+    allow_faults: bool = doc("Offer fault injection at run time (POST /v2/admin/faults): tests and demos only.",
+                             False)
+    max_request_id_bytes: int = doc("Longest request `id` accepted (it is kept and echoed in the answer).", 256)
+    max_inflight_per_connection: int = doc("Most requests one socket connection may have in flight; more are "
+                                           "refused with 503 (HTTP connections answer one at a time).", 256)
+    idle_timeout_s: float = doc("A connection with nothing in flight and no bytes for this long is closed "
+                                "(HTTP keep-alive and socket alike).", 75.0)
+    write_timeout_s: float = doc("A connection whose client has not read its answers for this long is closed "
+                                 "(its requests are cancelled).", 30.0)
 
     def __post_init__(self) -> None:
         if self.http:
@@ -84,6 +98,12 @@ class ServerSettings:
         _need(self.max_connections >= 1, "server.max_connections", self.max_connections, "must be >= 1")
         _need(self.drain_timeout_s >= 0, "server.drain_timeout_s", self.drain_timeout_s, "must be >= 0")
         _need(self.shed_lag_ms >= 0, "server.shed_lag_ms", self.shed_lag_ms, "must be >= 0")
+        _need(16 <= self.max_request_id_bytes <= 65536, "server.max_request_id_bytes", self.max_request_id_bytes,
+              "must be in 16..65536")
+        _need(self.max_inflight_per_connection >= 1, "server.max_inflight_per_connection",
+              self.max_inflight_per_connection, "must be >= 1")
+        _need(self.idle_timeout_s > 0 and self.write_timeout_s > 0, "server.idle_timeout_s / write_timeout_s",
+              (self.idle_timeout_s, self.write_timeout_s), "must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +199,8 @@ class ControllerSettings:
                                "enough to fill it (at most a tenth of its SLO, never past a deadline; 0 is "
                                "work-conserving).", 4.0)
     default_priority: int = doc("The priority of requests that give none (or 0); smaller is more urgent.", 10)
+    client_priorities: bool = doc("Honour a priority more urgent than default_priority when a client asks for it "
+                                  "(off: a client may lower its own priority, never jump everyone else's).", False)
     trace_path: str = doc("Write every request and action as a JSON line to this file; empty disables.", "")
     max_queue_delay_ms: float = doc("dynamic: how long a batch may wait to fill before it runs.", 0.0)
     max_pending: int = doc("Most requests queued in the daemon at once; more are refused with 503.",

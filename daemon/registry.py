@@ -68,7 +68,10 @@ class ModelRegistry:
                 raise Unavailable(f"model {name} is not available: {self._broken[name]}")
             raise NotFound(f"unknown model {name!r}")
         if version is None or version == "":
-            return versions[max(versions)]
+            # The newest version that serves: a newer one still loading (or failed) must not turn a
+            # rollout into 503s for clients that name no version (tritonclient's default).
+            ready = [v for v, e in versions.items() if e.state == ModelState.READY]
+            return versions[max(ready)] if ready else versions[max(versions)]
         try:
             v = int(version)
         except (TypeError, ValueError):

@@ -157,6 +157,28 @@ def _landed(sched: Scheduler, keys: Sequence[str]) -> bool:
     return all(sched.placed_on.get(k, set()) <= sched.ready_on.get(k, set()) for k in keys)
 
 
+def read_admin_token(inline: str, path: str) -> str:
+    """The management token: from `path`, else systemd's credential `admin-token`, else the TOML."""
+    candidates = [Path(path)] if path else []
+    creds = os.environ.get("CREDENTIALS_DIRECTORY")
+    if creds:
+        candidates.append(Path(creds) / "admin-token")
+    for p in candidates:
+        try:
+            token = p.read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            if p == Path(path):
+                raise ConfigError(f"server.admin_token_file: {path} does not exist") from None
+            continue
+        except OSError as e:
+            raise ConfigError(f"server.admin_token_file: cannot read {p}: {e.strerror}") from None
+        if len(token) < 16:
+            raise ConfigError(f"the admin token in {p} is shorter than 16 characters; make one with "
+                              "`openssl rand -hex 32`")
+        return token
+    return inline
+
+
 class Daemon:
     def __init__(self, settings: Settings, clock: Clock | None = None, notifier: Notifier | None = None) -> None:
         self.settings = settings
@@ -186,6 +208,7 @@ class Daemon:
         self._reloader: asyncio.Task[None] | None = None
         self._start_error = ""
         self.host_pins = HostPins(settings.runtime.host_pinned_budget or default_pinned_budget())
+        self.admin_token = ""  # read at start-up (admin_token_file, a systemd credential, or the TOML)
         self.exit_code = 0  # 1 once every device is lost: systemd restarts the service
 
     @property
@@ -232,7 +255,10 @@ class Daemon:
             priority = 0
         elif isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
             raise BadRequest(f"priority must be a non-negative integer, got {priority!r}")
-        rank = priority or self.settings.controller.default_priority
+        ctl = self.settings.controller
+        rank = priority or ctl.default_priority
+        if not ctl.client_priorities:  # a client may lower its own priority, not jump everyone else's
+            rank = max(rank, ctl.default_priority)
         return InferenceRequest(spec, arrays, samples, now, deadline, priority, rank, client_id)
 
     async def run_request(self, req: InferenceRequest) -> InferenceRequest:
@@ -287,6 +313,7 @@ class Daemon:
         if self.notifier.watchdog_s is not None and self._watchdog is None:
             self._watchdog = self._spawn(keep_alive(self.notifier, self.notifier.watchdog_s), "watchdog")
             log.info("systemd watchdog: a keep-alive every %.3g s", self.notifier.watchdog_s)
+        self.admin_token = read_admin_token(s.server.admin_token, s.server.admin_token_file)
         self.notifier.status("starting: devices")
         sys.setswitchinterval(s.runtime.gil_switch_interval_us * 1e-6)
         loop = asyncio.get_running_loop()

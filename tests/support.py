@@ -112,7 +112,9 @@ def short_tmpdir() -> Path:
 
 def settings(repo: Path, sock_dir: Path, **sections: dict[str, Any]) -> Settings:
     data: dict[str, Any] = {
-        "server": {"http": "127.0.0.1:0", "socket": str(sock_dir / "d.sock"), "log_level": "warning"},
+        # tests call management endpoints on their loopback listener, and inject faults
+        "server": {"http": "127.0.0.1:0", "socket": str(sock_dir / "d.sock"), "log_level": "warning",
+                   "admin_open_loopback": True, "allow_faults": True},
         "models": {"repository": str(repo)},
         "runtime": {"devices": ["cpu:0"]},
     }

@@ -16,7 +16,7 @@ import orjson
 from daemon import __version__
 from daemon.api import observe
 from daemon.api.codec import WireTensor, assemble_inputs, check_shape, select_outputs, tensor_bytes
-from daemon.api.httpserver import HttpServer, Request, Response, Router, error_response
+from daemon.api.httpserver import HttpServer, Request, Response, Router, UnsupportedMediaType, error_response
 from daemon.errors import (
     BadRequest,
     EscapementError,
@@ -98,12 +98,19 @@ class HttpFrontend:
         r.add("POST", "/v2/repository/{repo}/index", self.named_repository)
         r.add("POST", "/v2/repository/{repo}/models/{model}/{op:load|unload}", self.named_repository)
         self.server: HttpServer | None = None
+        self._hosts: frozenset[str] = frozenset()  # Host values that name this listener (loopback only)
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self, host: str, port: int) -> int:
-        self.server = HttpServer(self.router, answer_error, max_body=self.daemon.settings.server.max_body_bytes)
-        return await self.server.start(host, port)
+        s = self.daemon.settings.server
+        self.server = HttpServer(self.router, answer_error, max_body=s.max_body_bytes,
+                                 max_connections=s.max_connections, keepalive_s=s.idle_timeout_s,
+                                 write_timeout_s=s.write_timeout_s)
+        port = await self.server.start(host, port)
+        if is_loopback(s.http):  # other listeners have names we cannot know: the token guards them
+            self._hosts = frozenset(f"{h}:{port}" for h in (host.lower(), "localhost", "127.0.0.1", "[::1]"))
+        return port
 
     async def stop_listening(self) -> None:
         if self.server is not None:
@@ -190,25 +197,46 @@ class HttpFrontend:
         return json_response(self.daemon.statistics())
 
     # ---------------------------------------------------------------- management
-    # /v2/admin/* and the repository's load and unload change what the daemon does: each needs
-    # the bearer token (or, without one configured, a loopback listener).
+    # /v2/admin/* and the repository's load and unload change what the daemon does. Each needs the
+    # bearer token, or (only when the operator opted in) a loopback listener; and none may come
+    # from a web page: a foreign Origin, a Host that is not this listener (DNS rebinding) or a
+    # body typed as a form would type it (not JSON) is refused before anything else.
 
-    def _authorize(self, request: Request) -> None:
-        token = self.daemon.settings.server.admin_token
+    def _authorize(self, request: Request, faults: bool = False) -> None:
+        s = self.daemon.settings.server
+        self._same_site(request)
+        if faults and not s.allow_faults:
+            raise Forbidden("fault injection is off: set server.allow_faults to use it (tests and demos only)")
+        token = self.daemon.admin_token
         if token:
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, f"Bearer {token}".encode()):  # no timing hints about the token
-                raise Forbidden("a management endpoint: Authorization: Bearer <server.admin_token> is required")
-        elif not is_loopback(self.daemon.settings.server.http):
-            raise Forbidden("management endpoints on a non-loopback listener need server.admin_token to be set")
+                raise Forbidden("a management endpoint: Authorization: Bearer <the admin token> is required")
+        elif not (s.admin_open_loopback and is_loopback(s.http)):
+            raise Forbidden("management endpoints need a token (server.admin_token_file, or a systemd credential "
+                            "named admin-token), or server.admin_open_loopback on a loopback listener")
+
+    def _same_site(self, request: Request) -> None:
+        hosts = self._hosts
+        host = request.headers.get("host", "").strip().lower()
+        if hosts and host and host not in hosts:
+            raise Forbidden(f"Host {host!r} is not this listener: management is refused (DNS rebinding)")
+        origin = request.headers.get("origin")
+        if origin is not None and (not host or origin.strip().lower() != f"http://{host}"):
+            raise Forbidden(f"a cross-site request (Origin: {origin}) cannot reach a management endpoint")
+        ctype = request.headers.get("content-type")
+        if ctype is not None and request.body.strip() and \
+                ctype.split(";", 1)[0].strip().lower() != "application/json":
+            # what a form or a page's plain fetch sends (tritonclient sends no Content-Type at all)
+            raise UnsupportedMediaType("a management request's body must be Content-Type: application/json")
 
     async def get_faults(self, request: Request) -> Response:
-        self._authorize(request)
+        self._authorize(request, faults=True)
         return json_response({name: (ex.faults.spec.as_json() if ex.faults.spec else None)
                               for name, ex in self.daemon.executors.items()})
 
     async def set_fault(self, request: Request) -> Response:
-        self._authorize(request)
+        self._authorize(request, faults=True)
         from daemon.runtime.faults import FaultSpec
 
         obj = _parse_json(request.body, "the request body")
@@ -226,7 +254,7 @@ class HttpFrontend:
         return json_response(spec.as_json())
 
     async def clear_fault(self, request: Request) -> Response:
-        self._authorize(request)
+        self._authorize(request, faults=True)
         ex = self.daemon.executors.get(request.params["device"])
         if ex is None:
             raise NotFound("no such device")
@@ -269,6 +297,9 @@ class HttpFrontend:
         req_id = obj.get("id")
         if req_id is not None and not isinstance(req_id, str):
             raise BadRequest("id must be a string")
+        if req_id and len(req_id.encode()) > daemon.settings.server.max_request_id_bytes:
+            raise BadRequest(f"id is longer than {daemon.settings.server.max_request_id_bytes} bytes "
+                             "(server.max_request_id_bytes)")
         req = daemon.new_request(spec, arrays, samples, params.get("timeout"), params.get("priority"),
                                  req_id or "")
         await daemon.run_request(req)

@@ -37,6 +37,7 @@ from daemon.errors import (
     EscapementError,
     MethodNotAllowed,
     NotFound,
+    Overloaded,
     PayloadTooLarge,
     message_of,
     retry_after_of,
@@ -63,6 +64,8 @@ class RequestTimeout(EscapementError):
 
 class UnsupportedMediaType(EscapementError):
     status = 415
+
+
 
 
 @dataclass(slots=True)
@@ -118,6 +121,8 @@ class Router:
             methods.setdefault("HEAD", handler)
 
     def resolve(self, method: str, path: str) -> tuple[Handler, dict[str, str]]:
+        """Match the raw path (still percent-encoded), then decode each parameter: `%2F` inside a
+        model name stays part of the name and never splits the path into another route."""
         allowed = False
         for regex, methods in self._routes:
             m = regex.match(path)
@@ -125,7 +130,10 @@ class Router:
                 continue
             handler = methods.get(method)
             if handler is not None:
-                return handler, m.groupdict()
+                params = m.groupdict()
+                if "%" in path:
+                    params = {k: unquote(v) for k, v in params.items()}
+                return handler, params
             allowed = True
         if allowed:
             raise MethodNotAllowed("Method Not Allowed")
@@ -219,12 +227,18 @@ class HttpConnection(asyncio.Protocol):
         self._closing_after = False
         self._continue_owed = False
         self.lingering_since: float | None = None  # refused: discarding the rest before closing
+        self.write_blocked_since: float | None = None  # the client stopped reading its answers at
 
     # ---- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.server.connections.add(self)
+        over = len(self.server.connections) >= self.server.max_connections
+        self.server.connections.add(self)  # a refused one too, while it lingers (LINGER_S at most)
+        if over:
+            self.server.refused += 1
+            self._refuse(Overloaded(f"the server holds {self.server.max_connections} connections, its limit "
+                                    "(server.max_connections); retry later"))
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -255,8 +269,10 @@ class HttpConnection(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self.writable is None or self.writable.done():
             self.writable = self.loop.create_future()
+            self.write_blocked_since = self.loop.time()
 
     def resume_writing(self) -> None:
+        self.write_blocked_since = None
         if self.writable is not None and not self.writable.done():
             self.writable.set_result(None)
 
@@ -326,9 +342,7 @@ class HttpConnection(asyncio.Protocol):
         if self._decoder is not None:
             self._decoder.finish()
         parsed = httptools.parse_url(self._url)
-        path = parsed.path.decode("latin-1")
-        if "%" in path:
-            path = unquote(path)
+        path = parsed.path.decode("latin-1")  # routed raw: an encoded "/" never reaches another route
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         req = Request(self.parser.get_method().decode("latin-1"), path,
                       (parsed.query or b"").decode("latin-1"), self._headers, body, self.parser.should_keep_alive(),
@@ -435,6 +449,10 @@ class HttpConnection(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()  # flushes what was written, then closes
 
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()  # nothing more is written: the client would not read it
+
 
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 
@@ -443,12 +461,16 @@ class HttpServer:
     """One listener, its connections and the sweep of idle and stuck ones."""
 
     def __init__(self, router: Router, dispatch_errors: Callable[[Request, BaseException], Response], *,
-                 max_body: int, keepalive_s: float = 75.0, request_timeout_s: float = 60.0) -> None:
+                 max_body: int, keepalive_s: float = 75.0, request_timeout_s: float = 60.0,
+                 max_connections: int = 1024, write_timeout_s: float = 30.0) -> None:
         self.router = router
         self.on_error = dispatch_errors
         self.max_body = max_body
         self.keepalive_s = keepalive_s
         self.request_timeout_s = request_timeout_s
+        self.max_connections = max_connections
+        self.write_timeout_s = write_timeout_s
+        self.refused = 0  # connections refused for the limit
         self.connections: set[HttpConnection] = set()
         self.loop = asyncio.get_running_loop()
         self._server: asyncio.AbstractServer | None = None
@@ -488,6 +510,8 @@ class HttpServer:
                 if c.lingering_since is not None:
                     if now - c.lingering_since > LINGER_S:
                         c.close()
+                elif c.write_blocked_since is not None and now - c.write_blocked_since > self.write_timeout_s:
+                    c.abort()  # its client stopped reading its answers: drop them, and its requests
                 elif c.begun is not None and now - c.begun > self.request_timeout_s:
                     c._refuse(RequestTimeout(f"the request did not arrive whole within {self.request_timeout_s:g} s"))
                 elif c.idle() and now - c.last_active > self.keepalive_s:

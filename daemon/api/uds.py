@@ -18,7 +18,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import struct
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +28,15 @@ import msgpack
 
 from daemon.api.codec import WireTensor, assemble_inputs, check_shape, select_outputs, tensor_bytes
 from daemon.api.http import model_config_json
-from daemon.errors import BadRequest, EscapementError, PayloadTooLarge, message_of, retry_after_of, status_of
+from daemon.errors import (
+    BadRequest,
+    EscapementError,
+    Overloaded,
+    PayloadTooLarge,
+    message_of,
+    retry_after_of,
+    status_of,
+)
 from daemon.request import InferenceRequest
 
 if TYPE_CHECKING:
@@ -66,13 +76,23 @@ class SocketConnection(asyncio.Protocol):
         self._reading = True
         self._eof = False  # the client half-closed
         self._input_done = False  # ... and every frame it sent is handled: close once all are answered
+        self.last_active = 0.0  # when it last sent bytes or got an answer (the idle sweep reads it)
+        self.write_blocked_since: float | None = None  # the client stopped reading its answers at
 
     # ---------------------------------------------------------------- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not subclasses
         transport.set_write_buffer_limits(high=HIGH_WATER)
+        limit = self.daemon.settings.server.max_connections
+        if len(self.frontend.connections) >= limit:
+            self.frontend.refused += 1
+            self.send(error_frame(None, Overloaded(f"the server holds {limit} socket connections, its limit "
+                                                   "(server.max_connections); retry later")))
+            self.close()
+            return
         self.frontend.connections.add(self)
+        self.last_active = time.monotonic()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
@@ -83,14 +103,17 @@ class SocketConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:  # the client is not reading: stop taking its requests
         self._paused = True
+        self.write_blocked_since = time.monotonic()
         self._want_reading()
 
     def resume_writing(self) -> None:
         self._paused = False
+        self.write_blocked_since = None
         self._want_reading()
         self._pump()
 
     def data_received(self, data: bytes) -> None:
+        self.last_active = time.monotonic()
         self._buf += data
         self._pump()
 
@@ -172,6 +195,11 @@ class SocketConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    def abort(self) -> None:
+        """Drop the connection and what it has in flight (its client stopped reading answers)."""
+        if self.transport is not None:
+            self.transport.abort()  # connection_lost cancels its requests
+
     def _handle(self, frame: bytes) -> None:
         req_id: Any = None
         try:
@@ -185,6 +213,10 @@ class SocketConnection(asyncio.Protocol):
             if req_id is not None and (isinstance(req_id, bool) or not isinstance(req_id, int | str)):
                 req_id = None
                 raise BadRequest("id must be an integer or a string")
+            limit = self.daemon.settings.server.max_request_id_bytes
+            if isinstance(req_id, str) and len(req_id.encode()) > limit:
+                req_id = None  # not echoed: it is what the limit keeps from being held
+                raise BadRequest(f"id is longer than {limit} bytes (server.max_request_id_bytes)")
             op = msg.get("op", "infer")
             if op == "infer":
                 self._infer(req_id, msg)
@@ -225,6 +257,10 @@ class SocketConnection(asyncio.Protocol):
 
     def _infer(self, req_id: Any, msg: dict[str, Any]) -> None:
         self.daemon.check_overload()
+        cap = self.daemon.settings.server.max_inflight_per_connection
+        if len(self._inflight) >= cap:  # one connection cannot take every pending slot
+            raise Overloaded(f"this connection has {cap} requests in flight, its limit "
+                             "(server.max_inflight_per_connection)", retry_after_s=0.1)
         name = msg.get("model")
         if not isinstance(name, str):
             raise BadRequest("infer needs a model name")
@@ -262,6 +298,7 @@ class SocketConnection(asyncio.Protocol):
         self._inflight.pop(req.id, None)
         if self._closed:
             return
+        self.last_active = time.monotonic()
         try:
             self._answer(req)
         finally:
@@ -295,6 +332,8 @@ class SocketFrontend:
         self.server: asyncio.AbstractServer | None = None
         self.connections: set[SocketConnection] = set()
         self.path: Path | None = None
+        self.refused = 0  # connections refused for the limit
+        self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self, path: str) -> None:
         await asyncio.to_thread(self._prepare, path)
@@ -302,6 +341,20 @@ class SocketFrontend:
         self.server = await loop.create_unix_server(lambda: SocketConnection(self), path, backlog=1024)
         os.chmod(path, int(self.daemon.settings.server.socket_mode, 8))
         self.path = Path(path)
+        self._sweeper = loop.create_task(self._sweep(), name="socket-sweeper")
+
+    async def _sweep(self) -> None:
+        """Close connections idle past server.idle_timeout_s (nothing in flight, no bytes), and drop
+        those whose client has not read its answers for server.write_timeout_s."""
+        s = self.daemon.settings.server
+        while True:
+            await asyncio.sleep(min(1.0, s.idle_timeout_s / 4, s.write_timeout_s / 4))
+            now = time.monotonic()
+            for c in list(self.connections):
+                if c.write_blocked_since is not None and now - c.write_blocked_since > s.write_timeout_s:
+                    c.abort()
+                elif not c._inflight and now - c.last_active > s.idle_timeout_s:
+                    c.close()
 
     @staticmethod
     def _prepare(path: str) -> None:
@@ -310,7 +363,17 @@ class SocketFrontend:
             raise OSError(f"socket path {p} is too long for a unix socket (108 bytes)")
         p.parent.mkdir(parents=True, exist_ok=True)
         if p.is_socket():
-            p.unlink()  # a stale socket from a daemon that did not exit cleanly
+            # A stale socket from a daemon that did not exit cleanly is replaced; a live one is not.
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            probe.settimeout(1.0)
+            try:
+                probe.connect(str(p))
+            except OSError:
+                p.unlink()
+            else:
+                raise OSError(f"another daemon is listening on {p}; stop it first")
+            finally:
+                probe.close()
 
     async def stop_listening(self) -> None:
         if self.server is not None:
@@ -320,6 +383,10 @@ class SocketFrontend:
                 os.unlink(self.path)
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
         for c in list(self.connections):
             c.close()
         if self.server is not None:

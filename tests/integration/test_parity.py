@@ -28,7 +28,8 @@ def call(dt: DaemonThread, method: str, path: str, body: object = None) -> tuple
     host, port = dt.http.split(":")
     c = http.client.HTTPConnection(host, int(port), timeout=30)
     try:
-        c.request(method, path, body=orjson.dumps(body) if body is not None else None)
+        c.request(method, path, body=orjson.dumps(body) if body is not None else None,
+                  headers={"Content-Type": "application/json"})
         r = c.getresponse()
         return r.status, orjson.loads(r.read() or b"null")
     finally:

@@ -51,7 +51,9 @@ def post(dt: DaemonThread, path: str, body: Any = None, token: str | None = None
     host, port = dt.http.split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     try:
-        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        headers = {"Content-Type": "application/json"}
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
         conn.request("POST", path, body=orjson.dumps(body) if body is not None else b"", headers=headers)
         r = conn.getresponse()
         data = r.read()

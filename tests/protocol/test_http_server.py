@@ -25,6 +25,14 @@ from daemon.errors import BadRequest
 
 MAX_BODY = 1024
 WAIT_S = 2.0  # upper bound on any one wait; a passing test waits for bytes or events, never this long
+
+
+async def until(cond: Callable[[], bool], limit_s: float = WAIT_S) -> None:
+    """Run the loop (no timer) until the server's state satisfies cond, limit_s at most."""
+    deadline = asyncio.get_running_loop().time() + limit_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "the server never reached the state"
+        await asyncio.sleep(0)
 SHORT_S = 0.5  # upper bound where the failure mode is "nothing ever comes"
 
 
@@ -70,6 +78,11 @@ def build_router(hooks: Hooks) -> Router:
     r.add("GET", "/boom", boom)
     r.add("GET", "/wait", wait)
     r.add("POST", "/post-only", echo)
+
+    async def big(req: Request) -> Response:
+        return Response(b"x" * (1 << 20))
+
+    r.add("GET", "/big", big)
     return r
 
 
@@ -108,8 +121,8 @@ async def start() -> AsyncIterator[Start]:
     """`await start(max_body=..., keepalive_s=..., request_timeout_s=...)` -> a listening Harness."""
     harnesses: list[Harness] = []
 
-    async def _start(*, max_body: int = MAX_BODY, keepalive_s: float = 75.0,
-                     request_timeout_s: float = 60.0) -> Harness:
+    async def _start(*, max_body: int = MAX_BODY, keepalive_s: float = 75.0, request_timeout_s: float = 60.0,
+                     max_connections: int = 1024, write_timeout_s: float = 30.0) -> Harness:
         hooks = Hooks()
 
         def on_error(req: Request, exc: BaseException) -> Response:
@@ -117,7 +130,8 @@ async def start() -> AsyncIterator[Start]:
             return error_response(exc)
 
         server = HttpServer(build_router(hooks), on_error, max_body=max_body, keepalive_s=keepalive_s,
-                            request_timeout_s=request_timeout_s)
+                            request_timeout_s=request_timeout_s, max_connections=max_connections,
+                            write_timeout_s=write_timeout_s)
         port = await server.start("127.0.0.1", 0)
         h = Harness(server, port, hooks)
         harnesses.append(h)
@@ -456,12 +470,15 @@ async def test_wrong_method_is_405(srv: Harness) -> None:
     assert not srv.hooks.started.is_set()
 
 
-async def test_percent_encoded_path_is_decoded_before_routing(srv: Harness) -> None:
+async def test_routing_uses_the_raw_path_and_decodes_each_parameter(srv: Harness) -> None:
     reader, writer = await srv.connect()
-    writer.write(request("GET", "/echo/a%20b") + request("GET", "/%65cho/%C3%A9t%C3%A9"))
-    first, second = await read_reply(reader), await read_reply(reader)
-    assert first.status == 200 and first.json()["params"] == {"name": "a b"} and first.json()["path"] == "/echo/a b"
+    writer.write(request("GET", "/echo/a%20b") + request("GET", "/echo/%C3%A9t%C3%A9") + request("GET", "/echo/x%2Fy")
+                 + request("GET", "/%65cho/z"))
+    first, second, third, fourth = [await read_reply(reader) for _ in range(4)]
+    assert first.status == 200 and first.json()["params"] == {"name": "a b"} and first.json()["path"] == "/echo/a%20b"
     assert second.status == 200 and second.json()["params"] == {"name": "été"}
+    assert third.status == 200 and third.json()["params"] == {"name": "x/y"}  # an encoded "/" stays in the name
+    assert fourth.status == 404  # an encoded path never reaches a route its decoded form would
 
 
 # ------------------------------------------------------------------ limits and malformed requests
@@ -678,3 +695,40 @@ async def test_request_whose_headers_never_complete_is_408(start: Start) -> None
     reply = await read_reply(reader)
     assert_json_error(reply, 408)
     await assert_closed(reader)
+
+
+# ------------------------------------------------------------------ hardening: connections
+
+
+async def test_connections_past_the_limit_get_503_and_are_closed(start: Start) -> None:
+    srv = await start(max_connections=2)
+    held = [await srv.connect() for _ in range(2)]
+    for reader, writer in held:  # both are served
+        writer.write(request("GET", "/echo/a"))
+        assert (await read_reply(reader)).status == 200
+    reader, writer = await srv.connect()
+    reply = await read_reply(reader)
+    assert reply.status == 503 and reply.headers.get("retry-after") == "1"
+    assert "server.max_connections" in reply.json()["error"]
+    assert await asyncio.wait_for(reader.read(), WAIT_S) == b""  # and closed
+    assert srv.server.refused == 1
+    writer.close()
+    held[0][1].close()
+    await held[0][1].wait_closed()
+    await until(lambda: len(srv.server.connections) == 1)  # the server saw both closes
+    reader, writer = await srv.connect()  # a freed slot serves again
+    writer.write(request("GET", "/echo/b"))
+    assert (await read_reply(reader)).status == 200
+
+
+async def test_a_client_that_stops_reading_its_answers_is_dropped(start: Start) -> None:
+    srv = await start(write_timeout_s=0.2)
+    _reader, writer = await srv.connect()
+    writer.transport.set_write_buffer_limits(0)  # type: ignore[attr-defined]
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    for _ in range(16):  # 16 MiB of answers nobody reads
+        writer.write(request("GET", "/big"))
+    await writer.drain()
+    # The server gives up on it after write_timeout_s (its sweep runs every second).
+    await until(lambda: not srv.server.connections, limit_s=10)

@@ -62,7 +62,8 @@ async def settle(dt: DaemonThread, session: aiohttp.ClientSession, devices: list
 
 
 async def admin(session: aiohttp.ClientSession, base: str, method: str, path: str, body: Any = None) -> None:
-    async with session.request(method, base + path, data=orjson.dumps(body) if body is not None else None) as r:
+    async with session.request(method, base + path, data=orjson.dumps(body) if body is not None else None,
+                               headers={"Content-Type": "application/json"}) as r:
         assert r.status == 200, await r.text()
 
 
