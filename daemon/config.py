@@ -67,6 +67,14 @@ class ServerSettings:
     socket_mode: str = doc("Permissions of the unix socket file, in octal.", "0660")
     max_body_bytes: int = doc("Largest HTTP body or socket frame accepted (bytes or '64MiB').", 64 * 2**20)
     max_connections: int = doc("Most concurrent client connections per listener.", 1024)
+    request_memory_bytes: int = doc("Bytes of client requests the daemon holds at once (bodies, frames, decoded "
+                                    "tensors); past it new requests get 503 (HTTP) or reading pauses (socket).",
+                                    1 << 30)
+    connection_memory_bytes: int = doc("One connection's share of request_memory_bytes (at least max_body_bytes); "
+                                       "past it the connection stops reading until its requests finish.",
+                                       128 * 2**20)
+    max_json_bytes: int = doc("Largest JSON document parsed (an HTTP body or inference header): parsing holds "
+                              "the event loop, ~5 ms per MiB; larger tensors go as binary data.", 4 * 2**20)
     drain_timeout_s: float = doc("On shutdown, how long accepted requests may take to finish.", 10.0)
     shed_lag_ms: float = doc("Refuse new inference with 503 while the event loop runs this far behind "
                              "(requests are then waiting unseen in socket buffers); 0 disables.", 25.0)
@@ -81,8 +89,8 @@ class ServerSettings:
     allow_faults: bool = doc("Offer fault injection at run time (POST /v2/admin/faults): tests and demos only.",
                              False)
     max_request_id_bytes: int = doc("Longest request `id` accepted (it is kept and echoed in the answer).", 256)
-    max_inflight_per_connection: int = doc("Most requests one socket connection may have in flight; more are "
-                                           "refused with 503 (HTTP connections answer one at a time).", 256)
+    max_inflight_per_connection: int = doc("Most requests one socket connection may have in flight; its next "
+                                           "frames wait unread (HTTP connections answer one at a time).", 256)
     idle_timeout_s: float = doc("A connection with nothing in flight and no bytes for this long is closed "
                                 "(HTTP keep-alive and socket alike).", 75.0)
     write_timeout_s: float = doc("A connection whose client has not read its answers for this long is closed "
@@ -96,6 +104,14 @@ class ServerSettings:
         _need(self.max_body_bytes >= 1024, "server.max_body_bytes", self.max_body_bytes,
               "must be at least 1024")
         _need(self.max_connections >= 1, "server.max_connections", self.max_connections, "must be >= 1")
+        _need(self.request_memory_bytes >= self.connection_share, "server.request_memory_bytes",
+              self.request_memory_bytes, "must be >= server.connection_memory_bytes and server.max_body_bytes")
+        _need(self.max_json_bytes >= 4096, "server.max_json_bytes", self.max_json_bytes, "must be >= 4096")
+
+    @property
+    def connection_share(self) -> int:
+        """A connection's share of the request memory: at least one body, so one always fits."""
+        return max(self.connection_memory_bytes, self.max_body_bytes)
         _need(self.drain_timeout_s >= 0, "server.drain_timeout_s", self.drain_timeout_s, "must be >= 0")
         _need(self.shed_lag_ms >= 0, "server.shed_lag_ms", self.shed_lag_ms, "must be >= 0")
         _need(16 <= self.max_request_id_bytes <= 65536, "server.max_request_id_bytes", self.max_request_id_bytes,
@@ -271,7 +287,9 @@ def parse_hostport(value: str, key: str) -> tuple[str, int]:
 
 # ---------------------------------------------------------------- reading TOML into dataclasses
 
-_SIZE_FIELDS = {("server", "max_body_bytes"), ("runtime", "weight_budget"), ("runtime", "device_workspace"),
+_SIZE_FIELDS = {("server", "max_body_bytes"), ("server", "request_memory_bytes"),
+                ("server", "connection_memory_bytes"), ("server", "max_json_bytes"),
+                ("runtime", "weight_budget"), ("runtime", "device_workspace"),
                 ("runtime", "host_pinned_budget"), ("runtime.emucuda", "capacity")}
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from daemon.api.budget import RequestMemory
 from daemon.api.http import HttpFrontend
 from daemon.api.uds import SocketFrontend
 from daemon.clock import Clock, MonotonicClock
@@ -196,6 +197,7 @@ class Daemon:
         self._trace: TraceWriter | None = None
         self._cores: dict[str, int] = {}
         self.overload = LagTracker(settings.server.shed_lag_ms / 1000.0)
+        self.request_memory = RequestMemory(settings.server.request_memory_bytes, settings.server.connection_share)
         self._monitor: LoopMonitor | None = None
         self._stop = asyncio.Event()
         self._signals = 0
@@ -231,8 +233,11 @@ class Daemon:
     def statistics(self) -> dict[str, Any]:
         """The controller's statistics plus the event loop's lag and the requests shed for it."""
         o = self.overload
+        m = self.request_memory
         return {**self.controller.scheduler.statistics(),
-                "loop": {"lag_ms": o.lag_s * 1e3, "max_lag_ms": o.max_s * 1e3, "shed": o.shed}}
+                "loop": {"lag_ms": o.lag_s * 1e3, "max_lag_ms": o.max_s * 1e3, "shed": o.shed},
+                "request_memory": {"held_bytes": m.held, "peak_bytes": m.peak, "limit_bytes": m.limit,
+                                   "refused": m.refused}}
 
     def check_overload(self) -> None:
         """Refuse new inference at once while the loop is too far behind (see overload.py)."""

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import logging
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,3 +43,35 @@ def sock_dir() -> Iterator[Path]:
     d = short_tmpdir()
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+class _ErrorRecords(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture(autouse=True)
+def no_unexpected_errors(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test when the daemon logs an ERROR (or a traceback) or an exception reaches an event
+    loop (asyncio logs those as ERROR), unless the test names it with
+    `@pytest.mark.expect_errors("regex", ...)`: a daemon that fails quietly must not pass."""
+    records = _ErrorRecords()
+    loggers = [logging.getLogger("escapement"), logging.getLogger("asyncio")]
+    for lg in loggers:
+        lg.addHandler(records)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeHandler(records)
+    marker = request.node.get_closest_marker("expect_errors")
+    allowed = [re.compile(p) for p in (marker.args if marker else ())]
+    unexpected = [r for r in records.records
+                  if not any(p.search(r.getMessage()) or (r.exc_text and p.search(r.exc_text)) for p in allowed)]
+    if unexpected:
+        lines = "\n".join(f"{r.name} {r.levelname}: {r.getMessage()}" for r in unexpected[:10])
+        pytest.fail(f"{len(unexpected)} unexpected ERROR record(s) logged:\n{lines}", pytrace=False)

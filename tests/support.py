@@ -153,7 +153,11 @@ class DaemonThread:
     def _run(self) -> None:
         loop = uvloop.new_event_loop()
         self.loop = loop
-        loop.set_exception_handler(lambda _loop, ctx: self.loop_errors.append(ctx))
+        def on_error(loop: asyncio.AbstractEventLoop, ctx: dict[str, Any]) -> None:
+            self.loop_errors.append(ctx)
+            loop.default_exception_handler(ctx)  # logs it (ERROR, "asyncio"): the test fails unless expected
+
+        loop.set_exception_handler(on_error)
         asyncio.set_event_loop(loop)
         try:
             loop.run_until_complete(self.daemon.start())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -17,12 +18,14 @@ from daemon import __version__
 from daemon.api import observe
 from daemon.api.codec import WireTensor, assemble_inputs, check_shape, select_outputs, tensor_bytes
 from daemon.api.httpserver import HttpServer, Request, Response, Router, UnsupportedMediaType, error_response
+from daemon.datatypes import BY_NAME
 from daemon.errors import (
     BadRequest,
     EscapementError,
     Forbidden,
     NotFound,
     NotImplementedByServer,
+    PayloadTooLarge,
 )
 from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest
@@ -46,26 +49,32 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
 def answer_error(request: Request, exc: BaseException) -> Response:
     """The one place a handler's exception becomes an answer."""
     if isinstance(exc, EscapementError):
-        if exc.status >= 500 and exc.status not in (503, 504):  # refusals and deadline misses are counted
+        # Only the daemon's own failures are ERRORs: refusals and deadline misses are counted, and
+        # a 501 answers a client asking for what we do not implement.
+        if exc.status == 500:
             log.error("%s %s: %s", request.method, request.path, exc.message)
     else:
         log.exception("%s %s failed", request.method, request.path, exc_info=exc)
     return error_response(exc)
 
 
-def _parse_json(raw: bytes | memoryview, what: str) -> Any:
+def _parse_json(raw: bytes | memoryview, what: str, limit: int) -> Any:
+    # Parsing holds the event loop (~5 ms per MiB here), so its size is bounded before it starts.
+    if len(raw) > limit:
+        raise PayloadTooLarge(f"{what} is {len(raw)} bytes of JSON, over the limit of {limit} "
+                              "(server.max_json_bytes); send large tensors as binary data (binary_data_size)")
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise BadRequest(f"malformed JSON in {what}: {e}") from None
 
 
-def _parameters(request: Request) -> dict[str, Any]:
+def _parameters(request: Request, limit: int) -> dict[str, Any]:
     """The optional `{"parameters": {...}}` body of a repository load or unload."""
     body = request.body
     if not body.strip():
         return {}
-    obj = _parse_json(body, "the request body")
+    obj = _parse_json(body, "the request body", limit)
     params = obj.get("parameters", {}) if isinstance(obj, dict) else None
     if not isinstance(params, dict):
         raise BadRequest('the request body must be a JSON object such as {"parameters": {}}')
@@ -106,7 +115,7 @@ class HttpFrontend:
         s = self.daemon.settings.server
         self.server = HttpServer(self.router, answer_error, max_body=s.max_body_bytes,
                                  max_connections=s.max_connections, keepalive_s=s.idle_timeout_s,
-                                 write_timeout_s=s.write_timeout_s)
+                                 write_timeout_s=s.write_timeout_s, memory=self.daemon.request_memory)
         port = await self.server.start(host, port)
         if is_loopback(s.http):  # other listeners have names we cannot know: the token guards them
             self._hosts = frozenset(f"{h}:{port}" for h in (host.lower(), "localhost", "127.0.0.1", "[::1]"))
@@ -168,7 +177,7 @@ class HttpFrontend:
         body = request.body
         ready_only = False
         if body.strip():
-            obj = _parse_json(body, "the request body")
+            obj = _parse_json(body, "the request body", self.daemon.settings.server.max_json_bytes)
             if not isinstance(obj, dict):
                 raise BadRequest("the index request body must be a JSON object")
             ready_only = bool(obj.get("ready", False))
@@ -177,7 +186,7 @@ class HttpFrontend:
     async def repository_load(self, request: Request) -> Response:
         """(Re)read a model's entry from the repository and serve it; 200 once it is ready."""
         self._authorize(request)
-        params = _parameters(request)
+        params = _parameters(request, self.daemon.settings.server.max_json_bytes)
         if "config" in params or any(k.startswith("file:") for k in params):
             raise NotImplementedByServer("a load request carrying a config or model files is not supported; put "
                                          "them in the model repository and load the model by name")
@@ -186,7 +195,7 @@ class HttpFrontend:
     async def repository_unload(self, request: Request) -> Response:
         """Stop serving a model; 200 once its accepted requests are answered and it is unloaded."""
         self._authorize(request)
-        params = _parameters(request)
+        params = _parameters(request, self.daemon.settings.server.max_json_bytes)
         dependents = params.get("unload_dependents", False)
         if not isinstance(dependents, bool):
             raise BadRequest(f"parameters.unload_dependents must be a boolean, got {dependents!r}")
@@ -239,7 +248,7 @@ class HttpFrontend:
         self._authorize(request, faults=True)
         from daemon.runtime.faults import FaultSpec
 
-        obj = _parse_json(request.body, "the request body")
+        obj = _parse_json(request.body, "the request body", self.daemon.settings.server.max_json_bytes)
         if not isinstance(obj, dict) or not isinstance(obj.get("device"), str):
             raise BadRequest('expected {"device": "cpu:0", "slowdown": 3.0, ...}')
         ex = self.daemon.executors.get(obj.pop("device"))
@@ -272,6 +281,7 @@ class HttpFrontend:
         daemon.check_overload()  # before reading the body: refusing must cost little
         spec = daemon.registry.resolve(request.params["model"], request.params.get("version"))
         body = request.body
+        max_json = daemon.settings.server.max_json_bytes
         header_len = request.headers.get(_HEADER_LEN_KEY)
         if header_len is not None:
             try:
@@ -283,13 +293,16 @@ class HttpFrontend:
             view = memoryview(body)
             if n == 0:
                 return await self._raw_binary(request, spec, view)
-            obj, binary = _parse_json(view[:n], "the inference header"), view[n:]
+            obj, binary = _parse_json(view[:n], "the inference header", max_json), view[n:]
         else:
-            obj, binary = _parse_json(body, "the request body"), memoryview(b"")
+            obj, binary = _parse_json(body, "the request body", max_json), memoryview(b"")
         if not isinstance(obj, dict):
             raise BadRequest("the inference request must be a JSON object")
         tensors = self._wire_inputs(obj.get("inputs"), binary)
         arrays, samples = assemble_inputs(spec, tensors)
+        if request.lease is not None:  # tensors decoded from JSON are new memory; binary ones view the body
+            request.lease.force(sum(math.prod(t.shape) * BY_NAME[t.datatype].itemsize
+                                    for t in tensors if t.raw is None))
         outputs = self._wanted_outputs(spec, obj)
         params = obj.get("parameters") or {}
         if not isinstance(params, dict):

@@ -32,6 +32,7 @@ from urllib.parse import unquote
 import httptools
 import orjson
 
+from daemon.api.budget import Lease, RequestMemory
 from daemon.errors import (
     BadRequest,
     EscapementError,
@@ -78,6 +79,13 @@ class Request:
     keep_alive: bool
     http10: bool = False  # an HTTP/1.0 client is told when the connection stays open
     params: dict[str, str] = field(default_factory=dict)  # filled in by the route
+    lease: Lease | None = None  # the request memory its body (and what is decoded from it) holds
+    refused: EscapementError | None = None  # answered with this, unread (its body was dropped)
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
 
 
 @dataclass(slots=True)
@@ -224,6 +232,10 @@ class HttpConnection(asyncio.Protocol):
         self._body_len = 0
         self._decoder: _Decoder | None = None
         self._refused = False
+        self.share = server.memory.share()
+        self._lease: Lease | None = None  # the request being read
+        self._charged = False  # its body was charged whole from Content-Length
+        self._dropping: EscapementError | None = None  # its body is read and dropped; this is the answer
         self._closing_after = False
         self._continue_owed = False
         self.lingering_since: float | None = None  # refused: discarding the rest before closing
@@ -261,6 +273,11 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
+        if self._lease is not None:
+            self._lease.release()
+        for item in self.queue:
+            if isinstance(item, Request):
+                item.release()
         if self.task is not None and not self.task.done():
             self.task.cancel()  # nobody waits for the answer any more: cancel the request
         if self.writable is not None and not self.writable.done():
@@ -296,6 +313,11 @@ class HttpConnection(asyncio.Protocol):
         self._body = []
         self._body_len = 0
         self._decoder = None
+        if self._lease is not None:
+            self._lease.release()  # a request cut short by a refusal
+        self._lease = self.share.lease()
+        self._charged = False
+        self._dropping = None
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -323,6 +345,12 @@ class HttpConnection(asyncio.Protocol):
             self._decoder = _Decoder(encoding, limit)
         elif encoding != "identity":
             raise _Refuse(UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported (gzip, deflate)"))
+        elif length is not None and length.isdigit() and self._lease is not None:
+            n = int(length)
+            if self._lease.take(n):
+                self._charged = True
+            else:  # over the daemon's request memory: read the body, keep none of it, answer 503
+                self._dropping = self.server.memory.refusal(n)
         if h.get("expect", "").lower() == "100-continue":
             if self.task is None and not self.queue:
                 self._write_raw(CONTINUE)
@@ -330,12 +358,19 @@ class HttpConnection(asyncio.Protocol):
                 self._continue_owed = True  # after the answers owed to the requests before it
 
     def on_body(self, body: bytes) -> None:
+        if self._dropping is not None:
+            return
         if self._decoder is not None:
             body = self._decoder.feed(body)
         self._body_len += len(body)
         if self._body_len > self.server.max_body:
             raise _Refuse(PayloadTooLarge(f"request body over the limit of {self.server.max_body} bytes "
                                           "(server.max_body_bytes)"))
+        lease = self._lease
+        if not self._charged and lease is not None and not lease.take(len(body)):
+            # A body of unknown length (chunked, compressed) ran past the daemon's request memory:
+            # what is left of it cannot be skipped cheaply, so answer and close.
+            raise _Refuse(self.server.memory.refusal(len(body)))
         self._body.append(body)
 
     def on_message_complete(self) -> None:
@@ -346,12 +381,13 @@ class HttpConnection(asyncio.Protocol):
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         req = Request(self.parser.get_method().decode("latin-1"), path,
                       (parsed.query or b"").decode("latin-1"), self._headers, body, self.parser.should_keep_alive(),
-                      self.parser.get_http_version() == "1.0")
+                      self.parser.get_http_version() == "1.0", lease=self._lease, refused=self._dropping)
+        self._lease = None
         self.begun = None
         self._body = []
         self._enqueue(req)
-        if len(self.queue) >= PIPELINE_DEPTH:
-            self._stop_reading()
+        if len(self.queue) >= PIPELINE_DEPTH or self.share.full:
+            self._stop_reading()  # until its answers are written (and their memory released)
 
     # ---- serving
 
@@ -368,10 +404,13 @@ class HttpConnection(asyncio.Protocol):
                     self._write(item, None, close=True)
                     self._linger()
                     return
-                resp = await self.server.dispatch(item)
-                if self.closed:
-                    return
-                self._write(resp, item, close=not item.keep_alive)
+                try:
+                    resp = error_response(item.refused) if item.refused else await self.server.dispatch(item)
+                    if self.closed:
+                        return
+                    self._write(resp, item, close=not item.keep_alive)
+                finally:
+                    item.release()
                 if not item.keep_alive:
                     return
                 if self._continue_owed and not self.queue:
@@ -379,7 +418,7 @@ class HttpConnection(asyncio.Protocol):
                     self._write_raw(CONTINUE)
                 if self.writable is not None and not self.writable.done():
                     await self.writable  # the client is not reading its answers
-                if not self.reading and len(self.queue) < PIPELINE_DEPTH // 2:
+                if not self.reading and len(self.queue) < PIPELINE_DEPTH // 2 and not self.share.full:
                     self._start_reading()
         finally:
             self.task = None
@@ -430,6 +469,10 @@ class HttpConnection(asyncio.Protocol):
         self._refused = True
         self._stop_reading()
         self.begun = None
+        if self._lease is not None:  # nothing more of that request is kept
+            self._lease.release()
+            self._lease = None
+        self._body = []
         self._enqueue(error_response(error))
 
     def _stop_reading(self) -> None:
@@ -462,7 +505,8 @@ class HttpServer:
 
     def __init__(self, router: Router, dispatch_errors: Callable[[Request, BaseException], Response], *,
                  max_body: int, keepalive_s: float = 75.0, request_timeout_s: float = 60.0,
-                 max_connections: int = 1024, write_timeout_s: float = 30.0) -> None:
+                 max_connections: int = 1024, write_timeout_s: float = 30.0,
+                 memory: RequestMemory | None = None) -> None:
         self.router = router
         self.on_error = dispatch_errors
         self.max_body = max_body
@@ -470,6 +514,7 @@ class HttpServer:
         self.request_timeout_s = request_timeout_s
         self.max_connections = max_connections
         self.write_timeout_s = write_timeout_s
+        self.memory = memory or RequestMemory(1 << 62, 1 << 62)
         self.refused = 0  # connections refused for the limit
         self.connections: set[HttpConnection] = set()
         self.loop = asyncio.get_running_loop()

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from daemon.api.budget import Lease
 from daemon.api.codec import WireTensor, assemble_inputs, check_shape, select_outputs, tensor_bytes
 from daemon.api.http import model_config_json
 from daemon.errors import (
@@ -47,6 +48,56 @@ log = logging.getLogger("escapement.socket")
 LENGTH = struct.Struct(">I")
 HIGH_WATER = 4 * 2**20  # bytes of unsent responses after which the connection stops reading
 FRAMES_PER_TURN = 64  # frames handled per event-loop turn (~1-2 ms of decoding and admission)
+# Decoding builds one Python object per msgpack object, all while holding the loop: a frame's
+# cost is bounded by its object count, not its bytes (a 10 MiB map of a million keys took a
+# second). A request is a few dozen objects around large binary payloads.
+SCAN_ABOVE = 64 * 1024  # frames larger than this have their objects counted before decoding
+MAX_OBJECTS = 4096
+UNPACK_LIMITS: dict[str, int] = {"max_map_len": 64, "max_array_len": 1024, "max_str_len": 65536, "max_ext_len": 0}
+
+
+# The bytes after each msgpack type byte: fixed sizes, or (length bytes, extra) for str/bin/ext.
+_FIXED = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2,
+          0xD2: 4, 0xD3: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17}
+_SIZED = {0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0), 0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1), 0xD9: (1, 0),
+          0xDA: (2, 0), 0xDB: (4, 0)}
+_CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}  # (length bytes, children per item)
+
+
+def count_objects(frame: bytes, limit: int) -> int:
+    """The number of msgpack objects in `frame`, walking headers only (payloads are skipped, not
+    read); BadRequest past `limit`, so the walk itself costs at most `limit` steps."""
+    pos, todo, count, end = 0, 1, 0, len(frame)
+    while todo:
+        todo -= 1
+        count += 1
+        if count > limit:
+            raise BadRequest(f"the frame holds more than {limit} msgpack objects; a request needs a few dozen "
+                             "(send tensors as bin)")
+        if pos >= end:
+            raise BadRequest("malformed msgpack frame: it ends inside an object")
+        b = frame[pos]
+        pos += 1
+        if b <= 0x7F or b >= 0xE0:
+            continue
+        if b <= 0x8F:
+            todo += 2 * (b & 0x0F)
+        elif b <= 0x9F:
+            todo += b & 0x0F
+        elif b <= 0xBF:
+            pos += b & 0x1F
+        elif b in _FIXED:
+            pos += _FIXED[b]
+        elif b in _SIZED:
+            width, extra = _SIZED[b]
+            pos += width + extra + int.from_bytes(frame[pos : pos + width], "big")
+        elif b in _CONTAINERS:
+            width, per = _CONTAINERS[b]
+            todo += per * int.from_bytes(frame[pos : pos + width], "big")
+            pos += width
+        else:
+            raise BadRequest(f"malformed msgpack frame: byte 0x{b:02x} at {pos - 1} starts no object")
+    return count
 
 
 def pack_frame(obj: dict[str, Any]) -> bytes:
@@ -70,6 +121,11 @@ class SocketConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._buf = bytearray()
         self._inflight: dict[int, InferenceRequest] = {}  # internal request id -> request
+        self.share = frontend.daemon.request_memory.share()
+        self._frame_lease: Lease | None = None  # the frame being received, charged whole from its length
+        self._starved = False  # the daemon's request memory cannot take the next frame: not reading
+        self._cap = frontend.daemon.settings.server.max_inflight_per_connection
+        self._stalled = False  # frames wait for its requests to finish (_held)
         self._closed = False
         self._paused = False  # the client is not reading its answers
         self._yielded = False  # a turn's worth of frames handled; the rest waits for the next turn
@@ -97,9 +153,15 @@ class SocketConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self.frontend.connections.discard(self)
+        self.daemon.request_memory.forget(self)
         for req in list(self._inflight.values()):
             self.daemon.controller.cancel(req)
+            req.context[2].release()
         self._inflight.clear()
+        if self._frame_lease is not None:
+            self._frame_lease.release()
+            self._frame_lease = None
+        self._buf = bytearray()
 
     def pause_writing(self) -> None:  # the client is not reading: stop taking its requests
         self._paused = True
@@ -127,8 +189,9 @@ class SocketConnection(asyncio.Protocol):
     # ---------------------------------------------------------------- frames
 
     def _want_reading(self) -> None:
-        """Read from the client only while its answers drain and no turn of frames is pending."""
-        want = not (self._paused or self._yielded)
+        """Read from the client only while its answers drain, no turn of frames is pending and its
+        requests fit in the request memory (its share, and the daemon's total)."""
+        want = not (self._paused or self._yielded or self._starved or self._held())
         if self.transport is not None and not self._closed and want != self._reading:
             self._reading = want
             if want:
@@ -140,15 +203,23 @@ class SocketConnection(asyncio.Protocol):
         """Handle the whole frames buffered, FRAMES_PER_TURN at a time: a client that pipelines
         thousands of frames in one write must not hold the event loop (and every other client,
         timer and the controller) for the tens of milliseconds they take."""
-        if self._paused or self._yielded or self._closed:
+        if self._paused or self._yielded or self._closed or self._starved:
             return
         if self._drain_frames(FRAMES_PER_TURN):
             self._yielded = True
             self._want_reading()
             asyncio.get_running_loop().call_soon(self._next_turn)
             return
-        if self._eof and not self._paused:
+        self._stalled = self._held()
+        self._want_reading()  # its share may have filled (or emptied)
+        if self._eof and not self._paused and not self._starved and not self._held():
             self._after_eof()
+
+    def _held(self) -> bool:
+        """It holds its share of memory, or as many requests as one connection may have in flight:
+        the next frame waits (unread) for one of them to finish, so one connection cannot take every
+        pending slot, and a client that pipelines gets back-pressure rather than refusals."""
+        return self.share.full or len(self._inflight) >= self._cap
 
     def _next_turn(self) -> None:
         self._yielded = False
@@ -168,7 +239,7 @@ class SocketConnection(asyncio.Protocol):
         """Handle up to `limit` whole frames; True when it stopped at the limit with more buffered."""
         buf = self._buf
         handled = 0
-        while len(buf) >= 4 and not self._closed and not self._paused:
+        while len(buf) >= 4 and not self._closed and not self._paused and not self._held():
             if handled == limit:
                 return True
             (n,) = LENGTH.unpack_from(buf)
@@ -178,13 +249,30 @@ class SocketConnection(asyncio.Protocol):
                     "closing the connection")))
                 self.close()
                 return False
+            lease = self._frame_lease
+            if lease is None:
+                lease = self.share.lease()
+                if not lease.take(n):  # wait, not reading, until requests finish and memory frees
+                    self._starved = True
+                    self._want_reading()
+                    self.daemon.request_memory.wait(self, self._memory_freed)
+                    return False
+                self._frame_lease = lease
             if len(buf) < 4 + n:
                 return False
+            self._frame_lease = None
             frame = bytes(buf[4 : 4 + n])
             del buf[: 4 + n]
-            self._handle(frame)
+            self._handle(frame, lease)
             handled += 1
         return False
+
+    def _memory_freed(self) -> None:
+        if self._closed:
+            return
+        self._starved = False
+        self._want_reading()
+        asyncio.get_running_loop().call_soon(self._pump)
 
     def send(self, obj: dict[str, Any]) -> None:
         if self.transport is not None and not self._closed:
@@ -200,11 +288,15 @@ class SocketConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()  # connection_lost cancels its requests
 
-    def _handle(self, frame: bytes) -> None:
+    def _handle(self, frame: bytes, lease: Lease) -> None:
+        """Decode and act on one frame; `lease` (its bytes) passes to the request it makes, or is
+        released here."""
         req_id: Any = None
         try:
+            if len(frame) > SCAN_ABOVE:
+                count_objects(frame, MAX_OBJECTS)
             try:
-                msg = msgpack.unpackb(frame, raw=False)
+                msg = msgpack.unpackb(frame, raw=False, max_bin_len=self.max_frame, **UNPACK_LIMITS)
             except Exception as e:  # msgpack raises several types for bad bytes
                 raise BadRequest(f"malformed msgpack frame: {type(e).__name__}: {e}") from None
             if not isinstance(msg, dict):
@@ -219,14 +311,15 @@ class SocketConnection(asyncio.Protocol):
                 raise BadRequest(f"id is longer than {limit} bytes (server.max_request_id_bytes)")
             op = msg.get("op", "infer")
             if op == "infer":
-                self._infer(req_id, msg)
-            else:
-                self.send({"id": req_id, "status": 200, **self._control(op, msg)})
+                self._infer(req_id, msg, lease)
+                return
+            self.send({"id": req_id, "status": 200, **self._control(op, msg)})
         except EscapementError as e:
             self.send(error_frame(req_id, e))
         except Exception as e:  # never let one frame kill the connection's other requests
             log.exception("socket frame failed")
             self.send(error_frame(req_id, e))
+        lease.release()
 
     def _control(self, op: Any, msg: dict[str, Any]) -> dict[str, Any]:
         reg = self.daemon.registry
@@ -255,12 +348,8 @@ class SocketConnection(asyncio.Protocol):
 
     # ---------------------------------------------------------------- inference
 
-    def _infer(self, req_id: Any, msg: dict[str, Any]) -> None:
+    def _infer(self, req_id: Any, msg: dict[str, Any], lease: Lease) -> None:
         self.daemon.check_overload()
-        cap = self.daemon.settings.server.max_inflight_per_connection
-        if len(self._inflight) >= cap:  # one connection cannot take every pending slot
-            raise Overloaded(f"this connection has {cap} requests in flight, its limit "
-                             "(server.max_inflight_per_connection)", retry_after_s=0.1)
         name = msg.get("model")
         if not isinstance(name, str):
             raise BadRequest("infer needs a model name")
@@ -285,7 +374,7 @@ class SocketConnection(asyncio.Protocol):
             raise BadRequest("outputs must be a list of names")
         out_idx = select_outputs(spec, wanted)
         req = self.daemon.new_request(spec, arrays, samples, msg.get("timeout_us"), msg.get("priority"), "")
-        req.context = (req_id, out_idx)
+        req.context = (req_id, out_idx, lease)
         req.on_finish = self._finished
         self._inflight[req.id] = req
         try:
@@ -299,14 +388,20 @@ class SocketConnection(asyncio.Protocol):
         if self._closed:
             return
         self.last_active = time.monotonic()
+        lease: Lease = req.context[2]
         try:
             self._answer(req)
         finally:
+            lease.release()
             if self._input_done and not self._inflight:
                 self.close()
+            elif self._stalled and not self._held():
+                # it stopped for its share or its cap; go on in a turn of its own, not inside _handle
+                self._stalled = False
+                asyncio.get_running_loop().call_soon(self._pump)
 
     def _answer(self, req: InferenceRequest) -> None:
-        req_id, out_idx = req.context
+        req_id, out_idx, _ = req.context
         if not req.ok:
             if req.error is not None:
                 self.send(error_frame(req_id, req.error))

@@ -189,7 +189,7 @@ class Scheduler:
     def cancel(self, req: InferenceRequest, now: float) -> Decision:
         """The client went away. A queued request is dropped; a running one's answer is discarded."""
         if req.status == RequestStatus.QUEUED:
-            self.models[req.model.key].queue.discard(req)
+            self._drop_queued(req)
             self._finish(req, RequestStatus.CANCELLED, None, now)
         elif req.status == RequestStatus.RUNNING:
             req.status = RequestStatus.CANCELLED  # the result is dropped when it comes back
@@ -287,7 +287,7 @@ class Scheduler:
                 # strictly later than now, or a request exactly at its boundary would spin here
                 heapq.heappush(heap, (max(req.deadline - best, now + 1e-6), req.id, req))
                 continue
-            self.models[req.model.key].queue.discard(req)
+            self._drop_queued(req)
             self._finish(req, RequestStatus.FAILED, self.deadline_error(req, now), now)
 
     def _watch_overdue(self, now: float) -> None:
@@ -326,6 +326,12 @@ class Scheduler:
         if d.actions or d.finished:  # (most passes decide nothing: no new object for those)
             self._decision = Decision()
         return d
+
+    def _drop_queued(self, req: InferenceRequest) -> None:
+        """A queued request finished in place: its queue entry goes lazily, its tensors at once (a
+        cancelled request's memory must not wait for its entry to reach the top of a heap)."""
+        self.models[req.model.key].queue.discard(req)
+        req.inputs = ()
 
     def _finish(self, req: InferenceRequest, status: RequestStatus, error: EscapementError | None,
                 now: float = 0.0) -> None:

@@ -187,6 +187,7 @@ def test_defect6_input_copies_do_not_wait_behind_a_whole_load(programs: dict[str
     be.close()
 
 
+@pytest.mark.expect_errors('device-side assert')
 def test_defect7_a_sticky_error_fails_the_device_for_good(programs: dict[str, Program]) -> None:
     api = EmuCuda(0, EmuSettings(capacity=64 << 20))
     be = backend_on(api, budget=32 << 20, workspace=8 << 20)
@@ -201,6 +202,7 @@ def test_defect7_a_sticky_error_fails_the_device_for_good(programs: dict[str, Pr
     be.close()
 
 
+@pytest.mark.expect_errors('did not finish by its deadline')
 def test_defect7_a_hung_kernel_fails_the_device_by_its_deadline(programs: dict[str, Program]) -> None:
     api = EmuCuda(0, EmuSettings(capacity=64 << 20))
     be = backend_on(api, budget=32 << 20, workspace=8 << 20)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 
 import numpy as np
+import pytest
 
 from daemon.actions import Action, ActionKind, Failure, Result, ResultStatus
 from daemon.clock import MonotonicClock
@@ -23,6 +24,7 @@ def run(ex: Executor, results: queue.Queue[Result], kind: ActionKind, program: P
     return results.get(timeout=30)
 
 
+@pytest.mark.expect_errors('illegal memory access')
 def test_failures_say_why_and_a_lost_device_fails_every_later_action(programs: dict[str, Program]) -> None:
     api = EmuCuda(0, EmuSettings(capacity=64 << 20))
     p, q = programs["tiny_pt2:1"], programs["wide:1"]

@@ -168,6 +168,7 @@ def test_zipf_over_twenty_models_with_room_for_a_quarter(tmp_path: Path) -> None
         shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.mark.expect_errors('illegal memory access')
 def test_defect7_a_lost_device_is_left_and_reported(mixed_repo: Path) -> None:
     """A sticky error on one of two devices: its work moves to the other; ready says which and why."""
     d = short_tmpdir()
@@ -195,6 +196,7 @@ def test_defect7_a_lost_device_is_left_and_reported(mixed_repo: Path) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.mark.expect_errors('device-side assert', 'every device is lost')
 def test_defect7_the_last_device_lost_stops_the_daemon_for_a_restart(mixed_repo: Path) -> None:
     d = short_tmpdir()
     dt = DaemonThread(emucuda_settings(mixed_repo, d)).start()

@@ -20,6 +20,7 @@ import orjson
 import pytest
 
 from daemon.api import httpserver
+from daemon.api.budget import RequestMemory
 from daemon.api.httpserver import HttpServer, Request, Response, Router, error_response
 from daemon.errors import BadRequest
 
@@ -77,6 +78,7 @@ def build_router(hooks: Hooks) -> Router:
     r.add("GET", "/bad", bad)
     r.add("GET", "/boom", boom)
     r.add("GET", "/wait", wait)
+    r.add("POST", "/wait", wait)
     r.add("POST", "/post-only", echo)
 
     async def big(req: Request) -> Response:
@@ -122,7 +124,8 @@ async def start() -> AsyncIterator[Start]:
     harnesses: list[Harness] = []
 
     async def _start(*, max_body: int = MAX_BODY, keepalive_s: float = 75.0, request_timeout_s: float = 60.0,
-                     max_connections: int = 1024, write_timeout_s: float = 30.0) -> Harness:
+                     max_connections: int = 1024, write_timeout_s: float = 30.0,
+                     memory: RequestMemory | None = None) -> Harness:
         hooks = Hooks()
 
         def on_error(req: Request, exc: BaseException) -> Response:
@@ -131,7 +134,7 @@ async def start() -> AsyncIterator[Start]:
 
         server = HttpServer(build_router(hooks), on_error, max_body=max_body, keepalive_s=keepalive_s,
                             request_timeout_s=request_timeout_s, max_connections=max_connections,
-                            write_timeout_s=write_timeout_s)
+                            write_timeout_s=write_timeout_s, memory=memory)
         port = await server.start("127.0.0.1", 0)
         h = Harness(server, port, hooks)
         harnesses.append(h)
@@ -732,3 +735,60 @@ async def test_a_client_that_stops_reading_its_answers_is_dropped(start: Start) 
     await writer.drain()
     # The server gives up on it after write_timeout_s (its sweep runs every second).
     await until(lambda: not srv.server.connections, limit_s=10)
+
+
+# ------------------------------------------------------------------ request memory
+
+
+async def test_a_body_past_the_request_memory_gets_503_and_the_connection_goes_on(start: Start) -> None:
+    memory = RequestMemory(10_000, 10_000)
+    srv = await start(memory=memory, max_body=1 << 20)
+    reader, writer = await srv.connect()
+    writer.write(request("POST", "/echo/a", b"x" * 20_000) + request("POST", "/echo/b", b"small"))
+    refused = await read_reply(reader)
+    assert refused.status == 503 and refused.headers.get("retry-after") == "1" and not refused.closes
+    assert "server.request_memory_bytes" in refused.json()["error"]
+    ok = await read_reply(reader)  # the refused body was read and dropped: framing holds
+    assert ok.status == 200 and ok.json()["body"] == "small"
+    assert memory.refused == 1 and memory.held == 0 and memory.peak == 5
+
+
+async def test_a_chunked_body_past_the_request_memory_gets_503_and_a_close(start: Start) -> None:
+    memory = RequestMemory(10_000, 10_000)
+    srv = await start(memory=memory, max_body=1 << 20)
+    reader, writer = await srv.connect()
+    chunk = b"x" * 6000
+    writer.write(request("POST", "/echo/a", headers={"Transfer-Encoding": "chunked"}, length=False)
+                 + (b"%x\r\n%s\r\n" % (len(chunk), chunk)) * 2)
+    reply = await read_reply(reader)
+    assert reply.status == 503 and reply.closes
+    await assert_closed(reader)
+    await until(lambda: memory.held == 0)
+
+
+async def test_a_connection_past_its_share_stops_reading_until_its_answers_are_written(start: Start) -> None:
+    memory = RequestMemory(1 << 20, 8000)
+    srv = await start(memory=memory, max_body=1 << 20)
+    reader, writer = await srv.connect()
+    writer.write(request("POST", "/wait", b"w" * 5000) + request("POST", "/echo/a", b"a" * 5000))
+    await srv.hooks.started.wait()
+    (conn,) = srv.server.connections
+    await until(lambda: not conn.reading)  # 10,000 bytes held: past its share of 8,000
+    assert memory.held == 10_000
+    writer.write(request("POST", "/echo/b", b"b" * 5000))  # waits, unread, in the socket
+    srv.hooks.release.set()
+    replies = [await read_reply(reader) for _ in range(3)]
+    assert [r.status for r in replies] == [200, 200, 200]
+    assert replies[2].json()["body"] == "b" * 5000
+    assert memory.peak == 10_000  # the third body was read only after the first answers were written
+    await until(lambda: memory.held == 0)
+
+
+async def test_a_reset_mid_body_releases_its_memory_at_once(start: Start) -> None:
+    memory = RequestMemory(1 << 20, 1 << 20)
+    srv = await start(memory=memory, max_body=1 << 20)
+    _reader, writer = await srv.connect()
+    writer.write(b"POST /echo/a HTTP/1.1\r\nHost: t\r\nContent-Length: 100000\r\n\r\n" + b"x" * 1000)
+    await until(lambda: memory.held == 100_000)  # charged whole, from Content-Length
+    writer.transport.abort()  # type: ignore[attr-defined]
+    await until(lambda: memory.held == 0)

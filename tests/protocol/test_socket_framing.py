@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 from daemon.api.uds import SocketConnection, SocketFrontend
 from daemon.config import settings_from_dict
 from daemon.datatypes import BY_NAME
+from daemon.errors import BadRequest
 from daemon.registry import ModelState
 from daemon.repository import ModelSpec, TensorSpec
 from daemon.request import InferenceRequest, RequestStatus
@@ -182,3 +184,111 @@ def test_reading_pauses_while_the_client_does_not_read(conn: Conn) -> None:
     c.resume_writing()
     assert t.reading
     assert [a["id"] for a in t.frames()] == [1]
+
+
+# ------------------------------------------------------------------ request memory and fairness
+
+
+def make(server: dict[str, Any]) -> tuple[Daemon, SocketFrontend, InstantController]:
+    daemon = Daemon(settings_from_dict({"server": {"max_body_bytes": 4096, **server}}))
+    daemon.registry.add(SPEC, ModelState.READY)
+    ctl = InstantController()
+    ctl.hold = True
+    daemon._controller = ctl  # type: ignore[assignment]
+    return daemon, SocketFrontend(daemon), ctl
+
+
+def connect(frontend: SocketFrontend) -> tuple[SocketConnection, FakeTransport]:
+    c = SocketConnection(frontend)
+    t = FakeTransport()
+    c.connection_made(t)  # type: ignore[arg-type]
+    return c, t
+
+
+def finish(req: InferenceRequest) -> None:
+    req.outputs = (req.inputs[0].sum(axis=1, keepdims=True),)
+    req.status = RequestStatus.SUCCEEDED
+    assert req.on_finish is not None
+    req.on_finish(req)
+
+
+PAD = b"p" * 1500  # makes a frame of ~1.6 KB (an unknown key is ignored)
+
+
+async def test_a_connection_past_its_share_of_memory_stops_reading_until_a_request_finishes() -> None:
+    daemon, fe, ctl = make({"connection_memory_bytes": 4096})
+    c, t = connect(fe)
+    c.data_received(b"".join(frame(infer(i, pad=PAD)) for i in range(4)))
+    assert len(ctl.held) == 3 and not t.reading  # 3 x 1.6 KB passed the 4 KB share: the 4th waits
+    held = daemon.request_memory.held
+    assert held == sum(len(frame(infer(i, pad=PAD))) - 4 for i in range(3))
+    finish(ctl.held.pop(0))
+    await asyncio.sleep(0)  # the connection goes on in a turn of its own
+    assert len(ctl.held) == 3 and [a["id"] for a in t.frames()] == [0]
+    finish(ctl.held.pop(0))
+    await asyncio.sleep(0)
+    assert t.reading and len(ctl.held) == 2
+
+
+async def test_past_the_daemons_request_memory_a_connection_waits_unread_then_goes_on() -> None:
+    daemon, fe, ctl = make({"connection_memory_bytes": 4096, "request_memory_bytes": 6000})
+    a, _ = connect(fe)
+    b, tb = connect(fe)
+    a.data_received(b"".join(frame(infer(i, pad=PAD)) for i in range(3)))  # 4.8 KB of the 6 KB
+    b.data_received(frame(infer("b", pad=PAD)))
+    assert len(ctl.held) == 3 and not tb.reading and tb.frames() == []  # not refused: waiting
+    finish(ctl.held.pop(0))  # memory frees: b is woken
+    await asyncio.sleep(0)
+    assert ctl.held[-1].context[0] == "b" and tb.reading
+    for r in list(ctl.held):
+        finish(r)
+    assert daemon.request_memory.held == 0 and daemon.request_memory.peak <= 6000
+
+
+async def test_one_connection_has_at_most_its_cap_of_requests_in_flight() -> None:
+    _, fe, ctl = make({"max_inflight_per_connection": 2})
+    c, t = connect(fe)
+    c.data_received(b"".join(frame(infer(i)) for i in range(5)))
+    assert len(ctl.held) == 2 and not t.reading and t.frames() == []  # back-pressure, not refusals
+    finish(ctl.held.pop(0))
+    await asyncio.sleep(0)
+    assert len(ctl.held) == 2 and [a["id"] for a in t.frames()] == [0]
+
+
+def test_a_lost_connection_releases_its_memory_at_once() -> None:
+    daemon, fe, ctl = make({})
+    c, _ = connect(fe)
+    big = frame(infer(9, pad=PAD))
+    c.data_received(frame(infer(1)) + big[:100])  # one request held, one frame half received
+    assert daemon.request_memory.held == len(frame(infer(1))) - 4 + len(big) - 4
+    c.connection_lost(None)
+    assert daemon.request_memory.held == 0
+    assert [r.id for r in ctl.cancelled] == [ctl.held[0].id]  # and its request is cancelled
+
+
+@pytest.mark.parametrize(("obj", "needle"), [
+    ({"id": 1, **{f"k{i}": i for i in range(100)}}, "malformed msgpack frame"),  # a map past max_map_len
+    ({"id": 1, "x": list(range(5000))}, "malformed msgpack frame"),  # an array past max_array_len
+    ({"id": 1, "x": [[i] * 900 for i in range(90)]}, "more than 4096 msgpack objects"),  # many small arrays
+])
+def test_frames_that_would_build_many_objects_are_refused_before_decoding(obj: Any, needle: str) -> None:
+    _, fe, ctl = make({"max_body_bytes": 1 << 20})
+    ctl.hold = False
+    c, t = connect(fe)
+    c.data_received(frame(obj) + frame(infer(2)))
+    bad, ok = t.frames()
+    assert bad["status"] == 400 and needle in bad["error"], bad
+    assert ok["id"] == 2 and ok["status"] == 200
+
+
+def test_counting_objects_matches_msgpack() -> None:
+    from daemon.api.uds import count_objects
+    obj = {"id": 1, "f": 1.5, "n": None, "t": True, "neg": -5, "big": 2**40, "s": "a" * 300, "b": b"x" * 70000,
+           "arr": list(range(20)), "nested": [{"a": [1, 2]}, -1000]}
+    payload = msgpack.packb(obj, use_bin_type=True)
+    # the map, its 10 keys and 10 values, 20 ints inside arr, and inside nested: {"a": [1, 2]}, -1000 (6)
+    assert count_objects(payload, 4096) == 1 + 2 * 10 + 20 + 6
+    with pytest.raises(BadRequest, match="ends inside an object"):
+        count_objects(b"\x92\x01", 10)  # an array of two holding one
+    with pytest.raises(BadRequest, match="starts no object"):
+        count_objects(b"\xc1", 10)

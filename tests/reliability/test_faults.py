@@ -68,6 +68,7 @@ async def admin(session: aiohttp.ClientSession, base: str, method: str, path: st
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.expect_errors('injected failure', r'cpu:\d/infer: <INFER .*> failed$')
 def test_every_request_gets_exactly_one_answer_in_time(fault_daemon: DaemonThread, case: str) -> None:
     dt = fault_daemon
     faults = CASES[case]
@@ -263,6 +264,7 @@ def test_a_slow_device_does_not_fail_requests_a_healthy_replica_can_serve(fault_
     assert [a["status"] for a in answers] == [200] * 5, answers[0].get("error")
 
 
+@pytest.mark.expect_errors('injected failure', r'cpu:\d/infer: <INFER .*> failed$')
 def test_a_failing_device_does_not_fail_requests_a_healthy_replica_can_serve(fault_daemon: DaemonThread) -> None:
     """cpu:0 fails every INFER, cpu:1 is healthy and idle, both hold the model: requests sent one at a
     time must not wait out their deadline for nothing; most should be served by cpu:1."""

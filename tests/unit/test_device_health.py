@@ -26,6 +26,7 @@ POLICIES = [pytest.param(lambda: DynamicBatchingPolicy(0.0), id="dynamic"),
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.expect_errors('device-side assert')
 def test_defect7_a_lost_device_gets_no_more_work_and_its_requests_move(policy: type[Policy]) -> None:
     h = Harness(devices=2, policy=policy())
     spec = h.add(make_spec())
@@ -46,6 +47,7 @@ def test_defect7_a_lost_device_gets_no_more_work_and_its_requests_move(policy: t
     assert h.sched.statistics()["devices"][lost]["failed"]
 
 
+@pytest.mark.expect_errors('a kernel hangs')
 def test_defect7_when_every_device_is_lost_requests_are_refused_at_once() -> None:
     h = Harness(devices=1)
     spec = h.add(make_spec())
@@ -78,6 +80,7 @@ def test_defect8_a_load_refused_for_memory_evicts_and_tries_again(policy: type[P
     assert h.sched.counters["load_retries"] == 1
 
 
+@pytest.mark.expect_errors('load of m:1 on cpu:0 failed: NoMemory')
 def test_defect8_loads_refused_for_memory_too_often_back_off() -> None:
     h = Harness(devices=1, budget=1000)
     spec = h.add(make_spec())
@@ -90,6 +93,7 @@ def test_defect8_loads_refused_for_memory_too_often_back_off() -> None:
     assert h.sched.devices["cpu:0"].load_backoff[spec.key] > h.now
 
 
+@pytest.mark.expect_errors('load of m:1 on cpu:0 failed: RuntimeError: broken kernel')
 def test_defect8_a_failed_load_backs_off_that_device_and_another_serves() -> None:
     h = Harness(devices=2)
     spec = h.add(make_spec())

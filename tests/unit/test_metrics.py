@@ -65,6 +65,7 @@ def serve_mix(h: Harness, spec: ModelSpec) -> float:
     return cancelled_at
 
 
+@pytest.mark.expect_errors('failed: boom')
 def test_collector_counts_each_outcome_once() -> None:
     h = Harness(budget=1000)
     spec = h.add(make_spec())
@@ -121,6 +122,7 @@ def test_parm_counters_have_their_own_names() -> None:
     assert value(s, "escapement_replica_answers_total") == 5
 
 
+@pytest.mark.expect_errors('failed: boom')
 def test_statistics_extension_record() -> None:
     h = Harness()
     spec = h.add(make_spec())

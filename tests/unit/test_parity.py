@@ -167,6 +167,7 @@ def test_a_straggler_of_a_partial_group_gets_its_replica_without_waiting_for_the
 
 
 @pytest.mark.parametrize("status", [ResultStatus.TOO_LATE, ResultStatus.FAILED])
+@pytest.mark.expect_errors('failed: boom')
 def test_an_original_refused_or_failed_after_its_replica_answered_leaves_no_group(status: ResultStatus) -> None:
     h, spec = setup(flush_ms=10.0)
     a = h.request(spec, timeout=50 * MS)

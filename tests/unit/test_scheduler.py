@@ -196,6 +196,7 @@ def test_a_refused_action_fails_requests_that_can_no_longer_make_it() -> None:
     assert isinstance(r.error, DeadlineExceeded)
 
 
+@pytest.mark.expect_errors('failed: boom')
 def test_a_failed_action_is_retried_a_bounded_number_of_times_then_fails_with_an_internal_error() -> None:
     h = Harness()
     spec = h.add(make_spec())
@@ -211,6 +212,7 @@ def test_a_failed_action_is_retried_a_bounded_number_of_times_then_fails_with_an
     assert h.sched.pending == 0
 
 
+@pytest.mark.expect_errors('failed: boom')
 def test_after_a_failure_the_model_keeps_off_that_device_while_another_holds_it() -> None:
     h = Harness(devices=2, policy=ClockworkPolicy())
     spec = h.add(make_spec())
@@ -228,6 +230,7 @@ def test_after_a_failure_the_model_keeps_off_that_device_while_another_holds_it(
     assert h.sched.devices["cpu:0"].healthy_for(spec.key, h.now)
 
 
+@pytest.mark.expect_errors('failed: insufficient weight memory')
 def test_a_failed_load_fails_the_waiting_requests() -> None:
     h = Harness()
     spec = h.add(make_spec())
