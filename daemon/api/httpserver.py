@@ -376,10 +376,18 @@ class HttpConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self._decoder is not None:
             self._decoder.finish()
-        parsed = httptools.parse_url(self._url)
+        method = self.parser.get_method().decode("latin-1")
+        if method == "CONNECT":  # a proxy tunnel: its target is no path of ours
+            raise _Refuse(MethodNotAllowed("CONNECT is not supported: this is not a proxy"))
+        try:
+            parsed = httptools.parse_url(self._url)
+        except httptools.HttpParserInvalidURLError:
+            raise _Refuse(BadRequest("the request target is not a valid URL")) from None
+        if not parsed.path:  # "http://host" names no resource; "*" is only for OPTIONS
+            raise _Refuse(BadRequest("the request target has no path"))
         path = parsed.path.decode("latin-1")  # routed raw: an encoded "/" never reaches another route
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        req = Request(self.parser.get_method().decode("latin-1"), path,
+        req = Request(method, path,
                       (parsed.query or b"").decode("latin-1"), self._headers, body, self.parser.should_keep_alive(),
                       self.parser.get_http_version() == "1.0", lease=self._lease, refused=self._dropping)
         self._lease = None

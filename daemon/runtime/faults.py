@@ -10,12 +10,23 @@ config (`[[faults]]`) or at run time (`POST /v2/admin/faults`).
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 FaultMode = Literal["sustained", "periodic", "random"]
+
+
+_RANGES = (  # field, lowest, highest: a fault slows a device for a test, never past a minute per INFER
+    ("slowdown", 1.0, 1000.0),
+    ("add_ms", 0.0, 60_000.0),
+    ("period_s", 0.0, 86_400.0),
+    ("duty", 0.0, 1.0),
+    ("burst_s", 0.0, 86_400.0),
+    ("fail_probability", 0.0, 1.0),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,11 +42,22 @@ class FaultSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if (self.slowdown < 1.0 or self.add_ms < 0 or not 0 <= self.duty <= 1 or self.period_s <= 0
-                or self.burst_s <= 0 or not 0 <= self.fail_probability <= 1):
-            raise ValueError(f"bad fault: {self}")
+        # Checked whole before anything is applied: a fault comes from a config file or a JSON body,
+        # and a NaN or an hour-long delay would stall a device as surely as a bug.
+        for name, low, high in _RANGES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name} = {value!r}: expected a number")
+            if not (math.isfinite(value) and low <= value <= high):
+                raise ValueError(f"{name} = {value!r}: expected a number in [{low:g}, {high:g}]")
+        if not isinstance(self.hang, bool):
+            raise ValueError(f"hang = {self.hang!r}: expected true or false")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed = {self.seed!r}: expected an integer in [0, 2**63)")
         if self.mode not in ("sustained", "periodic", "random"):
             raise ValueError(f"fault mode {self.mode!r}: expected sustained, periodic or random")
+        if self.period_s <= 0 or self.burst_s <= 0:
+            raise ValueError("period_s and burst_s must be positive")
 
     def slowed(self, t: float) -> bool:
         if self.mode == "sustained":
@@ -65,9 +87,10 @@ class Faults:
         return self._spec
 
     def set(self, spec: FaultSpec | None) -> None:
+        rng = random.Random(spec.seed if spec else 0)  # before the lock: nothing half-applied
         with self._lock:
             self._spec = spec
-            self._rng = random.Random(spec.seed if spec else 0)
+            self._rng = rng
             if spec is not None and spec.hang:
                 self._unhang.clear()
             else:

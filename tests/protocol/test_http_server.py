@@ -792,3 +792,28 @@ async def test_a_reset_mid_body_releases_its_memory_at_once(start: Start) -> Non
     await until(lambda: memory.held == 100_000)  # charged whole, from Content-Length
     writer.transport.abort()  # type: ignore[attr-defined]
     await until(lambda: memory.held == 0)
+
+
+@pytest.mark.parametrize("target", [
+    b"CONNECT example.com:443 HTTP/1.1",          # a proxy tunnel, not a request for us
+    b"CONNECT /echo/x HTTP/1.1",                   # CONNECT with an origin-form target
+    b"GET http://[::1/echo/x HTTP/1.1",            # an absolute URL whose host never ends
+    b"GET http://test:99999999999/echo/x HTTP/1.1",  # a port past 65535
+    b"GET http:///echo/x HTTP/1.1",                # an absolute URL with no host
+    b"GET * HTTP/1.1",                             # asterisk-form outside OPTIONS
+    b"GET //echo HTTP/1.1",                        # an empty first segment: no route
+])
+async def test_a_target_the_parser_refuses_is_400_without_an_error_logged(srv: Harness, target: bytes) -> None:
+    reader, writer = await srv.connect()
+    writer.write(target + b"\r\nHost: test\r\n\r\n")
+    reply = await read_reply(reader)
+    assert 400 <= reply.status < 500, (reply.status, reply.body)
+    assert reply.headers["content-type"] == "application/json"
+    # (the autouse no_unexpected_errors fixture fails this test if a traceback was logged)
+
+
+async def test_an_absolute_url_target_is_routed_by_its_path(srv: Harness) -> None:
+    reader, writer = await srv.connect()
+    writer.write(b"GET http://test/echo/abs?x=1 HTTP/1.1\r\nHost: test\r\n\r\n")
+    reply = await read_reply(reader)
+    assert reply.status == 200 and reply.json()["path"] == "/echo/abs" and reply.json()["query"] == "x=1"
