@@ -174,7 +174,17 @@ def test_systemd_config_example_is_valid() -> None:
     unit = (SYSTEMD / "escapement.service").read_text()
     stop = float(re.search(r"^TimeoutStopSec=(\d+)s?$", unit, re.M).group(1))  # type: ignore[union-attr]
     assert stop > s.server.drain_timeout_s + 5  # systemd must not SIGKILL a drain in progress
-    assert "RuntimeDirectory=escapement" in unit and "Type=notify" in unit
+    assert re.search(r"^Type=notify$", unit, re.M)
+    # The socket's directory is made by tmpfiles (group escapement-clients, set-group-ID), not by
+    # RuntimeDirectory= (which would give it the daemon's group); the unit lets the daemon write it.
+    assert not re.search(r"^RuntimeDirectory=", unit, re.M)
+    assert re.search(r"^ReadWritePaths=(.*\s)?/run/escapement(\s|$)", unit, re.M)
+    tmpfiles = (SYSTEMD / "escapement.tmpfiles.conf").read_text()
+    assert re.search(r"^d\s+/run/escapement\s+2750\s+escapement\s+escapement-clients\s", tmpfiles, re.M)
+    # The repository is the one the unit makes read-only, and the token comes from the credential.
+    assert re.search(rf"^ReadOnlyPaths=(.*\s)?{re.escape(s.models.repository)}(\s|$)", unit, re.M)
+    assert s.server.admin_token == "" and s.server.admin_token_file == ""
+    assert re.search(r"^LoadCredential=admin-token:", unit, re.M)
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
