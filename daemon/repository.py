@@ -17,14 +17,18 @@
     test_accuracy = 0.97
 
 Scanning never raises for one bad entry: each broken model is reported with its reason and
-the rest are served.
+the rest are served. The scan never opens what is not a regular file (a FIFO would block it
+forever), reads at most `MAX_CONFIG_BYTES` of a config, and takes as versions only directories
+named by 1 to `MAX_VERSION_DIGITS` ASCII digits; every entry it skips costs one WARNING line.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import re
+import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,10 +44,60 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _KNOWN_KEYS = {"name", "description", "max_batch_size", "slo_ms", "inputs", "outputs", "metadata", "parity",
                "preload_replicas"}
 _PARITY_KEYS = {"k", "encoder", "file", "enabled", "flush_ms", "accuracy"}
+MAX_BATCH_SIZE = 4096
+MAX_CONFIG_BYTES = 1 << 20  # a config.toml is a few hundred bytes; this only stops a runaway file
+# Versions travel as int64 (KServe's version strings, msgpack, metrics labels): 18 digits stay
+# below 2**63, and int() of a bounded ASCII string can neither refuse it (Python's 4300-digit
+# limit) nor read other scripts' digits ("²" passes str.isdigit() and int() refuses it; "٣" is 3).
+MAX_VERSION_DIGITS = 18
+_VERSION_RE = re.compile(rf"[0-9]{{1,{MAX_VERSION_DIGITS}}}")
 
 
 class ModelConfigError(ValueError):
     """A model entry cannot be served; the message says why."""
+
+
+class RefusedFile(OSError):
+    """A file the daemon will not read: not a regular file, or larger than allowed."""
+
+
+def file_type(mode: int) -> str:
+    """What a stat mode is, in words (for messages)."""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return name
+    return "of an unknown type"
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """The bytes of `path`, a regular file (symlinks followed) of at most `limit` bytes.
+
+    RefusedFile for anything else, OSError when it cannot be opened (missing, permission, a
+    symlink loop). O_NONBLOCK keeps the open of a FIFO from waiting for a writer forever, and
+    the type is checked on the open descriptor, so a swap after a check cannot slip through.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RefusedFile(f"{path.name} is {file_type(st.st_mode)}, not a regular file")
+        if st.st_size > limit:
+            raise RefusedFile(f"{path.name} is {st.st_size} bytes, more than the {limit} read")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:  # the file may grow while it is read: never take more than limit + 1
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise RefusedFile(f"{path.name} is more than the {limit} bytes read")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +191,7 @@ def _tensor_specs(raw: Any, what: str, model: str) -> tuple[TensorSpec, ...]:
         if unknown:
             raise ModelConfigError(f"{where}: unknown keys {sorted(unknown)}")
         name, dt_name, shape = t.get("name"), t.get("datatype"), t.get("shape")
-        if not isinstance(name, str) or not _NAME_RE.match(name):
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
             raise ModelConfigError(f"{where}: name {name!r} must be 1-128 letters, digits, '_', '.', '-'")
         dt = lookup(dt_name) if isinstance(dt_name, str) else None
         if dt is None:
@@ -175,7 +229,7 @@ def _parity(raw: Any, name: str, slo_ms: float) -> ParitySpec | None:
     if not isinstance(file, str) or "/" in file or not file.endswith(".pt2"):
         raise ModelConfigError(f"{name}: [parity] file = {file!r}: expected a .pt2 file name in the version directory")
     flush = raw.get("flush_ms", slo_ms / 4)
-    if isinstance(flush, bool) or not isinstance(flush, int | float) or flush <= 0:
+    if isinstance(flush, bool) or not isinstance(flush, int | float) or not 0 < flush <= 3_600_000:
         raise ModelConfigError(f"{name}: [parity] flush_ms = {flush!r}: expected a positive number of milliseconds")
     return ParitySpec(k, enc, file, float(flush))
 
@@ -185,11 +239,17 @@ def parse_model_config(model_dir: Path, default_slo_ms: float) -> dict[str, Any]
     name = model_dir.name
     cfg_path = model_dir / "config.toml"
     try:
-        raw = tomllib.loads(cfg_path.read_text(encoding="utf-8"))
+        raw = tomllib.loads(read_regular(cfg_path, MAX_CONFIG_BYTES).decode("utf-8"))
     except FileNotFoundError:
         raise ModelConfigError(f"{name}: no config.toml") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ModelConfigError(f"{name}: config.toml is not valid TOML: {e}") from e
+    except RefusedFile as e:
+        raise ModelConfigError(f"{name}: {e}") from None
+    except OSError as e:
+        raise ModelConfigError(f"{name}: cannot read config.toml: {e.strerror or e}") from None
+    # ValueError: a TOML syntax error, bytes that are not UTF-8, an integer past Python's digit
+    # limit; RecursionError: arrays nested thousands deep.
+    except (ValueError, RecursionError) as e:
+        raise ModelConfigError(f"{name}: config.toml is not valid TOML: {e}") from None
     unknown = set(raw) - _KNOWN_KEYS
     if unknown:
         raise ModelConfigError(f"{name}: unknown keys in config.toml: {sorted(unknown)}")
@@ -197,8 +257,8 @@ def parse_model_config(model_dir: Path, default_slo_ms: float) -> dict[str, Any]
         raise ModelConfigError(f"{name}: config.toml names the model {raw['name']!r}, but its directory "
                                f"is {name!r}")
     mbs = raw.get("max_batch_size")
-    if not isinstance(mbs, int) or isinstance(mbs, bool) or not 1 <= mbs <= 4096:
-        raise ModelConfigError(f"{name}: max_batch_size = {mbs!r}: expected an integer in 1..4096")
+    if not isinstance(mbs, int) or isinstance(mbs, bool) or not 1 <= mbs <= MAX_BATCH_SIZE:
+        raise ModelConfigError(f"{name}: max_batch_size = {mbs!r}: expected an integer in 1..{MAX_BATCH_SIZE}")
     slo = raw.get("slo_ms", default_slo_ms)
     if isinstance(slo, bool) or not isinstance(slo, int | float) or not 0 < slo <= 3_600_000:
         raise ModelConfigError(f"{name}: slo_ms = {slo!r}: expected a positive number of milliseconds")
@@ -225,19 +285,151 @@ def parse_model_config(model_dir: Path, default_slo_ms: float) -> dict[str, Any]
     }
 
 
-def _versions(model_dir: Path) -> list[tuple[int, Path, ModelFormat]]:
-    found: list[tuple[int, Path, ModelFormat]] = []
-    for d in model_dir.iterdir():
-        if not d.is_dir() or not d.name.isdigit():
+class _SkippedVersion(ModelConfigError):
+    """One version directory cannot be served; the model's other versions still can."""
+
+
+def _version_number(name: str) -> int | None:
+    """The version a directory name stands for; None if it is no version's name (a "notes"
+    directory, say); _SkippedVersion if it looks like a number but is not one we take."""
+    if _VERSION_RE.fullmatch(name):
+        return int(name)
+    if name.isdigit():  # what scans before this one took for a version: say why it is not
+        raise _SkippedVersion(f"version directory {name!r} is skipped: versions are 1 to {MAX_VERSION_DIGITS} "
+                              "ASCII digits")
+    return None
+
+
+def file_problem(path: Path) -> str | None:
+    """Why `path` cannot be served as a model file (None: it can); stats it, never opens it."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return f"{path.name} is a symbolic link to nothing" if path.is_symlink() else f"{path.name} is missing"
+    except OSError as e:  # a symlink loop, a directory we may not enter
+        return f"{path.name}: {e.strerror or e}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path.name} is {file_type(st.st_mode)}, not a regular file"
+    if not os.access(path, os.R_OK):
+        return f"{path.name} is not readable (permission denied)"
+    return None
+
+
+def _version_file(d: Path) -> tuple[Path, ModelFormat] | None:
+    """The model file of a version directory (None: it holds none); _SkippedVersion when it
+    cannot be served (a FIFO, a socket, a directory, a broken link, unreadable, or both files)."""
+    found: list[tuple[Path, ModelFormat]] = []
+    for f, fmt in MODEL_FILES.items():
+        path = d / f
+        try:
+            os.lstat(path)
+        except FileNotFoundError:
             continue
-        files = [(d / f, fmt) for f, fmt in MODEL_FILES.items() if (d / f).is_file()]
-        if len(files) > 1:
-            raise ModelConfigError(f"{model_dir.name}: version {d.name} holds both model.pt2 and model.ts")
-        if files:
-            found.append((int(d.name), files[0][0], files[0][1]))
+        except OSError as e:  # a version directory we may not search
+            raise _SkippedVersion(f"version {d.name} is skipped: {e.strerror or e}") from None
+        problem = file_problem(path)
+        if problem is not None:
+            raise _SkippedVersion(f"version {d.name} is skipped: {problem}")
+        found.append((path, fmt))
+    if len(found) > 1:  # which one is meant cannot be told
+        raise _SkippedVersion(f"version {d.name} is skipped: it holds both model.pt2 and model.ts")
+    return found[0] if found else None
+
+
+def _version_dirs(model_dir: Path, skipped: list[str]) -> dict[int, Path]:
+    """Version -> its directory. Entries named like a version that cannot be one go to `skipped`.
+    Two directories for one number ("1" and "01"): the one spelled as the version is ("1") is
+    taken and the other skipped; with none spelled so ("01" and "001"), which one is meant cannot
+    be told, and both are skipped."""
+    by_version: dict[int, list[Path]] = {}
+    for d in sorted(model_dir.iterdir()):
+        try:
+            version = _version_number(d.name)
+            if version is None:
+                continue
+            try:
+                st = d.stat()
+            except OSError as e:  # a symlink loop, a dangling link
+                raise _SkippedVersion(f"version {d.name} is skipped: {e.strerror or e}") from None
+        except _SkippedVersion as e:
+            skipped.append(str(e))
+            continue
+        if stat.S_ISDIR(st.st_mode):  # a file named like a number is no version directory
+            by_version.setdefault(version, []).append(d)
+    dirs: dict[int, Path] = {}
+    for version, found in by_version.items():
+        canonical = [d for d in found if d.name == str(version)]
+        if len(found) == 1 or canonical:
+            dirs[version] = (canonical or found)[0]
+        names = [d.name for d in found]
+        for d in found:
+            if d is not dirs.get(version):
+                others = [n for n in names if n != d.name]
+                skipped.append(f"version directory {d.name!r} is skipped: {', '.join(map(repr, others))} "
+                               f"{'is' if len(others) == 1 else 'are'} version {version} too")
+    return dirs
+
+
+def _versions(model_dir: Path) -> list[tuple[int, Path, ModelFormat]]:
+    """The servable versions of a model. A version that cannot be served is skipped with one
+    WARNING while another one can be; with none left the model is broken, and its reason says
+    what was skipped."""
+    model = model_dir.name
+    skipped: list[str] = []
+    found: dict[int, tuple[Path, ModelFormat]] = {}
+    for version, d in sorted(_version_dirs(model_dir, skipped).items()):
+        try:
+            file = _version_file(d)
+        except _SkippedVersion as e:
+            skipped.append(str(e))
+            continue
+        if file is not None:
+            found[version] = file
     if not found:
-        raise ModelConfigError(f"{model_dir.name}: no version directory with model.pt2 or model.ts")
-    return sorted(found)
+        why = f" ({'; '.join(skipped)})" if skipped else ""
+        raise ModelConfigError(f"{model}: no version directory with model.pt2 or model.ts{why}")
+    for why in skipped:
+        log.warning("model %s: %s", model, why)
+    return [(v, *found[v]) for v in sorted(found)]
+
+
+def _model_dirs(root: Path, broken: dict[str, str]) -> list[Path]:
+    """The repository's model directories, by name. An entry that cannot even be looked at (a
+    symlink loop, a dangling link) is broken; one that is neither a directory nor a regular file
+    (a FIFO, a socket) is skipped with a WARNING; regular files (a README) are passed over."""
+    dirs: list[Path] = []
+    for p in sorted(root.iterdir()):
+        if p.name.startswith("."):
+            continue
+        try:
+            mode = p.stat().st_mode
+        except OSError as e:
+            broken[p.name] = f"{p.name!r}: {e.strerror or e}"
+            log.warning("model %r is not served: %s", p.name, broken[p.name])
+            continue
+        if stat.S_ISDIR(mode):
+            dirs.append(p)
+        elif not stat.S_ISREG(mode):
+            log.warning("model repository: skipping %r: it is %s", p.name, file_type(mode))
+    return dirs
+
+
+def _model_versions(model_dir: Path, default_slo_ms: float) -> list[ModelSpec]:
+    """Every servable version of one model; ModelConfigError or OSError if there is none."""
+    name = model_dir.name
+    if not _NAME_RE.fullmatch(name):
+        raise ModelConfigError(f"{name!r}: model names must be letters, digits, '_', '.', '-'")
+    cfg = parse_model_config(model_dir, default_slo_ms)
+    specs: list[ModelSpec] = []
+    for version, path, fmt in _versions(model_dir):
+        cfg_v = cfg
+        if cfg["parity"] is not None:
+            problem = file_problem(path.parent / cfg["parity"].file)
+            if problem is not None:
+                log.warning("%s:%d: parity file %s: served without parity", name, version, problem)
+                cfg_v = {**cfg, "parity": None}
+        specs.append(ModelSpec(version=version, path=path, format=fmt, **cfg_v))
+    return specs
 
 
 def scan(root: str | Path, default_slo_ms: float = 100.0) -> ScanResult:
@@ -247,22 +439,18 @@ def scan(root: str | Path, default_slo_ms: float = 100.0) -> ScanResult:
         raise FileNotFoundError(f"model repository {root} is not a directory")
     models: list[ModelSpec] = []
     broken: dict[str, str] = {}
-    for model_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+    for model_dir in _model_dirs(root, broken):
         name = model_dir.name
         try:
-            if not _NAME_RE.match(name):
-                raise ModelConfigError(f"{name!r}: model names must be letters, digits, '_', '.', '-'")
-            cfg = parse_model_config(model_dir, default_slo_ms)
-            for version, path, fmt in _versions(model_dir):
-                cfg_v = cfg
-                if cfg["parity"] is not None and not (path.parent / cfg["parity"].file).is_file():
-                    log.warning("%s:%d: parity file %s is missing: served without parity", name, version,
-                                cfg["parity"].file)
-                    cfg_v = {**cfg, "parity": None}
-                models.append(ModelSpec(version=version, path=path, format=fmt, **cfg_v))
+            models.extend(_model_versions(model_dir, default_slo_ms))
         except (ModelConfigError, OSError) as e:
             broken[name] = str(e)
-            log.error("model %s is not served: %s", name, e)
+            log.warning("model %r is not served: %s", name, e)
+        except Exception as e:
+            # NOTE: a bug the checks above miss must cost one model, not the scan (and with it
+            # the start-up or a reload of every other model); the type names it in the log.
+            broken[name] = f"{name}: cannot be read: {type(e).__name__}: {e}"
+            log.warning("model %r is not served: %s", name, broken[name], exc_info=True)
     return ScanResult(models, broken)
 
 

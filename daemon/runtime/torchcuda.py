@@ -36,6 +36,11 @@ def device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def device_name(index: int) -> str:
+    """The device's model as the driver names it ("NVIDIA H100 80GB HBM3")."""
+    return str(torch.cuda.get_device_name(index))
+
+
 def memory(index: int) -> tuple[int, int]:
     free, total = torch.cuda.mem_get_info(index)
     return int(free), int(total)
