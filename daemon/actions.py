@@ -17,6 +17,10 @@ import numpy as np
 from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest
 
+# A LOAD moves at least this many bytes per second; one slower than that (plus the hang timeout)
+# is a hung device, for the executor's device waits and for the controller's hung-action watch.
+LOAD_FLOOR_BPS = 1e9
+
 
 class ActionKind(IntEnum):
     LOAD = 1

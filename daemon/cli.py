@@ -44,6 +44,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         logging.getLogger("escapement.server").error("cannot start: %s", e)
         return 1
+    stuck = daemon.left_behind()
+    if stuck:
+        # A thread stuck in a driver call or a dead mount would make the interpreter's own exit
+        # wait on it or crash in it: end the process here, with the shutdown done and logged.
+        logging.getLogger("escapement.server").warning("exiting with %d thread(s) stuck: %s", len(stuck),
+                                                       ", ".join(stuck))
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(daemon.exit_code)
     return daemon.exit_code
 
 

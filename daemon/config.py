@@ -178,6 +178,14 @@ class RuntimeSettings:
                             "captured runs eagerly, and says why).", True)
     hang_timeout_s: float = doc("CUDA: device work not finished this long past its expected end marks the device "
                                 "failed (a hung kernel).", 2.0)
+    warmup_timeout_s: float = doc("Longest a model's warm-up (its measurement on one device) may take; one that "
+                                  "does not return by then is not served, and its device counts as hung.", 600.0)
+    hung_action_s: float = doc("An action (INFER, LOAD, UNLOAD) not returned this long past its expected end: "
+                               "its device's thread is stuck outside any device wait, and the device is lost "
+                               "(its requests move to other devices).", 30.0)
+    restart_on_hang: bool = doc("Under systemd's watchdog, stop the keep-alives once a device hangs (see "
+                                "hung_action_s), so that systemd restarts the service: a stuck thread or "
+                                "device comes back only in a new process.", True)
     emucuda: EmuCudaSettings = doc("The CUDA stand-in devices.", default_factory=EmuCudaSettings)
     warmup_reps: int = doc("Runs per batch size when a model without a stored profile for a device kind is "
                            "measured at start-up (its warm-up), before it is reported ready.", 5)
@@ -201,6 +209,10 @@ class RuntimeSettings:
               self.gil_switch_interval_us, "must be in 50..100000")
         _need(0.01 <= self.hang_timeout_s <= 3600, "runtime.hang_timeout_s", self.hang_timeout_s,
               "must be in [0.01, 3600]")
+        _need(1 <= self.warmup_timeout_s <= 86_400, "runtime.warmup_timeout_s", self.warmup_timeout_s,
+              "must be in [1, 86400]")
+        _need(0.1 <= self.hung_action_s <= 86_400, "runtime.hung_action_s", self.hung_action_s,
+              "must be in [0.1, 86400]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +262,7 @@ class FaultSettings:
     fail_probability: float = doc("The chance an INFER fails.", 0.0)
     hang: bool = doc("INFER blocks until the fault is cleared.", False)
     seed: int = doc("Seed of the random choices.", 0)
+    hang_load: bool = doc("LOADs block until the fault is cleared.", False)
 
     def __post_init__(self) -> None:
         _need(DEVICE_NAME.fullmatch(self.device) is not None, "faults.device", self.device,
@@ -263,7 +276,7 @@ class FaultSettings:
         from daemon.runtime.faults import FaultSpec
 
         return FaultSpec(self.slowdown, self.add_ms, self.mode, self.period_s, self.duty, self.burst_s,
-                         self.fail_probability, self.hang, self.seed)
+                         self.fail_probability, self.hang, self.seed, self.hang_load)
 
 
 @dataclass(frozen=True, slots=True)

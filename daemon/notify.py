@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 log = logging.getLogger("escapement.notify")
 
@@ -126,12 +126,20 @@ class Notifier:
             self._sock = None
 
 
-async def keep_alive(notifier: Notifier, interval_s: float) -> None:
-    """Ping the watchdog every `interval_s` until cancelled.
+async def keep_alive(notifier: Notifier, interval_s: float,
+                     trouble: Callable[[], str | None] | None = None) -> None:
+    """Ping the watchdog every `interval_s` until cancelled, or until `trouble()` names a reason.
 
     It runs as a task on the event loop itself, not on a thread: a loop that stalls (a blocking
-    call, a livelock) stops the pings, and systemd then restarts the daemon.
+    call, a livelock) stops the pings, and systemd then restarts the daemon. A daemon whose loop
+    runs but which cannot recover by itself (a device hung in a thread that never returns) stops
+    them on purpose, for the same restart; the reason goes to the log and to STATUS=.
     """
     while True:
+        why = trouble() if trouble is not None else None
+        if why is not None:
+            log.critical("stopping the systemd watchdog keep-alives so that the service is restarted: %s", why)
+            notifier.status(f"restart wanted: {why}")
+            return
         notifier.watchdog()
         await asyncio.sleep(interval_s)

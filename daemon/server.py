@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
@@ -51,10 +52,13 @@ from daemon.runtime.executor import Executor, default_pinned_budget, make_backen
 from daemon.runtime.hostmem import HostPins
 from daemon.runtime.profiler import measure, read_profile, seeds, write_profile
 from daemon.runtime.program import Program, ProgramError, load_program
+from daemon.runtime.workers import WorkerPool
 
 log = logging.getLogger("escapement.server")
 
 MAX_TIMEOUT_US = 3_600_000_000
+EXECUTOR_STOP_S = 5.0  # at shutdown, how long executors may take to finish their running actions, together
+WORKER_STOP_S = 5.0  # and the worker threads (model reads, warm-ups) their jobs
 
 Stamp = tuple[tuple[int, int], ...]  # (mtime_ns, size) of a version's files: a change is a new version
 Seeds = dict[str, tuple[dict[int, float], float | None]]  # device kind -> INFER and LOAD estimates
@@ -212,6 +216,10 @@ class Daemon:
         self.host_pins = HostPins(settings.runtime.host_pinned_budget or default_pinned_budget())
         self.admin_token = ""  # read at start-up (admin_token_file, a systemd credential, or the TOML)
         self.exit_code = 0  # 1 once every device is lost: systemd restarts the service
+        # the loop's default executor: daemon threads, a bounded wait at exit (see workers.py)
+        self.workers = WorkerPool(max_workers=min(32, (os.cpu_count() or 1) + 4), name="escapement-worker",
+                                  timeout_s=WORKER_STOP_S)
+        self._warming: set[threading.Event] = set()  # warm-ups running in a worker thread
 
     @property
     def controller(self) -> ControllerService:
@@ -316,17 +324,19 @@ class Daemon:
         s = self.settings
         # The watchdog first: a start-up that wedges the loop is caught as well.
         if self.notifier.watchdog_s is not None and self._watchdog is None:
-            self._watchdog = self._spawn(keep_alive(self.notifier, self.notifier.watchdog_s), "watchdog")
+            self._watchdog = self._spawn(keep_alive(self.notifier, self.notifier.watchdog_s, self._trouble),
+                                         "watchdog")
             log.info("systemd watchdog: a keep-alive every %.3g s", self.notifier.watchdog_s)
         self.admin_token = read_admin_token(s.server.admin_token, s.server.admin_token_file)
         self.notifier.status("starting: devices")
         sys.setswitchinterval(s.runtime.gil_switch_interval_us * 1e-6)
         loop = asyncio.get_running_loop()
+        loop.set_default_executor(self.workers)
         self.devices = resolve_devices(s.runtime.devices, s.runtime.weight_budget, s.runtime.device_workspace,
                                        s.runtime.emucuda)
         self._trace = TraceWriter(s.controller.trace_path) if s.controller.trace_path else None
         scheduler = Scheduler(self.devices, make_policy(s.controller), s.controller,
-                              telemetry=Telemetry(self._trace))
+                              telemetry=Telemetry(self._trace), hung_after_s=s.runtime.hung_action_s)
         self._controller = ControllerService(scheduler, self.executors, self.clock, loop)
         plan, rest = plan_cores(self.devices, os.sched_getaffinity(0), s.runtime.pin_threads)
         self._cores = plan
@@ -376,6 +386,15 @@ class Daemon:
         self.notifier.ready(self._status_line())
         if self._reload_pending:  # a SIGHUP during start-up
             self.request_reload()
+
+    def _trouble(self) -> str | None:
+        """Why the daemon cannot go on as it is and wants systemd to restart it; None if it can."""
+        if self._controller is None or not self.settings.runtime.restart_on_hang:
+            return None
+        hung = self._controller.scheduler.hung
+        if not hung:
+            return None
+        return "; ".join(f"{dev}: {why}" for dev, why in sorted(hung.items()))
 
     def _serving(self) -> int:
         return sum(1 for m in self.registry.index() if m["state"] == "READY")
@@ -645,11 +664,34 @@ class Daemon:
         if device is None:
             raise RuntimeError(f"no {kind} device had room for it within {timeout:.0f} s")
         self.notifier.status(f"warming {spec.key} on {device}")
+        done = threading.Event()  # set when the thread is out of the device (shutdown waits for it)
+
+        def run() -> dict[str, Any]:
+            try:
+                return measure(self.executors[device], program, self.clock, self.settings.runtime.warmup_reps, 2,
+                               holder)
+            finally:
+                done.set()
+
+        self._warming.add(done)
+        job = asyncio.get_running_loop().run_in_executor(None, run)
+        limit = self.settings.runtime.warmup_timeout_s
         try:
-            return await asyncio.to_thread(measure, self.executors[device], program, self.clock,
-                                           self.settings.runtime.warmup_reps, 2, holder)
+            return await asyncio.wait_for(asyncio.shield(job), limit)
+        except TimeoutError:
+            why = f"the warm-up of {spec.key} has not returned for {limit:.0f} s (runtime.warmup_timeout_s)"
+            self.controller.declare_hung(device, why)
+            raise RuntimeError(why) from None
         finally:
-            self.controller.unreserve(holder, device)
+            if done.is_set():
+                self._warming.discard(done)
+                self.controller.unreserve(holder, device)
+            else:  # still on the device (stuck, or a stop cancelled the wait): keep its bytes until it returns
+                def release(_: object) -> None:
+                    self._warming.discard(done)
+                    if self._controller is not None and self.state < State.STOPPING:
+                        self.controller.unreserve(holder, device)
+                job.add_done_callback(release)
 
     async def _watch_devices(self) -> None:
         """Once every device is lost, stop with status 1: systemd restarts the service (a lost CUDA
@@ -780,7 +822,7 @@ class Daemon:
         if self._controller is not None:
             self._controller.close()
         if self._trace is not None:
-            self._trace.close()
+            await asyncio.to_thread(self._trace.close)
         for fe in (self.http, self.socket):
             if fe is not None:
                 await fe.close()
@@ -810,9 +852,26 @@ class Daemon:
         log.warning("[shutdown] drain timed out; answering %d request(s) with 503", ctl.scheduler.pending)
         ctl.abort_all("the daemon shut down before this request could run")
 
+    def left_behind(self) -> list[str]:
+        """Threads still inside a job or an action after the shutdown (hung devices, a dead disk)."""
+        lanes = [lane.name for ex in self.executors.values() for lane in (ex.infer_lane, ex.load_lane) if lane.alive]
+        return lanes + self.workers.stuck
+
     def _stop_executors(self) -> None:
+        """Stop every executor together within EXECUTOR_STOP_S (a warm-up still on a device first
+        gets the same time): a hung device costs the shutdown that bound once, not once per device."""
+        deadline = time.monotonic() + EXECUTOR_STOP_S
         for ex in self.executors.values():
-            ex.stop()
+            ex.begin_stop()
+        for done in list(self._warming):
+            if not done.wait(max(0.0, deadline - time.monotonic())):
+                log.warning("[shutdown] a warm-up is still running on a device")
+        closers = [threading.Thread(target=ex.finish_stop, args=(deadline,), name=f"stop {name}", daemon=True)
+                   for name, ex in self.executors.items()]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(max(0.0, deadline - time.monotonic()) + 1.0)  # closing a device once its lanes ended
 
     async def serve(self) -> None:
         """Run until SIGTERM / SIGINT (or `request_stop`), then shut down in order. SIGHUP reloads

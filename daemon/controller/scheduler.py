@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from daemon.actions import Action, ActionKind, Failure, Result, ResultStatus
+from daemon.actions import LOAD_FLOOR_BPS, Action, ActionKind, Failure, Result, ResultStatus
 from daemon.config import ControllerSettings
 from daemon.controller.coding import DECODE_MARGIN, Coding, Group, MemberState, Release, Save
 from daemon.controller.estimates import EXACT_ROW_KINDS, Estimator
@@ -52,8 +52,10 @@ log = logging.getLogger("escapement.controller")
 
 class Scheduler:
     def __init__(self, devices: list[Device], policy: Policy, settings: ControllerSettings,
-                 estimator: Estimator | None = None, telemetry: Telemetry | None = None) -> None:
+                 estimator: Estimator | None = None, telemetry: Telemetry | None = None,
+                 hung_after_s: float = 30.0) -> None:
         self.settings = settings
+        self.hung_after_s = hung_after_s
         self.policy = policy
         self.estimator = estimator or Estimator()
         self.telemetry = telemetry or Telemetry()
@@ -73,6 +75,8 @@ class Scheduler:
         self.counters: Counter[str] = Counter()  # monotonic event counts, read by stats and benchmarks
         self._expiry: list[tuple[float, int, InferenceRequest]] = []
         self._overdue: list[tuple[float, int, Action]] = []  # INFERs by when their requests are overdue
+        self._hung: list[tuple[float, int, Action]] = []  # every action by when it counts as hung
+        self.hung: dict[str, str] = {}  # device -> what hangs there (it never comes back in this process)
         self._decision = Decision()
 
     # ---------------------------------------------------------------- models
@@ -262,6 +266,8 @@ class Scheduler:
             self._expire(now)
         if self._overdue and self._overdue[0][0] <= now:
             self._watch_overdue(now)
+        if self._hung and self._hung[0][0] <= now:
+            self._watch_hung(now)
         self.policy.schedule(self, now)
         return self._take()
 
@@ -271,8 +277,11 @@ class Scheduler:
             heapq.heappop(self._expiry)
         while self._overdue and self._overdue[0][2].id not in self.inflight:
             heapq.heappop(self._overdue)
+        while self._hung and self._hung[0][2].id not in self.inflight:
+            heapq.heappop(self._hung)
         times = [t for t in (self._expiry[0][0] if self._expiry else None, self.policy.next_wakeup(self, now),
-                             self.coding.next_time(), self._overdue[0][0] if self._overdue else None)
+                             self.coding.next_time(), self._overdue[0][0] if self._overdue else None,
+                             self._hung[0][0] if self._hung else None)
                  if t is not None]
         return min(times) if times else None
 
@@ -310,6 +319,26 @@ class Scheduler:
                     f"deadline missed: {action.device} did not answer in time"), now)
             if later:
                 heapq.heappush(heap, (min(later) + OVERDUE_GRACE, action.id, action))
+
+    def _watch_hung(self, now: float) -> None:
+        """An action its device has not returned long past its expected end (the executor's own
+        device waits give up at `hang_timeout_s`): the device's thread is stuck where no deadline
+        reaches (a driver call, a read from a dead disk). Nothing more goes there; its requests are
+        answered by the overdue watch or retried elsewhere, its LOADs no longer hold a preload."""
+        heap = self._hung
+        while heap and heap[0][0] <= now:
+            _, _, action = heapq.heappop(heap)
+            if action.id not in self.inflight:
+                continue
+            waited = now - action.issued_at
+            self.counters["actions_hung"] += 1
+            self.declare_hung(action.device, f"{action.kind.name} of {action.model.key} has not returned for "
+                              f"{waited:.1f} s", now)
+
+    def declare_hung(self, device: str, why: str, now: float) -> None:
+        """`device` holds a thread that never returns: it is lost for this process."""
+        self.hung.setdefault(device, why)
+        self._device_lost(self.devices[device], f"hung: {why}", now)
 
     @staticmethod
     def deadline_error(req: InferenceRequest, now: float) -> DeadlineExceeded:
@@ -355,6 +384,13 @@ class Scheduler:
         action.issued_at = now
         self.inflight[action.id] = action
         self._decision.actions.append(action)
+        # when it counts as hung: its expected end, ten times over (as the executor's device waits),
+        # a LOAD's bytes at the slowest rate a healthy device moves them, then hung_after_s
+        start = max(now, action.earliest)
+        moved = self.models[action.model.key].weight_bytes / LOAD_FLOOR_BPS \
+            if action.kind == ActionKind.LOAD and action.model.key in self.models else 0.0
+        heapq.heappush(self._hung, (start + 10 * action.expected_duration + moved + self.hung_after_s,
+                                    action.id, action))
         return action
 
     def issue_infer(self, spec: ModelSpec, dev: DeviceState, requests: list[InferenceRequest], batch_size: int,

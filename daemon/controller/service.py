@@ -157,6 +157,11 @@ class ControllerService:
                 return device
             await asyncio.sleep(0.01)  # until an action in flight frees something
 
+    def declare_hung(self, device: str, why: str) -> None:
+        """Work outside the scheduler (a warm-up) never came back from `device`: treat it as hung."""
+        self.scheduler.declare_hung(device, why, self.clock.now())
+        self.apply(self.scheduler._take())
+
     def unreserve(self, key: str, device: str) -> None:
         self.scheduler.unreserve(key, device)
         self._kick()

@@ -21,11 +21,12 @@ import logging
 import math
 import queue
 import threading
+import time
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
@@ -38,6 +39,7 @@ log = logging.getLogger("escapement.controller")
 
 
 _log10 = math.log10
+TRACE_RETRY_S = 5.0  # after a failed trace write, how long lines are dropped before the next try
 _INV_LOW = 1e7  # 1 / Histogram.LOW
 
 
@@ -251,6 +253,7 @@ class TraceWriter:
         self.path = Path(path)
         self._q: queue.Queue[bytes | None] = queue.Queue(max_pending)
         self.dropped = 0
+        self.failures = 0  # writes that failed
         self._thread = threading.Thread(target=self._run, name="trace-writer", daemon=True)
         self._thread.start()
 
@@ -261,18 +264,58 @@ class TraceWriter:
             self.dropped += 1
 
     def _run(self) -> None:
-        try:
-            with self.path.open("ab") as f:
-                while (line := self._q.get()) is not None:
-                    f.write(line)
-                    if self._q.empty():
-                        f.flush()
-        except OSError as e:
-            log.error("trace %s cannot be written: %s", self.path, e)
+        # A write that fails (a full disk, a removed mount) drops lines, counted, and never stops
+        # the thread: the queue keeps draining, so neither the loop nor a shutdown waits on it.
+        f: BinaryIO | None = None
+        retry_at = 0.0
+        while (line := self._q.get()) is not None:
+            if f is None and time.monotonic() >= retry_at:
+                try:
+                    f = self.path.open("ab")
+                except OSError as e:
+                    self._failed(e)
+                    retry_at = time.monotonic() + TRACE_RETRY_S
+            if f is None:
+                self.dropped += 1
+                continue
+            try:
+                f.write(line)
+                if self._q.empty():
+                    f.flush()
+            except OSError as e:
+                self.dropped += 1
+                self._failed(e)
+                f = self._discard(f)
+                retry_at = time.monotonic() + TRACE_RETRY_S
+        if f is not None:
+            self._discard(f, flush=True)
 
-    def close(self) -> None:
-        self._q.put(None)
-        self._thread.join(10)
+    def _failed(self, e: OSError) -> None:
+        self.failures += 1
+        if self.failures == 1:  # once: a full disk must not also fill the journal
+            log.error("trace %s cannot be written: %s; lines are dropped (retrying every %.0f s)",
+                      self.path, e.strerror or e, TRACE_RETRY_S)
+
+    def _discard(self, f: BinaryIO, flush: bool = False) -> None:
+        try:
+            if flush:
+                f.flush()
+        except OSError as e:
+            self._failed(e)
+        try:
+            f.close()
+        except OSError:
+            pass  # its buffer could not be written: those lines are lost, and said so above
+        return None
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the writer: what is queued is written (or dropped) within `timeout` s at most."""
+        try:
+            self._q.put(None, timeout=timeout)
+        except queue.Full:  # the thread is stuck in a write (a hung mount): leave it
+            log.warning("trace %s: the writer is stuck; %d line(s) left unwritten", self.path, self._q.qsize())
+            return
+        self._thread.join(timeout)
 
 
 class Telemetry:

@@ -21,15 +21,13 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from daemon.actions import Action, ActionKind, Failure, Result, ResultStatus
+from daemon.actions import LOAD_FLOOR_BPS, Action, ActionKind, Failure, Result, ResultStatus
 from daemon.clock import Clock
 from daemon.runtime.backend import Backend, IOBuffers, NoMemory, Resident
 from daemon.runtime.devapi import DeviceFault
 from daemon.runtime.devices import Device
 from daemon.runtime.faults import Faults
 from daemon.runtime.program import Program
-
-LOAD_FLOOR_BPS = 1e9  # a LOAD slower than this (plus the hang timeout) is a hung device
 
 log = logging.getLogger("escapement.executor")
 
@@ -73,6 +71,11 @@ class Lane:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Cancel what has not started, let the running action finish, join the thread."""
+        self.begin_stop()
+        self.join(time.monotonic() + timeout)
+
+    def begin_stop(self) -> None:
+        """Cancel what has not started; the thread ends after the action it runs, if any."""
         with self._cond:
             self._stopping = True
             cancelled = [entry for entry in self._heap]
@@ -81,8 +84,17 @@ class Lane:
         now = self._clock.now()
         for _, _, action, received in cancelled:
             (action.reply or self._post)(_refused(action, ResultStatus.CANCELLED, received, "executor stopped", now))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, deadline: float) -> bool:
+        """Wait (until `deadline`, time.monotonic) for the thread to end; False if it is still in an
+        action then (a hung device: it is left behind, a daemon thread)."""
         if self._thread.is_alive():
-            self._thread.join(timeout)
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+        return not self._thread.is_alive()
 
     def _next(self) -> tuple[Action, float] | None:
         with self._cond:
@@ -181,13 +193,28 @@ class Executor:
         self.load_lane.start()
 
     def stop(self, timeout: float = 5.0) -> None:
+        self.begin_stop()
+        self.finish_stop(time.monotonic() + timeout)
+
+    def begin_stop(self) -> None:
+        """Refuse new actions and cancel queued ones; running ones finish (see finish_stop)."""
         self.faults.release()  # a hung lane must not keep the daemon from stopping
-        self.load_lane.stop(timeout)
-        self.infer_lane.stop(timeout)
+        self.load_lane.begin_stop()
+        self.infer_lane.begin_stop()
+
+    def finish_stop(self, deadline: float) -> bool:
+        """Wait for both lanes until `deadline` (time.monotonic), then release the device. A lane
+        still inside an action by then (a hung device) is left behind, and the device is not
+        closed under it: freeing memory a kernel still uses is worse than a leak at exit."""
+        if not (self.load_lane.join(deadline) & self.infer_lane.join(deadline)):
+            log.warning("%s: a thread is still inside an action at shutdown (a hung device); left behind, "
+                        "the device not closed", self.device.name)
+            return False
         try:
             self.backend.close()
         except Exception:
             log.exception("%s: closing the device failed", self.device.name)
+        return True
 
     def submit(self, action: Action) -> None:
         if action.device != self.device.name:
@@ -231,6 +258,7 @@ class Executor:
         if key in self.resident:
             return Result(action, ResultStatus.FAILED, received, begin, begin, failure=Failure.ERROR,
                           error=f"{key} is already on {self.device.name}")
+        self.faults.before_load()
         deadline = begin + self.hang_timeout_s + program.weight_bytes / LOAD_FLOOR_BPS + 10 * action.expected_duration
         res, duration = self.backend.load(key, program, deadline)
         self.resident[key] = res

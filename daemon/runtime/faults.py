@@ -40,6 +40,7 @@ class FaultSpec:
     fail_probability: float = 0.0
     hang: bool = False
     seed: int = 0
+    hang_load: bool = False  # LOADs block until the fault is cleared (a read from a dead disk, a stuck driver)
 
     def __post_init__(self) -> None:
         # Checked whole before anything is applied: a fault comes from a config file or a JSON body,
@@ -50,8 +51,9 @@ class FaultSpec:
                 raise ValueError(f"{name} = {value!r}: expected a number")
             if not (math.isfinite(value) and low <= value <= high):
                 raise ValueError(f"{name} = {value!r}: expected a number in [{low:g}, {high:g}]")
-        if not isinstance(self.hang, bool):
-            raise ValueError(f"hang = {self.hang!r}: expected true or false")
+        for name in ("hang", "hang_load"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} = {getattr(self, name)!r}: expected true or false")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ValueError(f"seed = {self.seed!r}: expected an integer in [0, 2**63)")
         if self.mode not in ("sustained", "periodic", "random"):
@@ -91,7 +93,7 @@ class Faults:
         with self._lock:
             self._spec = spec
             self._rng = rng
-            if spec is not None and spec.hang:
+            if spec is not None and (spec.hang or spec.hang_load):
                 self._unhang.clear()
             else:
                 self._unhang.set()
@@ -107,6 +109,12 @@ class Faults:
             fail = spec.fail_probability > 0 and self._rng.random() < spec.fail_probability
         if fail:
             raise RuntimeError("injected failure")
+
+    def before_load(self) -> None:
+        """Called before a LOAD runs: hang until cleared."""
+        spec = self._spec
+        if spec is not None and spec.hang_load:
+            self._unhang.wait()
 
     def extra(self, duration: float, t: float) -> float:
         """Seconds to add to an INFER that took `duration` and started at `t`."""

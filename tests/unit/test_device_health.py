@@ -126,3 +126,62 @@ def test_defect5_warm_up_room_evicts_idle_models_and_is_never_a_victim() -> None
     assert h.sched.devices["cpu:0"].memory.state("warmup:c:1") is not None
     h.sched.unreserve("warmup:c:1", "cpu:0")
     assert h.sched.devices["cpu:0"].memory.state("warmup:c:1") is None
+
+
+# ------------------------------------------------------------------ actions that never come back
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.expect_errors("hung: INFER of m:1 has not returned")
+def test_an_infer_that_never_returns_makes_its_device_hung_and_its_work_moves(policy: type[Policy]) -> None:
+    h = Harness(devices=2, policy=policy())
+    h.sched.hung_after_s = 2.0
+    spec = h.add(make_spec())
+    h.preload(spec, 2)
+    r = h.request(spec, timeout=60.0)
+    (infer,) = h.step()
+    stuck = infer.device
+    # nothing returns: the wake-ups the scheduler asks for bring the hung watch
+    wake = h.sched.next_wakeup(h.now)
+    assert wake is not None and wake <= infer.issued_at + 10 * infer.expected_duration + 2.0 + 1e-9
+    h.clock.set(wake)
+    todo = h.step()
+    assert h.sched.devices[stuck].failed.startswith("hung: INFER of m:1 has not returned")
+    assert stuck in h.sched.hung and h.sched.counters["actions_hung"] == 1
+    assert all(a.device != stuck for a in todo)
+    if not r.status.finished:
+        h.run_until(r)
+    later = h.request(spec, timeout=1.0)
+    h.run_until(later)
+    assert later.ok and all(a.device != stuck for a in h.actions if a.issued_at > infer.issued_at)
+
+
+@pytest.mark.expect_errors("hung: LOAD of m:1 has not returned")
+def test_a_load_that_never_returns_releases_its_placement_and_another_device_loads() -> None:
+    h = Harness(devices=2, budget=1000)
+    h.sched.hung_after_s = 5.0
+    spec = h.add(make_spec(), nbytes=600)  # one device at a time could hold it: no replica
+    placed = h.sched.preload(spec.key, 1, h.now)
+    (load,) = h.step() + h.sched._take().actions
+    assert load.kind == ActionKind.LOAD and h.sched.placed_on[spec.key] == set(placed)
+    h.clock.set(load.issued_at + 5.0 + 600 / 1e9 + 1e-6)
+    h.step()
+    assert h.sched.devices[load.device].failed and load.device in h.sched.hung
+    assert not h.sched.placed_on.get(spec.key)  # a preload waiting for it ("landed") ends
+    r = h.request(spec, timeout=1.0)
+    h.run_until(r)
+    assert r.ok
+    assert all(a.device != load.device for a in h.actions if a.issued_at > load.issued_at)
+
+
+def test_actions_that_return_never_count_as_hung() -> None:
+    h = Harness(devices=1)
+    h.sched.hung_after_s = 0.5
+    spec = h.add(make_spec())
+    for _ in range(20):
+        h.use(spec)
+        h.clock.advance(0.3)
+    h.clock.advance(100.0)
+    h.step()
+    assert not h.sched.hung and h.sched.counters["actions_hung"] == 0
+    assert h.sched.next_wakeup(h.now) is None  # and nothing left to watch

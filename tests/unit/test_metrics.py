@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -154,3 +155,17 @@ def test_buckets_count_values_at_their_bound_as_prometheus_le() -> None:
         b.add(x)
     assert b.cumulative() == [(1.0, 2), (2.0, 4), (math.inf, 5)]
     assert b.count == 5 and b.total == 8.0
+
+
+@pytest.mark.expect_errors(r"trace /dev/full cannot be written")
+def test_a_trace_on_a_full_disk_drops_lines_and_never_blocks_the_shutdown() -> None:
+    from daemon.controller.telemetry import TraceWriter
+
+    w = TraceWriter("/dev/full", max_pending=8)  # every write: ENOSPC
+    for i in range(10_000):  # far more than the queue holds: writes never wait
+        w.write({"event": "x", "i": i, "pad": "y" * 100})
+    t0 = time.monotonic()
+    w.close(timeout=2.0)
+    assert time.monotonic() - t0 < 3.0
+    assert not w._thread.is_alive()
+    assert w.failures >= 1 and w.dropped > 0

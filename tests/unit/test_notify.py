@@ -113,3 +113,23 @@ async def test_keep_alive_pings_from_the_event_loop(receiver: tuple[socket.socke
     with pytest.raises(asyncio.CancelledError):
         await task
     n.close()
+
+
+@pytest.mark.expect_errors("stopping the systemd watchdog keep-alives")
+async def test_keep_alive_stops_once_the_daemon_names_a_reason_to_be_restarted(
+        receiver: tuple[socket.socket, str]) -> None:
+    sock, path = receiver
+    sock.setblocking(False)
+    n = Notifier.from_env({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "20000"})
+    loop = asyncio.get_running_loop()
+    trouble: list[str] = []
+    task = loop.create_task(keep_alive(n, n.watchdog_s or 0.01, lambda: trouble[0] if trouble else None))
+    assert await asyncio.wait_for(loop.sock_recv(sock, 4096), 5) == b"WATCHDOG=1"
+    trouble.append("cpu:1: LOAD of m:1 has not returned for 30.0 s")
+    while (msg := await asyncio.wait_for(loop.sock_recv(sock, 4096), 5)) == b"WATCHDOG=1":
+        pass  # one may have been sent before the reason appeared
+    assert msg == b"STATUS=restart wanted: cpu:1: LOAD of m:1 has not returned for 30.0 s"
+    await asyncio.wait_for(task, 5)  # it returned: no keep-alive ever again
+    with pytest.raises(BlockingIOError):
+        sock.recv(4096)
+    n.close()

@@ -1,0 +1,152 @@
+"""Hangs the daemon cannot recover from by itself: it says so, keeps serving what it can, asks
+systemd for a restart (the watchdog keep-alives stop), and still stops within a bound.
+
+The process test runs the real daemon under a stand-in for systemd's notify socket; the
+executor tests hold a lane thread inside an action that never returns.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from daemon.actions import Action, ActionKind, Result, ResultStatus
+from daemon.client import SocketClient
+from daemon.clock import MonotonicClock
+from daemon.runtime.executor import Lane
+from daemon.runtime.workers import WorkerPool
+from tests.integration.test_lifecycle import NotifySocket
+from tests.support import short_tmpdir
+from tests.unit.harness import make_spec
+
+
+@pytest.mark.slow
+def test_a_hung_load_is_left_the_service_asks_for_a_restart_and_stops_in_time(demo_repo: Path,
+                                                                                tmp_path: Path) -> None:
+    run_dir = short_tmpdir()
+    repo = tmp_path / "models"
+    shutil.copytree(demo_repo / "digits_mlp", repo / "digits_mlp")
+    cfg = repo / "digits_mlp" / "config.toml"
+    cfg.write_text("preload_replicas = 2\n" + cfg.read_text())
+    sock = run_dir / "d.sock"
+    config = tmp_path / "escapement.toml"
+    # the warm-up takes cpu:0 (both are empty: the first by name); the preload's LOAD on cpu:1 hangs
+    config.write_text(f'[server]\nhttp = ""\nsocket = "{sock}"\nallow_faults = true\n'
+                      f'[models]\nrepository = "{repo}"\n'
+                      '[runtime]\ndevices = ["cpu:0", "cpu:1"]\nwarmup_reps = 1\nhung_action_s = 1.0\n'
+                      '[[faults]]\ndevice = "cpu:1"\nhang_load = true\n')
+    notify = NotifySocket(run_dir / "notify.sock")
+    log = tmp_path / "daemon.log"
+    env = {**os.environ, "NOTIFY_SOCKET": str(run_dir / "notify.sock"), "WATCHDOG_USEC": "200000"}
+    with log.open("wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "daemon", "serve", "--config", str(config)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=err, cwd=tmp_path)
+    try:
+        # The preload waits for its LOADs; the hung one is given up after hung_action_s, not never.
+        notify.wait_for(lambda m: "READY" in m, proc, log)
+        def wanted(m: dict[str, str]) -> bool:
+            return m.get("STATUS", "").startswith("restart wanted")
+
+        if not any(wanted(m) for m in notify.seen):  # it may come before READY=1 or after
+            notify.wait_for(wanted, proc, log)
+        (status,) = [m["STATUS"] for m in notify.seen if wanted(m)]
+        assert "cpu:1: LOAD of digits_mlp:1 has not returned" in status
+        # The keep-alives have stopped: systemd (WatchdogSec) would now restart the service.
+        t0 = time.monotonic()
+        notify.sock.settimeout(0.5)
+        late = []
+        while time.monotonic() - t0 < 1.0:  # five keep-alive intervals
+            try:
+                late.append(notify.sock.recv(4096))
+            except TimeoutError:
+                pass
+        assert b"WATCHDOG=1" not in late
+        # Meanwhile what can be served is: cpu:0 holds the model.
+        with SocketClient(str(sock)) as c:
+            r = c.infer("digits_mlp", {"INPUT__0": np.zeros((4, 64), np.float32)})
+            assert r.outputs["OUTPUT__0"].shape == (4, 10)
+            devices = c.call({"op": "stats"})["controller"]["devices"]
+            assert devices["cpu:1"]["failed"].startswith("hung: LOAD of digits_mlp:1")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert time.monotonic() - t0 < 15  # drain (nothing left), executors (5 s at most), workers
+        text = log.read_text()
+        assert "[shutdown] done" in text and "Traceback" not in text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        notify.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ threads that never return
+
+
+def test_a_lane_stuck_in_an_action_is_left_behind_within_the_bound() -> None:
+    release = threading.Event()
+    started = threading.Event()
+    results: list[Result] = []
+
+    def run(action: Action, received: float) -> Result:
+        started.set()
+        release.wait()  # a driver call that never comes back
+        return Result(action, ResultStatus.OK, received, received, received)
+
+    lane = Lane("cpu:9/load", run, MonotonicClock(), results.append, lambda: None)
+    lane.start()
+    try:
+        spec = make_spec()
+        now = time.monotonic()
+        lane.submit(Action(ActionKind.LOAD, spec, "cpu:9", now, float("inf")))
+        queued = Action(ActionKind.LOAD, spec, "cpu:9", now + 0.001, float("inf"))
+        lane.submit(queued)
+        assert started.wait(10)
+        t0 = time.monotonic()
+        lane.begin_stop()
+        assert not lane.join(time.monotonic() + 0.2)  # stuck: given up on, within the bound
+        assert time.monotonic() - t0 < 2.0 and lane.alive
+        assert [r.action for r in results] == [queued] and results[0].status == ResultStatus.CANCELLED
+    finally:
+        release.set()
+    assert lane.join(time.monotonic() + 10) and not lane.alive
+
+
+def test_the_worker_pool_never_waits_past_its_bound_for_a_stuck_job() -> None:
+    release = threading.Event()
+    pool = WorkerPool(max_workers=2, timeout_s=0.2)
+    try:
+        stuck = pool.submit(release.wait)
+        assert pool.submit(lambda x: x * 2, 21).result(10) == 42
+        t0 = time.monotonic()
+        pool.shutdown(wait=True)
+        assert time.monotonic() - t0 < 2.0
+        assert len(pool.stuck) == 1 and not stuck.done()
+        with pytest.raises(RuntimeError, match="shut down"):
+            pool.submit(print)
+    finally:
+        release.set()
+    assert stuck.result(10) is True
+
+
+def test_the_worker_pool_passes_errors_and_reuses_its_threads() -> None:
+    pool = WorkerPool(max_workers=4)
+    try:
+        for i in range(50):
+            assert pool.submit(pow, i, 2).result(10) == i * i
+        with pytest.raises(ZeroDivisionError):
+            pool.submit(lambda: 1 / 0).result(10)
+        assert len(pool._threads) <= 4
+    finally:
+        pool.shutdown()
+    assert pool.stuck == []
