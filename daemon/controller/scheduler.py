@@ -106,8 +106,10 @@ class Scheduler:
         """Room for work outside the scheduler (a warm-up) of `nbytes` on a healthy device of `kind`,
         evicting idle models if needed; the device (the bytes stay reserved until `unreserve`), or
         None when every such device is busy or too small."""
-        devs = sorted((d for d in self.devices.values() if d.kind == kind and not d.failed),
-                      key=lambda d: (-d.memory.free, d.name))
+        # the device with the least live work: a warm-up beside live INFERs delays them and
+        # measures them too; while it runs, INFERs go to other devices holding their model
+        devs = sorted((d for d in self.devices.values() if d.kind == kind and not d.failed and not d.warming),
+                      key=lambda d: (sum(d.busy.values()), len(d.memory.ready_models()), -d.memory.free, d.name))
         for dev in devs:
             victims = dev.memory.victims(nbytes, evictable=lambda k, d=dev: d.busy[k] == 0 and k in self.models,
                                          wanted=lambda k: k in self.models and self.models[k].queue.requests > 0)
@@ -116,13 +118,20 @@ class Scheduler:
             for k in victims:
                 self.issue_unload(self.models[k].spec, dev, now)
             dev.memory.reserve(key, nbytes)
+            dev.warming = key
             return dev.name
         return None
 
-    def unreserve(self, key: str, device: str) -> None:
+    def unreserve(self, key: str, device: str, now: float) -> None:
         dev = self.devices[device]
         if dev.memory.state(key) is not None:
             dev.memory.release(key)
+        if dev.warming == key:
+            dev.warming = ""
+            for k in dev.memory.ready_models():  # work kept off the device may come back to it
+                entry = self.models.get(k)
+                if entry is not None and entry.queue.requests:
+                    self.policy.on_queued(self, entry, now)
 
     def seed(self, key: str, kind: str, infer: dict[int, float], load: float | None) -> None:
         """Seed a model's estimates on one device kind from a profile (measured, or stored)."""

@@ -163,7 +163,7 @@ class ControllerService:
         self.apply(self.scheduler._take())
 
     def unreserve(self, key: str, device: str) -> None:
-        self.scheduler.unreserve(key, device)
+        self.scheduler.unreserve(key, device, self.clock.now())
         self._kick()
 
     def apply(self, decision: Decision) -> None:

@@ -37,9 +37,13 @@ class DeviceState:
     load_backoff: dict[str, float] = field(default_factory=dict)
     load_failures: Counter[str] = field(default_factory=Counter)
     failed: str = ""  # why the device is lost (a sticky error, a hang); "" while it is healthy
+    warming: str = ""  # the warm-up running here outside the scheduler ("" when none)
 
     def healthy_for(self, key: str, now: float) -> bool:
-        return self.failing.get(key, 0.0) <= now
+        """Whether `key`'s INFERs should run here rather than on another device holding it: not
+        while they failed here just now, nor beside a warm-up (it would delay them, and they
+        would inflate the profile it measures)."""
+        return not self.warming and self.failing.get(key, 0.0) <= now
 
     def can_load(self, key: str, now: float) -> bool:
         """No LOAD of `key` here while backing off from a failed one, or once the device is lost."""

@@ -124,8 +124,36 @@ def test_defect5_warm_up_room_evicts_idle_models_and_is_never_a_victim() -> None
     h.sched._take()
     h.use(a)  # serving goes on beside the warm-up: b makes room, the warm-up's bytes stay
     assert h.sched.devices["cpu:0"].memory.state("warmup:c:1") is not None
-    h.sched.unreserve("warmup:c:1", "cpu:0")
+    h.sched.unreserve("warmup:c:1", "cpu:0", h.now)
     assert h.sched.devices["cpu:0"].memory.state("warmup:c:1") is None
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_warm_up_takes_the_device_with_the_least_live_work(policy: type[Policy]) -> None:
+    h = Harness(devices=2, budget=1000, policy=policy())
+    spec = h.add(make_spec())
+    h.preload(spec, 2)  # both hold it, equally full
+    h.request(spec, timeout=1.0)
+    (infer,) = h.step()
+    assert infer.device == "cpu:0"  # the first by name: what a choice by free memory alone would take too
+    assert h.sched.reserve("warmup:n:1", 100, "cpu", h.now) == "cpu:1"  # not beside the live INFER
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_live_work_keeps_off_a_device_while_it_runs_a_warm_up(policy: type[Policy]) -> None:
+    h = Harness(devices=2, budget=1000, policy=policy())
+    spec = h.add(make_spec())
+    h.preload(spec, 2)
+    dev = h.sched.reserve("warmup:n:1", 100, "cpu", h.now)
+    assert dev == "cpu:0" and h.sched.devices[dev].warming == "warmup:n:1"
+    start = len(h.actions)
+    for _ in range(6):
+        h.run_until(h.request(spec, timeout=1.0))
+    infers = [a for a in h.actions[start:] if a.kind == ActionKind.INFER]
+    assert len(infers) == 6 and {a.device for a in infers} == {"cpu:1"}
+    h.sched.unreserve("warmup:n:1", dev, h.now)
+    assert h.sched.devices[dev].warming == ""
+    h.run_until(h.request(spec, timeout=1.0))
 
 
 # ------------------------------------------------------------------ actions that never come back

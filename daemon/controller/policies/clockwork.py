@@ -409,9 +409,12 @@ class ClockworkPolicy:
                 continue
             if not dev.healthy_for(key, now) and any(
                     state.devices[n].healthy_for(key, now) for n in state.ready_on.get(key, ()) if n != dev.name):
-                stash.append((key, head.rank, latest_start))  # its INFERs failed here just now
-                until = dev.failing[key]
-                self._dev_wake[dev.name] = min(until, self._dev_wake.get(dev.name, until))
+                # its INFERs failed here just now (until then), or a warm-up runs here (until the
+                # scheduler says it ended: on_queued)
+                stash.append((key, head.rank, latest_start))
+                until = dev.failing.get(key, 0.0)
+                if until > now:
+                    self._dev_wake[dev.name] = min(until, self._dev_wake.get(dev.name, until))
                 continue
             if (start > now or self._slow_here(state, key, head.samples, dev, run)) and \
                     self._sooner_elsewhere(state, key, head.samples, dev, start + run, now):

@@ -62,8 +62,12 @@ class DynamicBatchingPolicy:
         best: ModelEntry | None = None
         best_arrival = float("inf")
         for entry in state.active():
-            if not dev.memory.is_ready(entry.spec.key):
+            key = entry.spec.key
+            if not dev.memory.is_ready(key):
                 continue
+            if not dev.healthy_for(key, now) and any(
+                    state.devices[n].healthy_for(key, now) for n in state.ready_on.get(key, ()) if n != dev.name):
+                continue  # another device holding it serves it (failures here just now, a warm-up)
             head = entry.queue.head()
             if head is None:
                 continue
