@@ -107,11 +107,6 @@ class ServerSettings:
         _need(self.request_memory_bytes >= self.connection_share, "server.request_memory_bytes",
               self.request_memory_bytes, "must be >= server.connection_memory_bytes and server.max_body_bytes")
         _need(self.max_json_bytes >= 4096, "server.max_json_bytes", self.max_json_bytes, "must be >= 4096")
-
-    @property
-    def connection_share(self) -> int:
-        """A connection's share of the request memory: at least one body, so one always fits."""
-        return max(self.connection_memory_bytes, self.max_body_bytes)
         _need(self.drain_timeout_s >= 0, "server.drain_timeout_s", self.drain_timeout_s, "must be >= 0")
         _need(self.shed_lag_ms >= 0, "server.shed_lag_ms", self.shed_lag_ms, "must be >= 0")
         _need(16 <= self.max_request_id_bytes <= 65536, "server.max_request_id_bytes", self.max_request_id_bytes,
@@ -120,6 +115,11 @@ class ServerSettings:
               self.max_inflight_per_connection, "must be >= 1")
         _need(self.idle_timeout_s > 0 and self.write_timeout_s > 0, "server.idle_timeout_s / write_timeout_s",
               (self.idle_timeout_s, self.write_timeout_s), "must be > 0")
+
+    @property
+    def connection_share(self) -> int:
+        """A connection's share of the request memory: at least one body, so one always fits."""
+        return max(self.connection_memory_bytes, self.max_body_bytes)
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,17 @@ def test_every_setting_is_documented() -> None:
     ({"controller": {"max_queue_delay_ms": -1}}, "controller.max_queue_delay_ms = -1.0"),
     ({"models": {"default_slo_ms": 0}}, "models.default_slo_ms = 0.0"),
     ({"server": "x"}, "server: expected a table"),
+    ({"server": {"drain_timeout_s": -1}}, "server.drain_timeout_s = -1.0"),
+    ({"server": {"shed_lag_ms": -5}}, "server.shed_lag_ms = -5.0"),
+    ({"server": {"max_request_id_bytes": 8}}, "server.max_request_id_bytes = 8"),
+    ({"server": {"max_inflight_per_connection": 0}}, "server.max_inflight_per_connection = 0"),
+    ({"server": {"idle_timeout_s": 0}}, "server.idle_timeout_s / write_timeout_s"),
+    ({"server": {"write_timeout_s": -1}}, "server.idle_timeout_s / write_timeout_s"),
+    ({"server": {"request_memory_bytes": "1MiB"}}, "server.request_memory_bytes"),
+    ({"server": {"max_json_bytes": 100}}, "server.max_json_bytes = 100"),
+    ({"runtime": {"hung_action_s": 0}}, "runtime.hung_action_s = 0.0"),
+    ({"runtime": {"warmup_timeout_s": 0.5}}, "runtime.warmup_timeout_s = 0.5"),
+    ({"faults": [{"device": "cpu:0", "add_ms": float("nan")}]}, "faults for cpu:0: add_ms = nan"),
 ])
 def test_bad_settings_name_key_and_value(data: dict, needle: str) -> None:
     with pytest.raises(ConfigError) as exc:
