@@ -73,8 +73,9 @@ class ServerSettings:
     connection_memory_bytes: int = doc("One connection's share of request_memory_bytes (at least max_body_bytes); "
                                        "past it the connection stops reading until its requests finish.",
                                        128 * 2**20)
-    max_json_bytes: int = doc("Largest JSON document parsed (an HTTP body or inference header): parsing holds "
-                              "the event loop, ~5 ms per MiB; larger tensors go as binary data.", 4 * 2**20)
+    max_json_bytes: int = doc("Largest JSON document parsed (an HTTP body or inference header): parsing and "
+                              "converting it hold the event loop, ~8 ms per MiB (under the 25 ms shedding "
+                              "threshold at 2 MiB); larger tensors go as binary data.", 2 * 2**20)
     drain_timeout_s: float = doc("On shutdown, how long accepted requests may take to finish.", 10.0)
     shed_lag_ms: float = doc("Refuse new inference with 503 while the event loop runs this far behind "
                              "(requests are then waiting unseen in socket buffers); 0 disables.", 25.0)
@@ -95,6 +96,8 @@ class ServerSettings:
                                 "(HTTP keep-alive and socket alike).", 75.0)
     write_timeout_s: float = doc("A connection whose client has not read its answers for this long is closed "
                                  "(its requests are cancelled).", 30.0)
+    request_timeout_s: float = doc("HTTP: a request whose headers and body have not arrived whole this long after "
+                                   "its first byte is answered 408 and its connection closed (slow clients).", 60.0)
 
     def __post_init__(self) -> None:
         if self.http:
@@ -115,6 +118,7 @@ class ServerSettings:
               self.max_inflight_per_connection, "must be >= 1")
         _need(self.idle_timeout_s > 0 and self.write_timeout_s > 0, "server.idle_timeout_s / write_timeout_s",
               (self.idle_timeout_s, self.write_timeout_s), "must be > 0")
+        _need(self.request_timeout_s > 0, "server.request_timeout_s", self.request_timeout_s, "must be > 0")
 
     @property
     def connection_share(self) -> int:

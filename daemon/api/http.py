@@ -115,7 +115,8 @@ class HttpFrontend:
         s = self.daemon.settings.server
         self.server = HttpServer(self.router, answer_error, max_body=s.max_body_bytes,
                                  max_connections=s.max_connections, keepalive_s=s.idle_timeout_s,
-                                 write_timeout_s=s.write_timeout_s, memory=self.daemon.request_memory)
+                                 write_timeout_s=s.write_timeout_s, request_timeout_s=s.request_timeout_s,
+                                 memory=self.daemon.request_memory)
         port = await self.server.start(host, port)
         if is_loopback(s.http):  # other listeners have names we cannot know: the token guards them
             self._hosts = frozenset(f"{h}:{port}" for h in (host.lower(), "localhost", "127.0.0.1", "[::1]"))

@@ -81,6 +81,7 @@ class Request:
     params: dict[str, str] = field(default_factory=dict)  # filled in by the route
     lease: Lease | None = None  # the request memory its body (and what is decoded from it) holds
     refused: EscapementError | None = None  # answered with this, unread (its body was dropped)
+    encoding: str = ""  # the body is still compressed with this (inflated before dispatch)
 
     def release(self) -> None:
         if self.lease is not None:
@@ -167,49 +168,47 @@ class _Refuse(Exception):
         self.error = error
 
 
-class _Decoder:
-    """gzip / deflate request bodies (tritonclient's request_compression_algorithm), size-capped
-    both ways: the decompressed body by max_body, the compressed input by max_body too (a stream
-    of empty deflate blocks grows nothing and would otherwise never end)."""
+INFLATORS = 2  # compressed bodies inflated at once (in worker threads)
+INFLATE_STEP = 1 << 20  # output per zlib call: the size check runs between steps, not after it all
 
-    def __init__(self, encoding: str, limit: int) -> None:
-        # deflate per RFC 9110 is zlib-wrapped; accept a raw deflate stream too, as common servers do
-        wbits = 31 if encoding in ("gzip", "x-gzip") else 15
-        self.z = zlib.decompressobj(wbits)
-        self.limit = limit
-        self.size = 0
-        self.fed = 0
-        # until the zlib header has been judged, the input is kept to restart as raw deflate
-        self.seen: bytearray | None = bytearray() if encoding == "deflate" else None
 
-    def feed(self, data: bytes) -> bytes:
-        self.fed += len(data)
-        if self.fed > self.limit:
-            raise _Refuse(PayloadTooLarge(f"the compressed request body is over the limit of {self.limit} bytes "
-                                          "(server.max_body_bytes)"))
-        if self.seen is not None:
-            self.seen += data
-        try:
-            out = self.z.decompress(data, self.limit + 1 - self.size)
-        except zlib.error as e:
-            if self.seen is not None:  # not zlib-wrapped: start again on all of it as raw deflate
-                seen, self.seen = bytes(self.seen), None
-                self.z, self.fed = zlib.decompressobj(-15), 0
-                return self.feed(seen)
-            raise _Refuse(BadRequest(f"the request body is not valid compressed data: {e}")) from None
-        if self.seen is not None and (out or len(self.seen) > 2):
-            self.seen = None  # the two header bytes passed zlib's check
-        self.size += len(out)
-        if self.size > self.limit or self.z.unconsumed_tail:
-            raise _Refuse(PayloadTooLarge(f"the decompressed request body is over the limit of {self.limit} "
-                                          "bytes (server.max_body_bytes)"))
-        if self.z.unused_data:
-            raise _Refuse(BadRequest("data follows the end of the compressed request body"))
-        return out
+def inflate(data: bytes, encoding: str, limit: int) -> bytes:
+    """A gzip / deflate request body (tritonclient's request_compression_algorithm) inflated, at
+    most `limit` bytes (413 past it); BadRequest for data that is not a whole compressed stream.
+    Run in a worker thread: zlib lets go of the GIL, so a bomb of a few KiB that inflates to
+    tens of MiB costs a core for a while, never the event loop."""
+    # deflate per RFC 9110 is zlib-wrapped; accept a raw deflate stream too, as common servers do
+    wbits = 31 if encoding in ("gzip", "x-gzip") else 15
+    try:
+        return _inflate(data, wbits, limit)
+    except zlib.error as e:
+        if wbits != 15:
+            raise BadRequest(f"the request body is not valid compressed data: {e}") from None
+    try:
+        return _inflate(data, -15, limit)
+    except zlib.error as e:
+        raise BadRequest(f"the request body is not valid compressed data: {e}") from None
 
-    def finish(self) -> None:
-        if not self.z.eof:
-            raise _Refuse(BadRequest("the compressed request body ends before its compressed stream does"))
+
+def _inflate(data: bytes, wbits: int, limit: int) -> bytes:
+    z = zlib.decompressobj(wbits)
+    parts: list[bytes] = []
+    size = 0
+    pending = data
+    while True:
+        out = z.decompress(pending, min(INFLATE_STEP, limit + 1 - size))
+        parts.append(out)
+        size += len(out)
+        if size > limit:
+            raise PayloadTooLarge(f"the decompressed request body is over the limit of {limit} bytes "
+                                  "(server.max_body_bytes)")
+        if z.eof:
+            if z.unused_data:
+                raise BadRequest("data follows the end of the compressed request body")
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        pending = z.unconsumed_tail
+        if not pending and not out:
+            raise BadRequest("the compressed request body ends before its compressed stream does")
 
 
 class HttpConnection(asyncio.Protocol):
@@ -230,7 +229,7 @@ class HttpConnection(asyncio.Protocol):
         self._header_bytes = 0
         self._body: list[bytes] = []
         self._body_len = 0
-        self._decoder: _Decoder | None = None
+        self._encoding = ""  # the request being read has a compressed body
         self._refused = False
         self.share = server.memory.share()
         self._lease: Lease | None = None  # the request being read
@@ -312,7 +311,7 @@ class HttpConnection(asyncio.Protocol):
         self._header_bytes = 0
         self._body = []
         self._body_len = 0
-        self._decoder = None
+        self._encoding = ""
         if self._lease is not None:
             self._lease.release()  # a request cut short by a refusal
         self._lease = self.share.lease()
@@ -342,10 +341,10 @@ class HttpConnection(asyncio.Protocol):
             raise _Refuse(PayloadTooLarge(f"request body over the limit of {limit} bytes (server.max_body_bytes)"))
         encoding = h.get("content-encoding", "identity").strip().lower()
         if encoding in ("gzip", "x-gzip", "deflate"):
-            self._decoder = _Decoder(encoding, limit)
+            self._encoding = encoding  # read as it comes (bounded by max_body), inflated off the loop
         elif encoding != "identity":
             raise _Refuse(UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported (gzip, deflate)"))
-        elif length is not None and length.isdigit() and self._lease is not None:
+        if length is not None and length.isdigit() and self._lease is not None:
             n = int(length)
             if self._lease.take(n):
                 self._charged = True
@@ -360,22 +359,19 @@ class HttpConnection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if self._dropping is not None:
             return
-        if self._decoder is not None:
-            body = self._decoder.feed(body)
         self._body_len += len(body)
         if self._body_len > self.server.max_body:
-            raise _Refuse(PayloadTooLarge(f"request body over the limit of {self.server.max_body} bytes "
+            what = "compressed request body" if self._encoding else "request body"
+            raise _Refuse(PayloadTooLarge(f"{what} over the limit of {self.server.max_body} bytes "
                                           "(server.max_body_bytes)"))
         lease = self._lease
         if not self._charged and lease is not None and not lease.take(len(body)):
-            # A body of unknown length (chunked, compressed) ran past the daemon's request memory:
-            # what is left of it cannot be skipped cheaply, so answer and close.
+            # A body of unknown length (chunked) ran past the daemon's request memory: what is
+            # left of it cannot be skipped cheaply, so answer and close.
             raise _Refuse(self.server.memory.refusal(len(body)))
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        if self._decoder is not None:
-            self._decoder.finish()
         method = self.parser.get_method().decode("latin-1")
         if method == "CONNECT":  # a proxy tunnel: its target is no path of ours
             raise _Refuse(MethodNotAllowed("CONNECT is not supported: this is not a proxy"))
@@ -389,7 +385,8 @@ class HttpConnection(asyncio.Protocol):
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         req = Request(method, path,
                       (parsed.query or b"").decode("latin-1"), self._headers, body, self.parser.should_keep_alive(),
-                      self.parser.get_http_version() == "1.0", lease=self._lease, refused=self._dropping)
+                      self.parser.get_http_version() == "1.0", lease=self._lease, refused=self._dropping,
+                      encoding=self._encoding)
         self._lease = None
         self.begun = None
         self._body = []
@@ -413,7 +410,12 @@ class HttpConnection(asyncio.Protocol):
                     self._linger()
                     return
                 try:
-                    resp = error_response(item.refused) if item.refused else await self.server.dispatch(item)
+                    if item.refused:
+                        resp = error_response(item.refused)
+                    elif item.encoding:
+                        resp = await self.server.inflate_and_dispatch(item)
+                    else:
+                        resp = await self.server.dispatch(item)
                     if self.closed:
                         return
                     self._write(resp, item, close=not item.keep_alive)
@@ -524,6 +526,7 @@ class HttpServer:
         self.write_timeout_s = write_timeout_s
         self.memory = memory or RequestMemory(1 << 62, 1 << 62)
         self.refused = 0  # connections refused for the limit
+        self._inflators = asyncio.Semaphore(INFLATORS)
         self.connections: set[HttpConnection] = set()
         self.loop = asyncio.get_running_loop()
         self._server: asyncio.AbstractServer | None = None
@@ -537,6 +540,20 @@ class HttpServer:
         self._sweeper = self.loop.create_task(self._sweep(), name="http-sweeper")
         sockets = self._server.sockets or []
         return int(sockets[0].getsockname()[1]) if sockets else port
+
+    async def inflate_and_dispatch(self, req: Request) -> Response:
+        """Inflate a compressed body in a worker thread (at most INFLATORS at a time, so what is
+        being inflated and not yet charged stays within INFLATORS x max_body), charge it to the
+        request's memory, then dispatch."""
+        try:
+            async with self._inflators:
+                body = await self.loop.run_in_executor(None, inflate, req.body, req.encoding, self.max_body)
+        except EscapementError as e:
+            return error_response(e)
+        if req.lease is not None and not req.lease.take(len(body)):
+            return error_response(self.memory.refusal(len(body)))
+        req.body, req.encoding = body, ""
+        return await self.dispatch(req)
 
     async def dispatch(self, req: Request) -> Response:
         try:

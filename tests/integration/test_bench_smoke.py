@@ -70,3 +70,26 @@ def test_a_tiny_run_writes_every_field(demo_repo: Path, tmp_path: Path) -> None:
     assert data["rows"][3]["errors"] == {"not_found": 10} and data["rows"][3]["achieved_rps"] == 0
     assert (tmp_path / "smoke.md").read_text().startswith("# smoke")
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_tiny_soak_finds_no_crash_5xx_or_leak(demo_repo: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m bench run soak` at a tenth of --quick (capacity given, not measured): the harness
+    runs both phases and reports every figure; the daemon neither crashes nor answers a mistake
+    with a 5xx nor leaks. Timing checks (health, refusals, goodput) are left to the real run."""
+    from bench.scenarios import soak
+
+    monkeypatch.setenv("ESCAPEMENT_BENCH_MODELS", str(demo_repo))
+    r = soak.run(quick=True, json_out=str(tmp_path / "soak.json"), fuzz_inputs=400, overload_s=2.0,
+                 capacity_rps=200.0)
+    s, c = r["summary"], r["checks"]
+    assert s["fuzz_http_inputs"] >= 400 and s["fuzz_socket_inputs"] >= 400
+    for name in ("fuzz_no_crash", "fuzz_no_5xx_to_mistakes", "fuzz_no_leaked_connections", "fuzz_no_leaked_requests",
+                 "overload_no_crash", "overload_no_leaks"):
+        assert c[name], (name, s)
+    over = r["overload"]
+    assert over["offered_rps"] > 500 and over["health"]["probes"] > 10 and over["memory"]["rss_mib_peak"] > 0
+    assert "--capacity-rps 200.0" in r["config"]["command"]
+    assert json.loads((tmp_path / "soak.json").read_text())["checks"] == c
+    assert (tmp_path / "soak.md").read_text().startswith("# soak")
