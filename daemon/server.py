@@ -33,6 +33,7 @@ import numpy as np
 
 from daemon.api.budget import RequestMemory
 from daemon.api.http import HttpFrontend
+from daemon.api.throttle import RenderBudget
 from daemon.api.uds import SocketFrontend
 from daemon.clock import Clock, MonotonicClock
 from daemon.coding import codes
@@ -220,6 +221,7 @@ class Daemon:
         self.workers = WorkerPool(max_workers=min(32, (os.cpu_count() or 1) + 4), name="escapement-worker",
                                   timeout_s=WORKER_STOP_S)
         self._warming: set[threading.Event] = set()  # warm-ups running in a worker thread
+        self._statistics = RenderBudget(self._render_statistics)
 
     @property
     def controller(self) -> ControllerService:
@@ -239,7 +241,11 @@ class Daemon:
         return {n: d.failed for n, d in self._controller.scheduler.devices.items() if d.failed}
 
     def statistics(self) -> dict[str, Any]:
-        """The controller's statistics plus the event loop's lag and the requests shed for it."""
+        """The controller's statistics plus the event loop's lag and the requests shed for it
+        (within a budget of loop time: a flood of requests for them gets the last ones)."""
+        return self._statistics.get()
+
+    def _render_statistics(self) -> dict[str, Any]:
         o = self.overload
         m = self.request_memory
         return {**self.controller.scheduler.statistics(),

@@ -9,6 +9,10 @@ new requests are refused (HTTP: 503 with Retry-After, the body read and dropped)
 socket, where a refusal cannot name the request it refuses before the frame is decoded, reading
 pauses until memory is released.
 
+A sixteenth of the total is kept for small requests (at most SMALL_REQUEST bytes in all): clients
+sending large bodies, however many, fill the rest and are refused, while ordinary requests of a
+few KiB keep being served beside them.
+
 Pure bookkeeping, no I/O: the frontends call it, the loop's single thread makes it safe.
 """
 
@@ -18,6 +22,9 @@ from collections.abc import Callable
 
 from daemon.errors import Overloaded
 
+SMALL_REQUEST = 64 << 10  # a request holding at most this much may use the reserve
+RESERVE_FRACTION = 16  # 1/16 of the total is the reserve for small requests
+
 
 class RequestMemory:
     """The daemon-wide budget (server.request_memory_bytes) and its per-connection share."""
@@ -26,14 +33,15 @@ class RequestMemory:
         if share > limit:
             raise ValueError(f"a connection's share ({share}) cannot exceed the total ({limit})")
         self.limit = limit
+        self.large_limit = limit - limit // RESERVE_FRACTION  # what large requests may fill
         self.share_limit = share
         self.held = 0
         self.peak = 0
         self.refused = 0  # requests refused because the total was reached
         self._waiters: dict[object, Callable[[], None]] = {}  # paused readers, woken on release
 
-    def fits(self, n: int) -> bool:
-        return self.held + n <= self.limit
+    def fits(self, n: int, small: bool = False) -> bool:
+        return self.held + n <= (self.limit if small else self.large_limit)
 
     def share(self) -> Share:
         return Share(self)
@@ -92,7 +100,7 @@ class Lease:
 
     def take(self, n: int) -> bool:
         """Charge `n` bytes the request is about to hold; False (nothing charged) past the total."""
-        if not self.share.memory.fits(n):
+        if not self.share.memory.fits(n, small=self.bytes + n <= SMALL_REQUEST):
             return False
         self.force(n)
         return True

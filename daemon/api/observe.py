@@ -16,6 +16,7 @@ import orjson
 
 from daemon import metrics
 from daemon.api.httpserver import Request, Response, Router
+from daemon.api.throttle import RenderBudget
 from daemon.controller.scheduler import Scheduler
 from daemon.controller.telemetry import ModelStats, Span
 from daemon.registry import ModelState
@@ -39,10 +40,12 @@ class ObserveHandlers:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
         self.registry = metrics.make_registry(lambda: daemon.controller.scheduler, daemon.overload)
+        self.rendering = RenderBudget(lambda: metrics.render(self.registry))
 
     async def metrics(self, request: Request) -> Response:
         # Rendered here on the loop, not in a thread: the collector reads the controller's state.
-        return Response(metrics.render(self.registry), 200, metrics.CONTENT_TYPE)
+        # Within a budget of loop time: a flood of scrapes gets the last rendering.
+        return Response(self.rendering.get(), 200, metrics.CONTENT_TYPE)
 
     async def stats(self, request: Request) -> Response:
         """Raises NotFound for an unknown model or version, Unavailable for one that is not ready."""
