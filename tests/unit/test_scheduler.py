@@ -262,6 +262,25 @@ def test_cancelled_requests_are_dropped_queued_or_running() -> None:
     assert h.sched.pending == 0
 
 
+def test_a_cancelled_queued_request_lets_go_of_its_tensors_at_once() -> None:
+    import gc
+    import weakref
+
+    h = Harness()
+    spec = h.add(make_spec(max_batch=1))
+    h.use(spec)
+    running = h.request(spec)
+    (infer,) = h.step()  # the device is busy: the next ones wait in the queue
+    queued = [h.request(spec) for _ in range(50)]
+    refs = [weakref.ref(r.inputs[0]) for r in queued]
+    for r in queued:
+        h._take(h.sched.cancel(r, h.now))
+    gc.collect()
+    assert all(ref() is None for ref in refs)  # freed now, not when the queue's heap reaches them
+    h.result(infer)
+    assert running.ok and h.sched.pending == 0
+
+
 def test_abort_all_answers_everything() -> None:
     h = Harness()
     spec = h.add(make_spec(max_batch=1))
