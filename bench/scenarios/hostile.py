@@ -391,6 +391,17 @@ def run(quick: bool = False, json_out: str | None = None, only: str = "") -> dic
         "health_p99_max_ms": max((r["health_p99_ms"] or 0) for r in rows),
         "bystander_failures": sum(r["bystander_failures"] for r in rows),
     }
-    notes = [f"command: {command('hostile', quick, {'only': only} if only else None)}",
-             f"limits: {LIMITS}", f"cpus: {os.cpu_count()}"]
-    return results.write("hostile", {"limits": LIMITS, "model": MODEL}, rows, summary, json_out, notes)
+    cmd = command("hostile", quick, {"only": only} if only else None)
+    notes = [f"limits: {LIMITS}", f"cpus: {os.cpu_count()}",
+             "outcome: what the attack got (status -> count; held = still being read; closed = hung up on)",
+             "request_memory_peak_mib is the daemon's peak since it started (across attacks)"]
+    for r in rows:
+        r["outcome"] = {k: v for k, v in r.items() if k not in _MEASURED and k != "attack"}
+    columns = ["attack", "outcome", "rss_growth_mib", "health_p99_ms", "infer_p99_ms", "bystander_failures",
+               "memory_refusals", "seconds"]
+    return results.write("hostile", {"command": cmd, "limits": LIMITS, "model": MODEL}, rows, summary, json_out,
+                         notes, columns)
+
+
+_MEASURED = {"seconds", "rss_base_mib", "rss_growth_mib", "request_memory_peak_mib", "memory_refusals",
+             "health_p99_ms", "infer_p99_ms", "bystander_failures", "held_after_mib", "outcome"}
