@@ -95,6 +95,7 @@ class Response:
     status: int = 200
     content_type: str = "application/json"
     headers: dict[str, str] | None = None
+    to_head: bool = False  # the answer to a HEAD request: its body is not sent
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -453,7 +454,7 @@ class HttpConnection(asyncio.Protocol):
         status = resp.status
         head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\nContent-Type: {resp.content_type}\r\n"
                 f"Content-Length: {len(body)}\r\nDate: {self.server.date()}\r\n{extra}\r\n").encode("latin-1")
-        self.transport.write(head if req is not None and req.method == "HEAD" else head + body)
+        self.transport.write(head if resp.to_head or (req is not None and req.method == "HEAD") else head + body)
         if close and req is not None:
             self.close()
 
@@ -483,7 +484,12 @@ class HttpConnection(asyncio.Protocol):
             self._lease.release()
             self._lease = None
         self._body = []
-        self._enqueue(error_response(error))
+        resp = error_response(error)
+        try:
+            resp.to_head = self.parser.get_method() == b"HEAD"  # a HEAD answer has no body, refusals too
+        except httptools.HttpParserError:
+            pass  # the request line was not read: not a HEAD
+        self._enqueue(resp)
 
     def _stop_reading(self) -> None:
         if self.reading and self.transport is not None and not self.closed:

@@ -132,6 +132,7 @@ class SocketConnection(asyncio.Protocol):
         self._reading = True
         self._eof = False  # the client half-closed
         self._input_done = False  # ... and every frame it sent is handled: close once all are answered
+        self._discarding = False  # a frame over the limit: nothing more is read
         self.last_active = 0.0  # when it last sent bytes or got an answer (the idle sweep reads it)
         self.write_blocked_since: float | None = None  # the client stopped reading its answers at
 
@@ -176,6 +177,8 @@ class SocketConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_active = time.monotonic()
+        if self._discarding:
+            return
         self._buf += data
         self._pump()
 
@@ -191,7 +194,7 @@ class SocketConnection(asyncio.Protocol):
     def _want_reading(self) -> None:
         """Read from the client only while its answers drain, no turn of frames is pending and its
         requests fit in the request memory (its share, and the daemon's total)."""
-        want = not (self._paused or self._yielded or self._starved or self._held())
+        want = not (self._paused or self._yielded or self._starved or self._discarding or self._held())
         if self.transport is not None and not self._closed and want != self._reading:
             self._reading = want
             if want:
@@ -203,7 +206,7 @@ class SocketConnection(asyncio.Protocol):
         """Handle the whole frames buffered, FRAMES_PER_TURN at a time: a client that pipelines
         thousands of frames in one write must not hold the event loop (and every other client,
         timer and the controller) for the tens of milliseconds they take."""
-        if self._paused or self._yielded or self._closed or self._starved:
+        if self._paused or self._yielded or self._closed or self._starved or self._discarding:
             return
         if self._drain_frames(FRAMES_PER_TURN):
             self._yielded = True
@@ -244,10 +247,17 @@ class SocketConnection(asyncio.Protocol):
                 return True
             (n,) = LENGTH.unpack_from(buf)
             if n > self.max_frame:
+                # The rest of the stream cannot be framed without reading the whole frame: read no
+                # more, answer the requests sent before it, then close.
                 self.send(error_frame(None, PayloadTooLarge(
                     f"frame of {n} bytes is over the limit of {self.max_frame} (server.max_body_bytes); "
-                    "closing the connection")))
-                self.close()
+                    "closing the connection once the requests before it are answered")))
+                self._discarding = True
+                self._input_done = True
+                buf.clear()
+                self._want_reading()
+                if not self._inflight:
+                    self.close()
                 return False
             lease = self._frame_lease
             if lease is None:
@@ -385,10 +395,11 @@ class SocketConnection(asyncio.Protocol):
 
     def _finished(self, req: InferenceRequest) -> None:
         self._inflight.pop(req.id, None)
-        if self._closed:
+        lease: Lease = req.context[2]
+        if self._closed:  # closing, connection_lost not yet run: it no longer sees this request
+            lease.release()
             return
         self.last_active = time.monotonic()
-        lease: Lease = req.context[2]
         try:
             self._answer(req)
         finally:

@@ -18,12 +18,16 @@ _seq = itertools.count(1)
 
 
 class ModelQueue:
-    __slots__ = ("_heap", "requests", "samples")
+    __slots__ = ("_heap", "max_deadline", "max_rank", "requests", "samples")
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, float, int, InferenceRequest]] = []
         self.samples = 0  # queued samples of live (QUEUED) requests
         self.requests = 0
+        # Upper bounds of the queued requests' rank and deadline (exact until one leaves, then
+        # high; reset when the queue empties): "every queued request goes before this one".
+        self.max_rank = 0
+        self.max_deadline = 0.0
 
     def __len__(self) -> int:
         return self.requests
@@ -35,6 +39,11 @@ class ModelQueue:
     def push(self, req: InferenceRequest) -> None:
         req.queue_seq = seq = next(_seq)
         heapq.heappush(self._heap, (req.rank, req.deadline, seq, req))
+        if not self.requests:
+            self.max_rank, self.max_deadline = req.rank, req.deadline
+        else:
+            self.max_rank = max(self.max_rank, req.rank)
+            self.max_deadline = max(self.max_deadline, req.deadline)
         self.samples += req.samples
         self.requests += 1
 

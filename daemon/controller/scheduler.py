@@ -67,6 +67,7 @@ class Scheduler:
         self.inflight: dict[int, Action] = {}
         self._active: set[str] = set()  # models that may have queued requests (pruned lazily)
         self._best: dict[tuple[str, int], tuple[float, float, int]] = {}  # (model, samples) -> best, until, version
+        self._rates: dict[str, tuple[float, int, int, float]] = {}  # model -> drain rate, version, holders, until
         # Where each model's weights are, derived from the devices' memory maps and kept with them.
         self.ready_on: dict[str, set[str]] = {}  # model key -> devices holding it ready
         self.placed_on: dict[str, set[str]] = {}  # model key -> devices holding or loading it
@@ -180,6 +181,21 @@ class Scheduler:
             raise refused(req, DeadlineExceeded(
                 f"deadline cannot be met: {max(req.deadline - now, 0) * 1e3:.3f} ms left, but running "
                 f"{req.samples} sample(s) of {req.model.name} takes at least {best * 1e3:.3f} ms"), now)
+        q = entry.queue
+        if q.samples and q.max_rank <= req.rank and q.max_deadline <= req.deadline:
+            # Every queued request goes first: at the most the devices holding the model can run it
+            # (full batches, nothing else), they take `wait` to get through; past the deadline the
+            # request is refused now rather than queued to miss it (overload answered in µs, not at
+            # the deadline). A lower bound: nothing that could make it is refused.
+            # (It may ride in the batch of the last of them: what must run first is theirs and its own.)
+            rate = self._drain_rate(entry)
+            done = (q.samples + req.samples) / rate if rate > 0 else 0.0
+            if now + max(done, best) > req.deadline:
+                self.counters["refused_backlog"] += 1
+                raise refused(req, Overloaded(
+                    f"model {req.model.name} is overloaded: with the {q.samples} sample(s) queued before it, this "
+                    f"request cannot finish in under {done * 1e3:.1f} ms, and its deadline is "
+                    f"{(req.deadline - now) * 1e3:.1f} ms away; retry later", retry_after_s=max(1.0, done)), now)
         req.cold_start = not any(d.memory.is_ready(req.model.key) for d in self.devices.values())
         self.counters["admitted"] += 1
         self.counters["cold_starts"] += req.cold_start
@@ -222,6 +238,31 @@ class Scheduler:
             else:
                 out.append(entry)
         return out
+
+    def _drain_rate(self, entry: ModelEntry) -> float:
+        """Samples per second the devices holding a model ready could run of it at most (each at its
+        most efficient batch size, nothing else); 0 when none holds it."""
+        key = entry.spec.key
+        ready = self.ready_on.get(key)
+        if not ready:
+            return 0.0
+        est = self.estimator
+        version = est.version(key)
+        hit = self._rates.get(key)
+        if hit is not None and hit[1] == version and hit[2] == len(ready) and est.now <= hit[3]:
+            return hit[0]
+        rate, until = 0.0, math.inf
+        for name in ready:
+            kind = self.devices[name].kind
+            best = 0.0
+            for batch in entry.spec.batch_sizes:
+                e, valid = est.infer_until(key, batch, kind, name)
+                if e:
+                    best = max(best, batch / e)
+                    until = min(until, valid)
+            rate += best
+        self._rates[key] = (rate, version, len(ready), until)
+        return rate
 
     def best_case(self, req: InferenceRequest) -> float:
         """The shortest time `req` could take on an idle device with its model loaded."""

@@ -845,3 +845,15 @@ async def test_an_absolute_url_target_is_routed_by_its_path(srv: Harness) -> Non
     writer.write(b"GET http://test/echo/abs?x=1 HTTP/1.1\r\nHost: test\r\n\r\n")
     reply = await read_reply(reader)
     assert reply.status == 200 and reply.json()["path"] == "/echo/abs" and reply.json()["query"] == "x=1"
+
+
+@pytest.mark.parametrize(("raw", "status"), [
+    (b"HEAD /echo/x HTTP/1.1\r\nHost: test\r\nContent-Length: 0x0\r\n\r\n", 400),  # the parser refuses it
+    (b"HEAD /echo/" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: test\r\n\r\n", 431),  # over the header limit
+])
+async def test_a_refused_head_request_is_answered_without_a_body(srv: Harness, raw: bytes, status: int) -> None:
+    reader, writer = await srv.connect()
+    writer.write(raw)
+    reply = await read_reply(reader, head=True)
+    assert reply.status == status and reply.closes
+    assert await asyncio.wait_for(reader.read(), WAIT_S) == b""  # no body before the close

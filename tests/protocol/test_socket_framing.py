@@ -149,7 +149,7 @@ def test_a_frame_over_the_limit_closes_the_connection(conn: Conn) -> None:
     c.data_received(struct.pack(">I", 10**6) + b"\0" * 100)
     (answer,) = t.frames()
     assert answer["status"] == 413 and "over the limit" in answer["error"]
-    assert t.closed
+    assert t.closed  # nothing was in flight: closed at once
     c.data_received(frame(infer(1)))  # nothing more is read from a closed connection
     assert t.frames() == []
 
@@ -253,6 +253,33 @@ async def test_one_connection_has_at_most_its_cap_of_requests_in_flight() -> Non
     finish(ctl.held.pop(0))
     await asyncio.sleep(0)
     assert len(ctl.held) == 2 and [a["id"] for a in t.frames()] == [0]
+
+
+def test_a_frame_over_the_limit_after_requests_answers_them_then_closes() -> None:
+    daemon, fe, ctl = make({})
+    c, t = connect(fe)
+    c.data_received(frame(infer(7)) + struct.pack(">I", 10**6) + b"\0" * 100)
+    (refusal,) = t.frames()
+    assert refusal["status"] == 413 and refusal["id"] is None
+    assert not t.closed and not t.reading  # reads nothing more, but request 7 is still owed its answer
+    c.data_received(frame(infer(8)))  # the rest of the stream cannot be framed: dropped
+    assert len(ctl.held) == 1
+    finish(ctl.held.pop())
+    (answer,) = t.frames()
+    assert answer["id"] == 7 and answer["status"] == 200
+    assert t.closed and daemon.request_memory.held == 0
+
+
+def test_a_request_finishing_while_its_connection_closes_releases_its_memory() -> None:
+    daemon, fe, ctl = make({})
+    c, _ = connect(fe)
+    c.data_received(frame(infer(1)))
+    (req,) = ctl.held
+    c.close()  # closing: connection_lost comes later, from the loop
+    finish(req)  # ... and the request finishes in between
+    assert daemon.request_memory.held == 0
+    c.connection_lost(None)
+    assert daemon.request_memory.held == 0
 
 
 def test_a_lost_connection_releases_its_memory_at_once() -> None:
