@@ -19,11 +19,14 @@ SCENARIOS = {
     "limit": "bench.scenarios.limit",
     "peers-tuning": "bench.scenarios.peers_tuning",
     "scale": "bench.scenarios.scale",
+    "soak": "bench.scenarios.soak",
+    "hostile": "bench.scenarios.hostile",
 }
 
 
-# Run on their own, not by `python -m bench all`: a calibration whose result is written into code.
-NOT_IN_ALL = frozenset({"peers-tuning"})
+# Run on their own, not by `python -m bench all`: a calibration whose result is written into code, and a
+# long reliability run (fuzz and overload) whose findings are inputs to fix, not figures to compare.
+NOT_IN_ALL = frozenset({"peers-tuning", "soak"})
 
 
 def get(name: str) -> Callable[..., dict[str, Any]]:
