@@ -50,6 +50,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("escapement.controller")
 
+# A saturated model's real rate, for admission: measured over windows of DRAIN_WINDOW seconds,
+# trusted once a window spans DRAIN_MIN_SPAN.
+DRAIN_WINDOW = 1.0
+DRAIN_MIN_SPAN = 0.2
+
 class Scheduler:
     def __init__(self, devices: list[Device], policy: Policy, settings: ControllerSettings,
                  estimator: Estimator | None = None, telemetry: Telemetry | None = None,
@@ -68,6 +73,7 @@ class Scheduler:
         self._active: set[str] = set()  # models that may have queued requests (pruned lazily)
         self._best: dict[tuple[str, int], tuple[float, float, int]] = {}  # (model, samples) -> best, until, version
         self._rates: dict[str, tuple[float, int, int, float]] = {}  # model -> drain rate, version, holders, until
+        self._running: dict[int, tuple[str, int]] = {}  # INFER id -> (model, samples) counted in its `running`
         # Where each model's weights are, derived from the devices' memory maps and kept with them.
         self.ready_on: dict[str, set[str]] = {}  # model key -> devices holding it ready
         self.placed_on: dict[str, set[str]] = {}  # model key -> devices holding or loading it
@@ -182,6 +188,10 @@ class Scheduler:
                 f"deadline cannot be met: {max(req.deadline - now, 0) * 1e3:.3f} ms left, but running "
                 f"{req.samples} sample(s) of {req.model.name} takes at least {best * 1e3:.3f} ms"), now)
         q = entry.queue
+        if not q.samples:  # the queue ran dry: what was measured saturated no longer holds
+            entry.backlog_since, entry.backlog_samples, entry.drain_seen = 0.0, 0, 0.0
+        elif not entry.backlog_since:
+            entry.backlog_since = now
         if q.samples and q.max_rank <= req.rank and q.max_deadline <= req.deadline:
             # Every queued request goes first: at the most the devices holding the model can run it
             # (full batches, nothing else), they take `wait` to get through; past the deadline the
@@ -189,7 +199,10 @@ class Scheduler:
             # the deadline). A lower bound: nothing that could make it is refused.
             # (It may ride in the batch of the last of them: what must run first is theirs and its own.)
             rate = self._drain_rate(entry)
-            done = (q.samples + req.samples) / rate if rate > 0 else 0.0
+            if entry.drain_seen:
+                rate = min(rate, entry.drain_seen)
+            # What runs now goes first too (counted whole: at most a batch more than a lower bound).
+            done = (entry.running + q.samples + req.samples) / rate if rate > 0 else 0.0
             if now + max(done, best) > req.deadline:
                 self.counters["refused_backlog"] += 1
                 raise refused(req, Overloaded(
@@ -238,6 +251,20 @@ class Scheduler:
             else:
                 out.append(entry)
         return out
+
+    def _drained(self, entry: ModelEntry, samples: int, now: float) -> None:
+        """Count samples run while the model's queue stayed non-empty: the window's rate is what
+        admission trusts (if lower than the estimate) once it spans DRAIN_MIN_SPAN; a new window
+        starts every DRAIN_WINDOW, the last one's rate standing until then."""
+        if not entry.queue.samples:
+            entry.backlog_since, entry.backlog_samples, entry.drain_seen = 0.0, 0, 0.0
+            return
+        entry.backlog_samples += samples
+        span = now - entry.backlog_since
+        if span >= DRAIN_MIN_SPAN:
+            entry.drain_seen = entry.backlog_samples / span
+        if span >= DRAIN_WINDOW:
+            entry.backlog_since, entry.backlog_samples = now, 0
 
     def _drain_rate(self, entry: ModelEntry) -> float:
         """Samples per second the devices holding a model ready could run of it at most (each at its
@@ -456,6 +483,9 @@ class Scheduler:
         self.counters["infer_slots"] += batch_size
         action = self.issue(Action(ActionKind.INFER, spec, dev.name, earliest, latest, expected, batch_size,
                                    requests, expected_start=earliest), now)
+        samples = action.samples
+        self.models[spec.key].running += samples
+        self._running[action.id] = (spec.key, samples)
         if requests:
             heapq.heappush(self._overdue, (min(r.deadline for r in requests) + OVERDUE_GRACE, action.id, action))
         if spec.parity is not None and parity_key(spec) in self.models:
@@ -526,7 +556,13 @@ class Scheduler:
         self.policy.on_result(self, result, now)
         return self._take()
 
+    def _not_running(self, action_id: int) -> None:
+        counted = self._running.pop(action_id, None)
+        if counted is not None and counted[0] in self.models:
+            self.models[counted[0]].running -= counted[1]
+
     def _infer_done(self, action: Action, dev: DeviceState, result: Result, now: float) -> None:
+        self._not_running(action.id)
         dev.infer_inflight -= 1
         dev.busy[action.model.key] -= 1
         key = action.model.key
@@ -548,6 +584,9 @@ class Scheduler:
             return  # a replica that failed changes nothing: the original is still running
         if result.ok:
             assert result.outputs is not None
+            entry = self.models.get(key)
+            if entry is not None and entry.backlog_since:
+                self._drained(entry, action.samples, now)
             self._answer(action, result.outputs, now, result.duration)
             if role == "member":
                 self._apply_coding(self.coding.member_done(action, result.outputs, now), now)
@@ -761,6 +800,9 @@ class Scheduler:
         dev.failed = why or "device lost"
         self.lost += 1
         self.counters["devices_lost"] += 1
+        for action in self.inflight.values():  # what runs there now runs before nothing (it may never return)
+            if action.device == dev.name:
+                self._not_running(action.id)
         log.critical("device %s is lost: %s; %d of %d devices left", dev.name, dev.failed,
                      len(self.devices) - self.lost, len(self.devices))
         held = dev.memory.models()

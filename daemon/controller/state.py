@@ -71,3 +71,9 @@ class ModelEntry:
     queue: ModelQueue = field(default_factory=ModelQueue)
     load_failures: int = 0  # LOADs that failed in a row (any device)
     load_error: str = ""  # the last one's error
+    # Samples run while requests kept waiting (the devices saturated by it), per window: the
+    # rate they really got through, which admission trusts over the estimate when lower.
+    backlog_since: float = 0.0  # start of the current window; 0 while the queue has run dry
+    backlog_samples: int = 0  # samples run in the current window
+    drain_seen: float = 0.0  # the last full window's measured rate (samples/s); 0 when none
+    running: int = 0  # samples of its INFERs in flight (they run before anything queued)

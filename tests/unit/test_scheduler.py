@@ -8,7 +8,8 @@ from daemon.actions import ActionKind, ResultStatus
 from daemon.controller.policies.clockwork import ClockworkPolicy
 from daemon.controller.scheduler import FAILURE_COOLDOWN, LOAD_BACKOFF, MAX_FAILURES
 from daemon.errors import DeadlineExceeded, InternalError, NotFound, Overloaded, Unavailable
-from daemon.request import RequestStatus
+from daemon.repository import ModelSpec
+from daemon.request import InferenceRequest, RequestStatus
 from tests.unit.harness import MS, Harness, kinds, make_spec
 
 
@@ -372,3 +373,53 @@ def test_the_backlog_never_refuses_a_request_that_goes_before_it() -> None:
     sooner = h.request(spec, timeout=0.05, rank=10)  # due before the queued ones: EDF puts it first
     h.run_until(urgent)
     assert urgent.ok and not isinstance(sooner.error, Overloaded)
+
+
+def _saturate_with_gaps(h: Harness, spec: ModelSpec, seconds: float) -> tuple[int, int, int]:
+    """Offer 3,000 samples/s; the device runs each batch as long as expected but then sits idle as
+    long again (the loop was busy elsewhere): it gets through half of what its estimates say.
+    Returns (admitted, refused, admitted but late)."""
+    admitted: list[InferenceRequest] = []
+    refused = 0
+    todo = h.step()
+    end = h.now + seconds
+    next_arrival = h.now
+    while h.now < end:
+        while next_arrival <= h.now:
+            try:
+                admitted.append(h.request(spec, timeout=0.1))
+            except Overloaded:
+                refused += 1
+            next_arrival += 1 / 3000
+        if todo:
+            action, todo = todo[0], todo[1:]
+            todo += h.result(action)
+            h.clock.advance(action.expected_duration)  # idle: the gap
+            todo += h.step()
+        else:
+            h.clock.set(max(h.now + 1e-4, min(next_arrival, h.sched.next_wakeup(h.now) or next_arrival)))
+            todo = h.step()
+    late = sum(1 for r in admitted if r.status.finished and not r.ok)
+    return len(admitted), refused, late
+
+
+def test_admission_trusts_the_rate_the_devices_really_got_through_when_it_is_lower() -> None:
+    from daemon.controller import scheduler as sched_mod
+
+    def run(measured: bool) -> tuple[int, int, int]:
+        h = Harness()
+        spec = h.add(make_spec(max_batch=8, slo=0.1), b1=1 * MS, bmax=8 * MS)  # estimates: 1,000/s
+        h.use(spec)
+        if not measured:
+            sched_mod.DRAIN_MIN_SPAN = 1e9  # never trusts what it measured
+        try:
+            return _saturate_with_gaps(h, spec, 4.0)
+        finally:
+            sched_mod.DRAIN_MIN_SPAN = 0.2
+
+    _, _, late_estimate_only = run(measured=False)
+    admitted, refused, late = run(measured=True)
+    assert refused > admitted  # 3x what the device can do: most refused at once
+    # trusting the estimate alone admits twice what the device gets through: most of it misses
+    assert late_estimate_only > 1000
+    assert late < admitted / 10 and late < late_estimate_only / 5, (late, admitted, late_estimate_only)
