@@ -127,15 +127,25 @@ def cmd_train_parity(args: argparse.Namespace) -> int:
         print(f"escapement: {e}", file=sys.stderr)
         return 2
 
+    try:
+        config = trainer.TrainConfig(max_epochs=args.epochs, time_limit_s=args.time_limit, seed=args.seed,
+                                     norm=args.norm, val_fraction=args.val_fraction, lr=args.lr)
+    except ValueError as e:
+        print(f"escapement: {e}", file=sys.stderr)
+        return 2
+    seen = [0]
+
     def progress(row: dict[str, float]) -> None:
-        if row["epoch"] % max(1, args.epochs // 10) == 0 or row["epoch"] == args.epochs:
+        seen[0] += 1
+        if seen[0] % 10 == 1:  # one line per ten validations
             deg = f"  degraded {row['degraded_accuracy']:.4f}" if "degraded_accuracy" in row else ""
-            print(f"epoch {row['epoch']:>4}/{args.epochs}  loss {row['loss']:.4f}  "
-                  f"reconstruction {row['reconstruction_accuracy']:.4f}{deg}", flush=True)
+            print(f"step {int(row['step']):>6}  epoch {row['epoch']:7.1f}  {row['seconds']:6.1f} s  "
+                  f"lr {row['lr']:.1e}  loss {row['loss']:.4f}  val loss {row['val_loss']:.4f}  "
+                  f"val reconstruction {row['reconstruction_accuracy']:.4f}{deg}", flush=True)
 
     try:
-        parity, report = trainer.train(spec, program.host_runner, data, args.k, args.encoder, args.epochs,
-                                       progress=progress)
+        parity, report = trainer.train(spec, program.host_runner, data, args.k, args.encoder, progress=progress,
+                                       config=config)
     except ValueError as e:
         print(f"escapement: {e}", file=sys.stderr)
         return 2
@@ -145,9 +155,16 @@ def cmd_train_parity(args: argparse.Namespace) -> int:
                                trainer.parity_section(args.k, args.encoder, file, report))
     avail = f"{report.available_accuracy:.4f}" if report.available_accuracy is not None else "-"
     deg = f"{report.degraded_accuracy:.4f}" if report.degraded_accuracy is not None else "-"
-    print(f"{spec.key}: parity model k={args.k} ({args.encoder}) written to {spec.path.parent / file}; best epoch "
-          f"{report.best_epoch}: reconstruction {report.reconstruction_accuracy:.4f}, degraded-mode {deg} "
+    overall = "  ".join(f"f={f:g}: {v:.4f}" for f in trainer.FREQUENCIES
+                        if (v := report.overall_accuracy(f)) is not None)
+    print(f"stopped after {report.steps} steps ({report.stopped}, {report.seconds:.1f} s); checkpoint of step "
+          f"{report.best_step} (epoch {report.best_epoch}) chosen on validation (reconstruction "
+          f"{report.val_reconstruction_accuracy:.4f})")
+    print(f"{spec.key}: parity model k={args.k} ({args.encoder}) written to {spec.path.parent / file}; held-out "
+          f"test: reconstruction {report.reconstruction_accuracy:.4f}, degraded-mode {deg} "
           f"(available {avail}); [parity] set in config.toml")
+    if overall:
+        print(f"overall accuracy at unavailability f: {overall}")
     return 0
 
 
@@ -291,7 +308,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--encoder", choices=["sum", "concat"], default="sum")
     p.add_argument("--data", metavar="FILE.npz", help="inputs: x [and y] (split 80/20) or x_train/x_test "
                    "[y_train/y_test]; default: the demo digits")
-    p.add_argument("--epochs", type=int, default=100)
+    p.add_argument("--epochs", type=int, help="at most this many epochs (default: a step budget scaled to the "
+                   "data; training stops earlier on a validation plateau)")
+    p.add_argument("--time-limit", type=float, default=240.0, metavar="S",
+                   help="stop training after S seconds, keeping the best checkpoint (default 240)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the validation split, weights and groups (default 0)")
+    p.add_argument("--norm", choices=["recalibrate", "batch", "frozen"], default="recalibrate",
+                   help="BatchNorm: batch statistics of parity inputs while training, running statistics "
+                   "recalibrated on parity inputs (default), kept as momentum averages (batch), or frozen (old)")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam's initial learning rate (default 1e-3)")
+    p.add_argument("--val-fraction", type=float, default=0.2,
+                   help="share of the training data held out to choose the checkpoint (default 0.2)")
     p.add_argument("--version", type=int, help="the model version (default: the newest)")
     p.set_defaults(fn=cmd_train_parity)
 

@@ -838,6 +838,7 @@ class Daemon:
         # the last STATUS= stays in `systemctl status`: a failed start-up says why
         self.notifier.status(f"start-up failed: {self._start_error}" if self._start_error else "stopped")
         self.notifier.close()
+        self.workers.shutdown(wait=False)  # idle worker threads end now; one stuck in a job is left behind
         self.state = State.STOPPED
         log.info("[shutdown] done")
 
@@ -861,6 +862,7 @@ class Daemon:
     def left_behind(self) -> list[str]:
         """Threads still inside a job or an action after the shutdown (hung devices, a dead disk)."""
         lanes = [lane.name for ex in self.executors.values() for lane in (ex.infer_lane, ex.load_lane) if lane.alive]
+        self.workers.join(1.0)  # idle ones are just ending
         return lanes + self.workers.stuck
 
     def _stop_executors(self) -> None:

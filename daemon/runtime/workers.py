@@ -64,6 +64,12 @@ class WorkerPool(Executor):
             with self._lock:
                 self._idle += 1
 
+    def join(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for the threads of a shut-down pool to end."""
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
     @property
     def stuck(self) -> list[str]:
         """Threads still running after shutdown (inside a job that never returned)."""
