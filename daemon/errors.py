@@ -8,10 +8,13 @@
      │    ├── Forbidden ............. 403 a management endpoint without its token
      │    ├── NotFound .............. 404 unknown model, version or path
      │    ├── MethodNotAllowed ...... 405
-     │    ├── PayloadTooLarge ....... 413 body or frame over the configured limit
+     │    ├── RequestTimeout ........ 408 a request or frame not received whole in time
+     │    ├── PayloadTooLarge ....... 413 body, frame or JSON over the configured limit
+     │    ├── UnsupportedMediaType .. 415 an unknown Content-Encoding, a non-JSON management body
+     │    ├── HeadersTooLarge ....... 431
      │    └── NotImplementedByServer 501 a protocol feature this daemon does not offer
      ├── Unavailable ................ 503 model not ready, daemon draining
-     │    └── Overloaded ............ 503 + Retry-After: a bounded queue is full
+     │    └── Overloaded ............ 503 + Retry-After: a bound is reached (queue, memory, connections)
      ├── DeadlineExceeded ........... 504 the request's deadline cannot be (or was not) met
      ├── Cancelled .................. 499 the client went away before an answer
      └── InternalError .............. 500 a model raised, an executor failed
@@ -53,8 +56,22 @@ class MethodNotAllowed(ClientError):
     status = 405
 
 
+class RequestTimeout(ClientError):
+    """A request (or socket frame) that did not arrive whole in time."""
+
+    status = 408
+
+
 class PayloadTooLarge(ClientError):
     status = 413
+
+
+class UnsupportedMediaType(ClientError):
+    status = 415
+
+
+class HeadersTooLarge(ClientError):
+    status = 431
 
 
 class NotImplementedByServer(ClientError):

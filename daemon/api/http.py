@@ -17,7 +17,7 @@ import orjson
 from daemon import __version__
 from daemon.api import observe
 from daemon.api.codec import WireTensor, assemble_inputs, check_shape, select_outputs, tensor_bytes
-from daemon.api.httpserver import HttpServer, Request, Response, Router, UnsupportedMediaType, error_response
+from daemon.api.httpserver import HttpServer, Request, Response, Router, error_response
 from daemon.datatypes import BY_NAME
 from daemon.errors import (
     BadRequest,
@@ -26,6 +26,7 @@ from daemon.errors import (
     NotFound,
     NotImplementedByServer,
     PayloadTooLarge,
+    UnsupportedMediaType,
 )
 from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest

@@ -36,10 +36,13 @@ from daemon.api.budget import Lease, RequestMemory
 from daemon.errors import (
     BadRequest,
     EscapementError,
+    HeadersTooLarge,
     MethodNotAllowed,
     NotFound,
     Overloaded,
     PayloadTooLarge,
+    RequestTimeout,
+    UnsupportedMediaType,
     message_of,
     retry_after_of,
     status_of,
@@ -53,18 +56,6 @@ PIPELINE_DEPTH = 32  # requests read ahead of their answers on one connection be
 SWEEP_S = 1.0
 LINGER_S = 2.0  # how long a refused connection's unread input is drained before closing
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-
-
-class HeadersTooLarge(EscapementError):
-    status = 431
-
-
-class RequestTimeout(EscapementError):
-    status = 408
-
-
-class UnsupportedMediaType(EscapementError):
-    status = 415
 
 
 

@@ -34,6 +34,7 @@ from daemon.errors import (
     EscapementError,
     Overloaded,
     PayloadTooLarge,
+    RequestTimeout,
     message_of,
     retry_after_of,
     status_of,
@@ -133,6 +134,7 @@ class SocketConnection(asyncio.Protocol):
         self._eof = False  # the client half-closed
         self._input_done = False  # ... and every frame it sent is handled: close once all are answered
         self._discarding = False  # a frame over the limit: nothing more is read
+        self.frame_begun: float | None = None  # when the frame being received began (None: between frames)
         self.last_active = 0.0  # when it last sent bytes or got an answer (the idle sweep reads it)
         self.write_blocked_since: float | None = None  # the client stopped reading its answers at
 
@@ -268,14 +270,33 @@ class SocketConnection(asyncio.Protocol):
                     self.daemon.request_memory.wait(self, self._memory_freed)
                     return False
                 self._frame_lease = lease
+                self.frame_begun = time.monotonic()
             if len(buf) < 4 + n:
                 return False
             self._frame_lease = None
+            self.frame_begun = None
             frame = bytes(buf[4 : 4 + n])
             del buf[: 4 + n]
             self._handle(frame, lease)
             handled += 1
         return False
+
+    def frame_too_slow(self, limit_s: float) -> None:
+        """A frame begun `limit_s` ago is still not whole: say so, read no more, answer what came
+        before it and close (its memory is released then)."""
+        self.send(error_frame(None, RequestTimeout(
+            f"a frame was not received whole within {limit_s:g} s (server.request_timeout_s); closing the "
+            "connection once the requests before it are answered")))
+        self.frame_begun = None
+        self._discarding = True
+        self._input_done = True
+        self._buf.clear()
+        if self._frame_lease is not None:
+            self._frame_lease.release()
+            self._frame_lease = None
+        self._want_reading()
+        if not self._inflight:
+            self.close()
 
     def _memory_freed(self) -> None:
         if self._closed:
@@ -450,15 +471,19 @@ class SocketFrontend:
         self._sweeper = loop.create_task(self._sweep(), name="socket-sweeper")
 
     async def _sweep(self) -> None:
-        """Close connections idle past server.idle_timeout_s (nothing in flight, no bytes), and drop
-        those whose client has not read its answers for server.write_timeout_s."""
+        """Close connections idle past server.idle_timeout_s (nothing in flight, no bytes), drop
+        those whose client has not read its answers for server.write_timeout_s, and those with a
+        frame begun but not whole after server.request_timeout_s (a client dripping a large frame
+        would otherwise hold its memory, charged when the frame began, for good)."""
         s = self.daemon.settings.server
         while True:
-            await asyncio.sleep(min(1.0, s.idle_timeout_s / 4, s.write_timeout_s / 4))
+            await asyncio.sleep(min(1.0, s.idle_timeout_s / 4, s.write_timeout_s / 4, s.request_timeout_s / 4))
             now = time.monotonic()
             for c in list(self.connections):
                 if c.write_blocked_since is not None and now - c.write_blocked_since > s.write_timeout_s:
                     c.abort()
+                elif c.frame_begun is not None and now - c.frame_begun > s.request_timeout_s:
+                    c.frame_too_slow(s.request_timeout_s)
                 elif not c._inflight and now - c.last_active > s.idle_timeout_s:
                     c.close()
 

@@ -319,3 +319,34 @@ def test_counting_objects_matches_msgpack() -> None:
         count_objects(b"\x92\x01", 10)  # an array of two holding one
     with pytest.raises(BadRequest, match="starts no object"):
         count_objects(b"\xc1", 10)
+
+
+def test_a_frame_not_whole_in_time_is_refused_and_its_memory_released() -> None:
+    daemon, fe, ctl = make({})
+    c, t = connect(fe)
+    c.data_received(frame(infer(3)))  # answered later
+    big = frame(infer(9, pad=PAD))
+    c.data_received(big[:10])  # a frame begun (its length charged) and then dripped, or never finished
+    assert c.frame_begun is not None and daemon.request_memory.held > len(frame(infer(3)))
+    c.frame_too_slow(60.0)  # what the sweep does once server.request_timeout_s has passed
+    (refusal,) = t.frames()
+    assert refusal["status"] == 408 and "request_timeout_s" in refusal["error"]
+    assert not t.closed and not t.reading  # request 3 is still owed its answer
+    finish(ctl.held.pop())
+    (answer,) = t.frames()
+    assert answer["id"] == 3 and t.closed and daemon.request_memory.held == 0
+
+
+async def test_the_sweep_refuses_a_frame_begun_too_long_ago() -> None:
+    daemon, fe, _ = make({"request_timeout_s": 0.05, "idle_timeout_s": 60.0})
+    c, t = connect(fe)
+    c.data_received(frame(infer(9, pad=PAD))[:10])
+    sweeper = asyncio.get_running_loop().create_task(fe._sweep())
+    try:
+        for _ in range(200):  # the sweep runs every request_timeout_s / 4
+            if t.closed:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        sweeper.cancel()
+    assert t.closed and t.frames()[0]["status"] == 408 and daemon.request_memory.held == 0
