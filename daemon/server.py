@@ -693,7 +693,9 @@ class Daemon:
                 self._warming.discard(done)
                 self.controller.unreserve(holder, device)
             else:  # still on the device (stuck, or a stop cancelled the wait): keep its bytes until it returns
-                def release(_: object) -> None:
+                def release(f: asyncio.Future[dict[str, Any]]) -> None:
+                    if not f.cancelled():
+                        f.exception()  # nobody waits for it any more: its failure (a stop) is not news
                     self._warming.discard(done)
                     if self._controller is not None and self.state < State.STOPPING:
                         self.controller.unreserve(holder, device)
@@ -890,12 +892,23 @@ class Daemon:
         # Before start-up: SIGHUP's default action would kill the daemon.
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         try:
-            try:
-                await self.start()
-            except Exception as e:
-                self._start_error = str(e)
-                raise
-            await self._stop.wait()
+            # A stop asked for during start-up (a warm-up or a preload can take minutes, or hang)
+            # ends the start-up: systemd's stop timeout must hold from any state.
+            starting = loop.create_task(self.start(), name="start-up")
+            stopping = loop.create_task(self._stop.wait(), name="stop wait")
+            await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                log.info("[shutdown] stop asked for during start-up: start-up abandoned")
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+            else:
+                try:
+                    starting.result()
+                except Exception as e:
+                    stopping.cancel()
+                    self._start_error = str(e)
+                    raise
+                await stopping
         finally:
             await self.stop()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

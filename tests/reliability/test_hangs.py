@@ -90,6 +90,43 @@ def test_a_hung_load_is_left_the_service_asks_for_a_restart_and_stops_in_time(de
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+@pytest.mark.slow
+def test_sigterm_during_a_warm_up_that_hangs_stops_in_time(demo_repo: Path, tmp_path: Path) -> None:
+    """A start-up stuck in a warm-up (its LOAD hangs) still stops on SIGTERM within the bound:
+    systemd's stop timeout holds from any state."""
+    run_dir = short_tmpdir()
+    repo = tmp_path / "models"
+    shutil.copytree(demo_repo / "digits_mlp", repo / "digits_mlp")
+    for p in repo.rglob("profile.json"):
+        p.unlink()  # measured at start-up: the warm-up runs (and its LOAD hangs)
+    config = tmp_path / "escapement.toml"
+    config.write_text(f'[server]\nhttp = ""\nsocket = "{run_dir / "d.sock"}"\n[models]\nrepository = "{repo}"\n'
+                      '[runtime]\ndevices = ["cpu:0"]\nwarmup_reps = 1\n'
+                      '[[faults]]\ndevice = "cpu:0"\nhang_load = true\n')
+    notify = NotifySocket(run_dir / "notify.sock")
+    log = tmp_path / "daemon.log"
+    env = {**os.environ, "NOTIFY_SOCKET": str(run_dir / "notify.sock")}
+    with log.open("wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "daemon", "serve", "--config", str(config)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=err, cwd=tmp_path)
+    try:
+        notify.wait_for(lambda m: m.get("STATUS", "").startswith("warming digits_mlp:1"), proc, log)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        took = time.monotonic() - t0
+        text = log.read_text()
+        assert took < 15, (took, text)  # drain (nothing), executors (5 s at most), workers (5 s at most)
+        assert "start-up abandoned" in text and "[shutdown] done" in text and "Traceback" not in text
+        assert not any("READY" in m for m in notify.seen)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        notify.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 # ------------------------------------------------------------------ threads that never return
 
 
