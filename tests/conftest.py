@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -29,9 +30,17 @@ def test_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo models in a directory of the session's own. `make test` builds them once, before
+    the suite (`make demo`), and names them in $ESCAPEMENT_TEST_DEMO: copied here (without stored
+    profiles, as built), not trained again inside the first test's time limit. What is missing
+    is built."""
     from daemon import demo
 
     out = tmp_path_factory.mktemp("demo")
+    built = os.environ.get("ESCAPEMENT_TEST_DEMO")
+    if built and Path(built).is_dir():
+        shutil.copytree(built, out, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("*profile.json", ".demo-built"))
     demo.build(out)
     return out
 
