@@ -395,7 +395,7 @@ def train(spec: ModelSpec, runner: Callable[[list[torch.Tensor]], tuple[torch.Te
             continue
         # 2. validate: recalibrated statistics, then the checkpoint and plateau bookkeeping
         parity.eval()
-        parity.recalibrate(_parity_inputs(enc, xtr, k, 1024, gen))
+        parity.recalibrate(_parity_inputs(enc, xtr, k, 1024, gen))  # a no-op without BatchNorm
         ev = evaluate(parity, enc, k, xva, lva, yva, seed=cfg.seed + 1, rounds=4)
         row = {"step": step, "epoch": step / per_epoch, "lr": lr, "loss": running / eval_every,
                "val_loss": ev.loss, "reconstruction_accuracy": ev.reconstruction,

@@ -56,10 +56,12 @@ def test_train_parity_writes_a_parity_model_that_reconstructs_a_linear_model(tmp
     repo, x, y = _linear_repo(tmp_path / "repo")
     data = tmp_path / "data.npz"
     np.savez(data, x=x, y=y)
-    rc = cli.main(["train-parity", "lin", "--k", "2", "--data", str(data), "--epochs", "150", "--models", str(repo)])
+    rc = cli.main(["train-parity", "lin", "--k", "2", "--data", str(data), "--seed", "1", "--epochs", "10",
+                   "--lr", "0.01", "--models", str(repo)])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "epoch  150/150" in out and "reconstruction" in out
+    assert "val reconstruction" in out and "chosen on validation" in out and "held-out test" in out
+    assert "overall accuracy at unavailability f: f=0.01" in out
 
     (spec,) = scan(repo).models  # the config now carries the parity settings it wrote
     assert spec.parity is not None and spec.parity.k == 2 and spec.parity.encoder == "sum"
@@ -89,6 +91,15 @@ def test_train_parity_refuses_data_of_the_wrong_shape(tmp_path: Path, capsys: py
     rc = cli.main(["train-parity", "lin", "--data", str(data), "--epochs", "1", "--models", str(repo)])
     assert rc == 2
     assert "takes [4]" in capsys.readouterr().err
+
+
+def test_train_parity_refuses_a_bad_validation_share(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    repo, x, y = _linear_repo(tmp_path / "repo")
+    data = tmp_path / "data.npz"
+    np.savez(data, x=x, y=y)
+    rc = cli.main(["train-parity", "lin", "--data", str(data), "--val-fraction", "0.95", "--models", str(repo)])
+    assert rc == 2
+    assert "val_fraction" in capsys.readouterr().err
 
 
 def test_train_parity_names_an_unknown_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
