@@ -193,16 +193,17 @@ class Scheduler:
         elif not entry.backlog_since:
             entry.backlog_since = now
         if q.samples and q.max_rank <= req.rank and q.max_deadline <= req.deadline:
-            # Every queued request goes first: at the most the devices holding the model can run it
-            # (full batches, nothing else), they take `wait` to get through; past the deadline the
-            # request is refused now rather than queued to miss it (overload answered in µs, not at
-            # the deadline). A lower bound: nothing that could make it is refused.
-            # (It may ride in the batch of the last of them: what must run first is theirs and its own.)
+            # Every queued request goes first, and what runs now. The queue runs in whole batches:
+            # the request finishes with the one that holds its samples, at the rate the devices
+            # holding the model get through it (their best, or what they really did while
+            # saturated). Past its deadline it is refused now, in µs, rather than queued to miss it
+            # and be answered 504 at the deadline.
             rate = self._drain_rate(entry)
             if entry.drain_seen:
                 rate = min(rate, entry.drain_seen)
-            # What runs now goes first too (counted whole: at most a batch more than a lower bound).
-            done = (entry.running + q.samples + req.samples) / rate if rate > 0 else 0.0
+            batch = entry.spec.max_batch_size
+            batches = -(-(q.samples + req.samples) // batch)
+            done = (entry.running + batches * batch) / rate if rate > 0 else 0.0
             if now + max(done, best) > req.deadline:
                 self.counters["refused_backlog"] += 1
                 raise refused(req, Overloaded(

@@ -344,7 +344,7 @@ def test_past_what_the_device_can_run_by_the_deadline_requests_are_refused_at_on
             admitted.append(h.request(spec, timeout=0.1))
         except Overloaded as e:
             refused.append(e)
-    assert 95 <= len(admitted) <= 100 and len(refused) == 300 - len(admitted)
+    assert 90 <= len(admitted) <= 100 and len(refused) == 300 - len(admitted)
     assert "overloaded" in str(refused[0]) and refused[0].retry_after_s is not None
     assert h.sched.counters["refused_backlog"] == len(refused)
     todo = h.step()
@@ -356,19 +356,22 @@ def test_past_what_the_device_can_run_by_the_deadline_requests_are_refused_at_on
             assert wake is not None
             h.clock.set(max(wake, h.now))
             todo = h.step()
-    # What was admitted makes its deadline but for the last few: the bound is the device's best
-    # rate, a lower bound (without it all 300 are queued and 200 miss their deadlines, answered late).
-    assert sum(not r.ok for r in admitted) <= 5
+    # What was admitted makes its deadline (without the bound all 300 are queued and 200 miss
+    # their deadlines, answered late).
+    assert all(r.ok for r in admitted)
 
 
 def test_the_backlog_never_refuses_a_request_that_goes_before_it() -> None:
     h = Harness()
     spec = h.add(make_spec(max_batch=8, slo=0.1), b1=1 * MS, bmax=8 * MS)
     h.use(spec)
-    for _ in range(100):
-        h.request(spec, timeout=0.1, rank=10)
-    with pytest.raises(Overloaded):
-        h.request(spec, timeout=0.1, rank=10)
+    refused = 0
+    for _ in range(200):  # fill the queue until the backlog refuses
+        try:
+            h.request(spec, timeout=0.1, rank=10)
+        except Overloaded:
+            refused += 1
+    assert refused > 0
     urgent = h.request(spec, timeout=0.1, rank=1)  # goes before all of them
     sooner = h.request(spec, timeout=0.05, rank=10)  # due before the queued ones: EDF puts it first
     h.run_until(urgent)
