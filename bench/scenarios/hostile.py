@@ -33,7 +33,6 @@ import os
 import struct
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -42,6 +41,7 @@ import orjson
 import uvloop
 
 from bench import results
+from bench.probe import rss_kib
 from bench.scenarios.common import command, demo_repo, http_binary, spec_of
 from bench.servers import Escapement
 from daemon.client import infer_message
@@ -55,10 +55,7 @@ MODEL = "mlp_784"
 
 
 def rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return max(0, rss_kib(pid)) * 1024
 
 
 def p99(xs: list[float]) -> float | None:
@@ -82,11 +79,7 @@ class Watch:
             while not self._stop.is_set():
                 t0 = time.perf_counter()
                 writer.write(raw)
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-                status = int(head.split(b" ", 2)[1])
-                length = int(next(v for k, v in (h.split(b":", 1) for h in head.split(b"\r\n")[1:] if b":" in h)
-                                  if k.strip().lower() == b"content-length"))
-                await asyncio.wait_for(reader.readexactly(length), 10)
+                status, _ = await read_answer(reader)
                 out.append(time.perf_counter() - t0)
                 if status != 200:
                     self.failures.append(f"{status}")

@@ -188,8 +188,8 @@ class Scheduler:
                 f"deadline cannot be met: {max(req.deadline - now, 0) * 1e3:.3f} ms left, but running "
                 f"{req.samples} sample(s) of {req.model.name} takes at least {best * 1e3:.3f} ms"), now)
         q = entry.queue
-        if not q.samples:  # the queue ran dry: what was measured saturated no longer holds
-            entry.backlog_since, entry.backlog_samples, entry.drain_seen = 0.0, 0, 0.0
+        if not q.samples:
+            entry.backlog_ended()
         elif not entry.backlog_since:
             entry.backlog_since = now
         if q.samples and q.max_rank <= req.rank and q.max_deadline <= req.deadline:
@@ -258,7 +258,7 @@ class Scheduler:
         admission trusts (if lower than the estimate) once it spans DRAIN_MIN_SPAN; a new window
         starts every DRAIN_WINDOW, the last one's rate standing until then."""
         if not entry.queue.samples:
-            entry.backlog_since, entry.backlog_samples, entry.drain_seen = 0.0, 0, 0.0
+            entry.backlog_ended()
             return
         entry.backlog_samples += samples
         span = now - entry.backlog_since
