@@ -41,6 +41,7 @@ import torch
 
 from daemon.actions import Action
 from daemon.coding.codes import decode
+from daemon.controller.decisions import Release, Save
 from daemon.repository import ModelSpec
 from daemon.request import RequestStatus
 
@@ -95,22 +96,6 @@ class Group:
 
     def others_in(self, m: Member) -> bool:
         return all(o.outputs is not None for o in self.members if o is not m)
-
-
-@dataclass(slots=True)
-class Save:
-    """A member to answer with reconstructed outputs."""
-
-    action: Action
-    outputs: tuple[np.ndarray, ...]
-    decode_s: float = 0.0  # measured time the decode took
-
-
-@dataclass(slots=True)
-class Release:
-    """A lost member whose reconstruction cannot come in time: handle its requests as usual."""
-
-    action: Action
 
 
 class Timer(IntEnum):

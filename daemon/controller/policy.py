@@ -1,46 +1,43 @@
-"""The policy interface: a policy reads the scheduler's state and issues actions through it.
+"""The policy interface: a policy reads the controller's view and returns decisions.
 
-A policy is plain synchronous code: `schedule(state, now)` is called after every change
-(a request arrived, a result came back, a wake-up time passed) and issues LOAD, INFER and
-UNLOAD actions with the scheduler's `issue_*` helpers; `next_wakeup` says when it next wants
-to be called even if nothing else happens.
+A policy is plain synchronous code in the vLLM v1 shape: `schedule(view, now)` is called
+after every change (a request arrived, a result came back, a wake-up time passed) and yields
+INFER / LOAD / UNLOAD / drop decisions (`decisions.py`) that the scheduler applies one by one
+(each is applied before the next is asked for, so the view is current); the `on_*` hooks tell
+it what changed (`update_from_output`), and `next_wakeup` says when it next wants to be called
+even if nothing else happens. It never changes the state it reads.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from daemon.actions import Action, Result
+from daemon.actions import Result
 from daemon.config import ControllerSettings
+from daemon.controller.decisions import Steps
+from daemon.controller.state import ModelEntry
+from daemon.controller.view import ControllerView
 from daemon.request import InferenceRequest
-
-if TYPE_CHECKING:
-    from daemon.controller.scheduler import Scheduler
-    from daemon.controller.state import ModelEntry
 
 
 class Policy(Protocol):
     name: str
 
-    def schedule(self, state: Scheduler, now: float) -> None: ...
+    def schedule(self, view: ControllerView, now: float) -> Steps: ...
 
-    def next_wakeup(self, state: Scheduler, now: float) -> float | None: ...
+    def next_wakeup(self, view: ControllerView, now: float) -> float | None: ...
 
-    def on_submit(self, state: Scheduler, req: InferenceRequest, now: float) -> None:
+    def on_submit(self, view: ControllerView, req: InferenceRequest, now: float) -> None:
         """A request was admitted (after it joined its queue)."""
         ...
 
-    def on_queued(self, state: Scheduler, entry: ModelEntry, now: float) -> None:
+    def on_queued(self, view: ControllerView, entry: ModelEntry, now: float) -> None:
         """A model gained queued work other than by an arrival: requests returned to its queue, or
         its weights left the last device holding them while it has work."""
         ...
 
-    def on_result(self, state: Scheduler, result: Result, now: float) -> None:
+    def on_result(self, view: ControllerView, result: Result, now: float) -> None:
         """An action's result came back (after the scheduler applied it)."""
-        ...
-
-    def on_extra(self, state: Scheduler, action: Action, now: float) -> None:
-        """The scheduler issued an action the policy did not plan (a parity batch, a replica)."""
         ...
 
 

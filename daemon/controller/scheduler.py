@@ -25,12 +25,13 @@ import numpy as np
 
 from daemon.actions import LOAD_FLOOR_BPS, Action, ActionKind, Failure, Result, ResultStatus
 from daemon.config import ControllerSettings
-from daemon.controller.coding import DECODE_MARGIN, Coding, Group, MemberState, Release, Save
+from daemon.controller.coding import Coding
+from daemon.controller.decisions import Drop, Infer, Load, Release, Save, Step, Steps, Unload
 from daemon.controller.estimates import EXACT_ROW_KINDS, Estimator
 from daemon.controller.memory import DeviceMemory
+from daemon.controller.parm import ParityWorkflow, Role
 from daemon.controller.state import (
     FAILURE_COOLDOWN,
-    LATEST_GRACE,
     LOAD_BACKOFF,
     MAX_FAILURES,
     NO_MEMORY_RETRIES,
@@ -41,7 +42,7 @@ from daemon.controller.state import (
 )
 from daemon.controller.telemetry import Telemetry
 from daemon.errors import DeadlineExceeded, EscapementError, InternalError, NotFound, Overloaded, Unavailable
-from daemon.repository import ModelSpec, parity_key
+from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest, RequestStatus
 from daemon.runtime.devices import Device
 
@@ -64,7 +65,8 @@ class Scheduler:
         self.policy = policy
         self.estimator = estimator or Estimator()
         self.telemetry = telemetry or Telemetry()
-        self.coding = Coding()
+        self.counters: Counter[str] = Counter()  # monotonic event counts, read by stats and benchmarks
+        self.parm = ParityWorkflow(self.counters)
         self.devices: dict[str, DeviceState] = {d.name: DeviceState(d, DeviceMemory(d.model_budget))
                                                 for d in devices}
         self.kinds = sorted({d.kind for d in devices})
@@ -79,12 +81,16 @@ class Scheduler:
         self.placed_on: dict[str, set[str]] = {}  # model key -> devices holding or loading it
         self.pending = 0  # requests accepted and not yet finished
         self.lost = 0  # devices lost (a sticky error or a hang): nothing is placed there any more
-        self.counters: Counter[str] = Counter()  # monotonic event counts, read by stats and benchmarks
         self._expiry: list[tuple[float, int, InferenceRequest]] = []
         self._overdue: list[tuple[float, int, Action]] = []  # INFERs by when their requests are overdue
         self._hung: list[tuple[float, int, Action]] = []  # every action by when it counts as hung
         self.hung: dict[str, str] = {}  # device -> what hangs there (it never comes back in this process)
         self._decision = Decision()
+
+    @property
+    def coding(self) -> Coding:
+        """ParM's coding groups (read by health checks and metrics)."""
+        return self.parm.coding
 
     # ---------------------------------------------------------------- models
 
@@ -333,21 +339,61 @@ class Scheduler:
 
     def schedule(self, now: float) -> Decision:
         self.estimator.now = now
-        if self.coding.groups:
-            flush, items, stragglers = self.coding.due(now)
-            self._apply_coding(items, now)
-            for m in stragglers:
-                self._replicate(m.action, now)
-            for g in flush:
-                self._protect_partial(g, now)
+        if self.parm.coding.groups:
+            self._run(self.parm.due(self, now), now)
         if self._expiry and self._expiry[0][0] <= now:
             self._expire(now)
         if self._overdue and self._overdue[0][0] <= now:
             self._watch_overdue(now)
         if self._hung and self._hung[0][0] <= now:
             self._watch_hung(now)
-        self.policy.schedule(self, now)
+        self._run(self.policy.schedule(self, now), now)
         return self._take()
+
+    def _run(self, steps: Steps, now: float) -> bool | None:
+        """Apply a decider's steps one by one, each before it is asked for the next, sending it back
+        the action each issued; returns what the decider returned."""
+        try:
+            step = next(steps)
+            while True:
+                step = steps.send(self.apply(step, now))
+        except StopIteration as stop:
+            return stop.value
+
+    def apply(self, step: Step, now: float) -> Action | None:
+        """Carry out one decision; the action it issued, if any."""
+        t = type(step)
+        if t is Infer:
+            assert isinstance(step, Infer)
+            dev = self.devices[step.device]
+            if step.coded is not None or step.replica_of:
+                return self._issue_extra(step, dev, now)
+            q = self.models[step.spec.key].queue
+            for r in step.requests:
+                q.take(r)
+            return self.issue_infer(step.spec, dev, step.requests, step.batch_size, now, earliest=now,
+                                    latest=step.latest, expected=step.expected)
+        if t is Drop:
+            assert isinstance(step, Drop)
+            req = step.request
+            self.models[req.model.key].queue.take(req)
+            self._finish(req, RequestStatus.FAILED, step.error or self.deadline_error(req, now), now)
+            return None
+        if t is Load:
+            assert isinstance(step, Load)
+            return self.issue_load(step.spec, self.devices[step.device], now, step.expected)
+        if t is Unload:
+            assert isinstance(step, Unload)
+            return self.issue_unload(step.spec, self.devices[step.device], now)
+        if t is Save:
+            assert isinstance(step, Save)
+            self._answer(step.action, step.outputs, now, reconstructed=True, counter=step.counter)
+            if step.decode_s:
+                self.telemetry.decode_time.add(step.decode_s)
+            return None
+        assert isinstance(step, Release)
+        self._lost(step.action, Result(step.action, ResultStatus.TOO_LATE, now, now, now), now)
+        return None
 
     def next_wakeup(self, now: float) -> float | None:
         """When `schedule` next has something to do without new requests or results."""
@@ -358,7 +404,7 @@ class Scheduler:
         while self._hung and self._hung[0][2].id not in self.inflight:
             heapq.heappop(self._hung)
         times = [t for t in (self._expiry[0][0] if self._expiry else None, self.policy.next_wakeup(self, now),
-                             self.coding.next_time(), self._overdue[0][0] if self._overdue else None,
+                             self.parm.next_time(), self._overdue[0][0] if self._overdue else None,
                              self._hung[0][0] if self._hung else None)
                  if t is not None]
         return min(times) if times else None
@@ -423,11 +469,6 @@ class Scheduler:
         return DeadlineExceeded(f"deadline cannot be met: {max(req.deadline - now, 0) * 1e3:.3f} ms left after "
                                 f"{(now - req.arrival) * 1e3:.3f} ms queued")
 
-    @property
-    def pending_actions(self) -> list[Action]:
-        """Actions issued since the last decision was taken (a policy sees what it has issued)."""
-        return self._decision.actions
-
     def _take(self) -> Decision:
         d = self._decision
         if d.actions or d.finished:  # (most passes decide nothing: no new object for those)
@@ -462,6 +503,12 @@ class Scheduler:
         action.issued_at = now
         self.inflight[action.id] = action
         self._decision.actions.append(action)
+        if action.kind == ActionKind.INFER:  # planned on the device's lanes until its result is back
+            action.expected_start = self.devices[action.device].timeline.exec.add(
+                action.id, action.expected_duration, now)
+        elif action.kind == ActionKind.LOAD:
+            action.expected_start = self.devices[action.device].timeline.copy.add(
+                action.id, action.expected_duration, now)
         # when it counts as hung: its expected end, ten times over (as the executor's device waits),
         # a LOAD's bytes at the slowest rate a healthy device moves them, then hung_after_s
         start = max(now, action.earliest)
@@ -489,26 +536,31 @@ class Scheduler:
         self._running[action.id] = (spec.key, samples)
         if requests:
             heapq.heappush(self._overdue, (min(r.deadline for r in requests) + OVERDUE_GRACE, action.id, action))
-        if spec.parity is not None and parity_key(spec) in self.models:
-            ready = self.ready_on.get(spec.key, ())
-            # what the batch takes on the best device holding the model: a member on a device known
-            # to be slow is a straggler all the same
-            samples = action.samples
-            normal = min((self.estimate(spec.key, samples, self.devices[d]) for d in ready), default=expected)
-            group = self.coding.add(action, now, len(ready), min(normal, expected))
-            if group is not None:
-                self.counters["coding_groups"] += 1
-                self._issue_parity(group, now)
+        if spec.parity is not None:
+            self._run(self.parm.issued(self, action, now), now)
         return action
 
-    def issue_load(self, spec: ModelSpec, dev: DeviceState, now: float) -> Action:
+    def _issue_extra(self, step: Infer, dev: DeviceState, now: float) -> Action:
+        """A batch ParM asked for: a group's parity batch (its members' inputs, encoded), or a replica of a
+        member (the same requests, first answer wins). Neither takes requests from a queue."""
+        key = step.spec.key
+        action = Action(ActionKind.INFER, step.spec, dev.name, now, step.latest, step.expected, step.batch_size,
+                        step.requests, coded=step.coded, encoder=step.encoder, replica_of=step.replica_of)
+        dev.infer_inflight += 1
+        dev.busy[key] += 1
+        if step.coded is not None:
+            dev.memory.touch(key)
+        return self.issue(action, now)
+
+    def issue_load(self, spec: ModelSpec, dev: DeviceState, now: float, expected: float | None = None) -> Action:
         entry = self.models[spec.key]
         dev.memory.reserve(spec.key, entry.weight_bytes)
         self.placed_on.setdefault(spec.key, set()).add(dev.name)
         self.counters["loads"] += 1
         dev.load_inflight += 1
         dev.busy[spec.key] += 1
-        expected = self.estimator.load(spec.key, dev.kind) or 0.0
+        if expected is None:
+            expected = self.estimator.load(spec.key, dev.kind) or 0.0
         return self.issue(Action(ActionKind.LOAD, spec, dev.name, now, float("inf"), expected,
                                  expected_start=now), now)
 
@@ -530,10 +582,6 @@ class Scheduler:
                 if not devs:
                     del index[key]
 
-    def fail_request(self, req: InferenceRequest, error: EscapementError, now: float) -> None:
-        """Finish a request the policy has taken out of its queue."""
-        self._finish(req, RequestStatus.FAILED, error, now)
-
     # ---------------------------------------------------------------- results
 
     def on_result(self, result: Result, now: float) -> Decision:
@@ -543,6 +591,10 @@ class Scheduler:
             log.error("result for an unknown action %r", result.action)
             return self._take()
         dev = self.devices[action.device]
+        if action.kind == ActionKind.INFER:
+            dev.timeline.exec.done(action.id, result.end)
+        elif action.kind == ActionKind.LOAD:
+            dev.timeline.copy.done(action.id, result.end)
         self.telemetry.action(result)
         if result.failure == Failure.DEVICE:
             self._device_lost(dev, result.error, now)
@@ -567,45 +619,29 @@ class Scheduler:
         dev.infer_inflight -= 1
         dev.busy[action.model.key] -= 1
         key = action.model.key
-        role = self.coding.kind(action)
+        role = self.parm.role(action) if self.parm.coding.role or self.parm.coding.replicas else Role.NONE
         if result.ok:
             assert result.outputs is not None
             rows = action.samples if dev.kind in EXACT_ROW_KINDS else action.batch_size
             self.estimator.observe_infer(key, rows, dev.kind, result.end - result.begin, dev.name)
         if action.coded is not None:  # a parity batch (its group may be gone: members all answered)
-            self.counters["parities_run" if result.ok else "parities_lost"] += 1
-            if role == "parity":
-                self._apply_coding(self.coding.parity_done(action, result.outputs if result.ok else None, now), now)
+            self._run(self.parm.parity_result(action, result, now), now)
             return
-        if role == "replica":
-            self.coding.replica_done(action)
-            if result.ok:
-                assert result.outputs is not None
-                self._answer(action, result.outputs, now, reconstructed=True, counter="replica_answers")
-            return  # a replica that failed changes nothing: the original is still running
+        if role == Role.REPLICA:
+            self._run(self.parm.replica_result(action, result), now)
+            return
         if result.ok:
             assert result.outputs is not None
             entry = self.models.get(key)
             if entry is not None and entry.backlog_since:
                 self._drained(entry, action.samples, now)
             self._answer(action, result.outputs, now, result.duration)
-            if role == "member":
-                self._apply_coding(self.coding.member_done(action, result.outputs, now), now)
+            if role == Role.MEMBER:
+                self._run(self.parm.member_answered(action, result.outputs, now), now)
             return
-        live = [r for r in action.requests if r.status == RequestStatus.RUNNING]
         self.counters[f"infer_{result.status.name.lower()}"] += 1
-        if role == "member" and live and result.status != ResultStatus.CANCELLED:
-            # Hold its requests for a reconstruction: until the last moment a retry could still
-            # make it, or (past that) until their deadline is at hand.
-            deadline = min(r.deadline for r in live)
-            retry_by = deadline - max(self.best_case(r) for r in live)
-            held, saves = self.coding.member_lost(action, now, retry_by if retry_by > now else
-                                                  deadline - DECODE_MARGIN)
-            self._apply_coding(saves, now)
-            if held:
-                return
-        if role == "member":  # nothing to hold for: the group must not wait on this member
-            self._apply_coding(self.coding.member_done(action, None, now), now)
+        if role == Role.MEMBER and self._run(self.parm.member_lost(self, action, result, now), now):
+            return  # its requests wait for a reconstruction
         self._lost(action, result, now)
 
     def _answer(self, action: Action, outputs: tuple[np.ndarray, ...], now: float, compute_s: float = 0.0,
@@ -651,99 +687,6 @@ class Scheduler:
             entry.queue.push_front(retry)
             self._active.add(key)
             self.policy.on_queued(self, entry, now)
-
-    # ---------------------------------------------------------------- coding (ParM)
-
-    def _apply_coding(self, items: list[Save | Release], now: float) -> None:
-        for item in items:
-            if isinstance(item, Save):
-                self._answer(item.action, item.outputs, now, reconstructed=True, counter="reconstructions")
-                self.telemetry.decode_time.add(item.decode_s)
-            else:
-                self._lost(item.action, Result(item.action, ResultStatus.TOO_LATE, now, now, now), now)
-
-    def _issue_parity(self, group: Group, now: float) -> None:
-        """The group's parity batch, on a device other than its members' whenever there is one."""
-        pspec = self.models[parity_key(group.spec)].spec
-        pkey = pspec.key
-        member_devs = {m.action.device for m in group.members}
-        ready = [d for d in self.devices.values() if d.memory.is_ready(pkey)]
-        others = [d for d in ready if d.name not in member_devs]
-        if not others:
-            self._load_parity(pspec, member_devs, now)  # for the groups to come
-        if not ready:
-            self.coding.set_parity(group, None)
-            self.counters["parity_unavailable"] += 1
-            return
-        dev = min(others or ready, key=lambda d: (d.infer_inflight, d.name))
-        live = [r for m in group.members for r in m.action.requests if r.status == RequestStatus.RUNNING]
-        if not live:
-            self.coding.set_parity(group, None)
-            return
-        rows = max(m.action.samples for m in group.members)
-        est = self.estimate(pkey, rows, dev)
-        latest = max(min(r.deadline for r in live) - est - DECODE_MARGIN, now + LATEST_GRACE)
-        action = Action(ActionKind.INFER, pspec, dev.name, now, latest, est, group.batch_size, [],
-                        expected_start=now, coded=[m.action.requests for m in group.members],
-                        encoder=group.spec.parity.encoder if group.spec.parity else "sum")
-        dev.infer_inflight += 1
-        dev.busy[pkey] += 1
-        dev.memory.touch(pkey)
-        self.issue(action, now)
-        self.coding.set_parity(group, action)
-        self.counters["parities_issued"] += 1
-        self.policy.on_extra(self, action, now)
-
-    def _load_parity(self, pspec: ModelSpec, avoid: set[str], now: float) -> bool:
-        """Start loading a parity model, on a device other than `avoid` where one has room, unless
-        it is on (or loading onto) such a device already; True if it is or will be there."""
-        if self.placed_on.get(pspec.key, set()) - avoid:
-            return True
-        entry = self.models[pspec.key]
-        for dev in sorted(self.devices.values(), key=lambda d: (d.name in avoid, -d.memory.free)):
-            if dev.memory.state(pspec.key) is not None or not dev.can_load(pspec.key, now):
-                continue
-            victims = dev.memory.victims(entry.weight_bytes, evictable=lambda k, d=dev: d.busy[k] == 0,
-                                         wanted=lambda k: k in self.models and self.models[k].queue.requests > 0)
-            if victims is None:
-                continue
-            for k in victims:
-                self.issue_unload(self.models[k].spec, dev, now)
-            self.issue_load(pspec, dev, now)
-            return dev.name not in avoid
-        return False
-
-    def _protect_partial(self, group: Group, now: float) -> None:
-        """A group that did not fill in time: replicas of its running members on other devices."""
-        self.counters["groups_flushed"] += 1
-        for m in group.members:
-            if m.state == MemberState.RUNNING and not m.replicated:
-                m.replicated = True
-                self._replicate(m.action, now)
-        self.coding.flushed(group)
-
-    def _replicate(self, action: Action, now: float) -> None:
-        """The same batch with the deployed model on another device holding it; its answer counts as
-        a reconstruction (first answer wins)."""
-        live = [r for r in action.requests if r.status == RequestStatus.RUNNING]
-        if not live:
-            return
-        key = action.model.key
-        others = [d for d in self.devices.values() if d.name != action.device and d.memory.is_ready(key)]
-        if not others:
-            self.counters["partial_unprotected"] += 1
-            return
-        dev = min(others, key=lambda d: (not d.healthy_for(key, now), d.infer_inflight, d.name))
-        est = self.estimate(key, action.samples, dev)
-        latest = max(min(r.deadline for r in live) - est, now + LATEST_GRACE)
-        replica = Action(ActionKind.INFER, action.model, dev.name, now, latest, est, action.batch_size,
-                         action.requests, expected_start=now, replica_of=action.id)
-        dev.infer_inflight += 1
-        dev.busy[key] += 1
-        self.issue(replica, now)
-        self.coding.add_replica(replica, action)
-        self.counters["replicas"] += 1
-        self.policy.on_extra(self, replica, now)
 
     def _load_done(self, action: Action, dev: DeviceState, result: Result, now: float) -> None:
         dev.load_inflight -= 1
@@ -829,7 +772,7 @@ class Scheduler:
             for r in action.requests:
                 if r.status == RequestStatus.RUNNING:
                     self._finish(r, RequestStatus.FAILED, error, now)
-        self.coding = Coding()  # every member's requests are answered: no group is left to finish
+        self.parm.reset()  # every member's requests are answered: no group is left to finish
         return self._take()
 
     # ---------------------------------------------------------------- views
@@ -839,7 +782,7 @@ class Scheduler:
             "policy": self.policy.name,
             "counters": dict(self.counters),
             "telemetry": self.telemetry.summary(),
-            "coding": self.coding.statistics(),
+            "coding": self.parm.statistics(),
             "pending": self.pending,
             "inflight_actions": len(self.inflight),
             "queued": {k: e.queue.requests for k, e in self.models.items() if e.queue.requests},

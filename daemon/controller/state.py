@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from daemon.actions import Action
 from daemon.controller.memory import DeviceMemory
 from daemon.controller.queues import ModelQueue
+from daemon.controller.timeline import DeviceTimeline
 from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest
 from daemon.runtime.devices import Device
@@ -38,6 +39,9 @@ class DeviceState:
     load_failures: Counter[str] = field(default_factory=Counter)
     failed: str = ""  # why the device is lost (a sticky error, a hang); "" while it is healthy
     warming: str = ""  # the warm-up running here outside the scheduler ("" when none)
+    # When each lane is next free: every INFER (parity batches and replicas too) and LOAD issued
+    # here is on it until its result comes back.
+    timeline: DeviceTimeline = field(default_factory=DeviceTimeline)
 
     def healthy_for(self, key: str, now: float) -> bool:
         """Whether `key`'s INFERs should run here rather than on another device holding it: not

@@ -114,7 +114,7 @@ def test_the_timeline_learns_from_results() -> None:
     h.use(spec)
     h.request(spec, timeout=1.0)
     (infer,) = h.step()
-    lane = h.sched.policy.timelines["cpu:0"].exec
+    lane = h.sched.devices["cpu:0"].timeline.exec
     assert lane.free_at(h.now) == pytest.approx(h.now + 4 * MS)
     h.result(infer, duration=1 * MS)  # it ran faster than planned
     assert lane.free_at(h.now) == pytest.approx(h.now)

@@ -30,16 +30,13 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from daemon.actions import Action, ActionKind, Result
+from daemon.actions import ActionKind, Result
+from daemon.controller.decisions import Drop, Infer, Load, Steps, Unload
 from daemon.controller.estimates import EXACT_ROW_KINDS
 from daemon.controller.state import DeviceState, ModelEntry
-from daemon.controller.timeline import DeviceTimeline
+from daemon.controller.view import ControllerView
 from daemon.request import InferenceRequest
-
-if TYPE_CHECKING:
-    from daemon.controller.scheduler import Scheduler
 
 LATEST_GRACE = 0.001  # the least room an action's window gets after its planned start
 LOAD_BANDWIDTH_GUESS = 4e9  # bytes/s, for a model's first LOAD before any is measured
@@ -122,7 +119,6 @@ class ClockworkPolicy:
     def __init__(self, schedule_ahead: float = 0.005, batch_wait: float = 0.0) -> None:
         self.horizon = schedule_ahead
         self.batch_wait = batch_wait
-        self.timelines: dict[str, DeviceTimeline] = {}
         self.rates: dict[str, RateMeter] = {}
         self.replicated_at: dict[str, float] = {}
         self.copy_busy: dict[str, RateMeter] = {}  # device -> LOAD seconds per second
@@ -143,38 +139,39 @@ class ClockworkPolicy:
 
     # ---------------------------------------------------------------- hooks
 
-    def next_wakeup(self, state: Scheduler, now: float) -> float | None:
+    def next_wakeup(self, view: ControllerView, now: float) -> float | None:
         return min(self._dev_wake.values(), default=None)
 
-    def on_submit(self, state: Scheduler, req: InferenceRequest, now: float) -> None:
+    def on_submit(self, view: ControllerView, req: InferenceRequest, now: float) -> None:
         key = req.model.key
         meter = self.rates.get(key)
         if meter is None:
             meter = self.rates[key] = RateMeter()
         meter.add(req.samples, now)
-        entry = state.models[key]
-        self.on_queued(state, entry, now, req)
+        entry = view.models[key]
+        self.on_queued(view, entry, now, req)
 
-    def on_queued(self, state: Scheduler, entry: ModelEntry, now: float, req: InferenceRequest | None = None) -> None:
+    def on_queued(self, view: ControllerView, entry: ModelEntry, now: float,
+                  req: InferenceRequest | None = None) -> None:
         """A model gained queued work (an arrival, requests returned, its weights evicted)."""
         key = entry.spec.key
         head = req if req is not None and req.queue_seq else entry.queue.head()
         if head is None:
             return
-        placed = state.placed_on.get(key)
+        placed = view.placed_on.get(key)
         if not placed:
-            self.cold.push(key, head.deadline, -self._backlog(state, entry))
+            self.cold.push(key, head.deadline, -self._backlog(view, entry))
             return
-        for name in state.ready_on.get(key, ()):
-            dev = state.devices[name]
-            latest = head.deadline - self._est(state, key, head.samples, dev)
+        for name in view.ready_on.get(key, ()):
+            dev = view.devices[name]
+            latest = head.deadline - self._est(view, key, head.samples, dev)
             self._index(name).push(key, head.rank, latest)
             self._late(name).push(key, 0, latest)
             self._dirty.add(name)
-        if len(placed) < len(state.devices):
+        if len(placed) < len(view.devices):
             self._replica_check.add(key)
 
-    def on_result(self, state: Scheduler, result: Result, now: float) -> None:
+    def on_result(self, view: ControllerView, result: Result, now: float) -> None:
         action = result.action
         if action.kind == ActionKind.LOAD:
             if result.ok:
@@ -182,15 +179,10 @@ class ClockworkPolicy:
                 if meter is None:
                     meter = self.copy_busy[action.device] = RateMeter()
                 meter.add(result.end - result.begin, now)
-            entry = state.models.get(action.model.key)
+            entry = view.models.get(action.model.key)
             if entry is not None and entry.queue.requests:
-                self.on_queued(state, entry, now)  # ready here now, or cold again
+                self.on_queued(view, entry, now)  # ready here now, or cold again
         self._dirty.add(action.device)
-        tl = self.timelines.get(action.device)
-        if tl is None:
-            return
-        lane = tl.exec if action.kind == ActionKind.INFER else tl.copy
-        lane.done(action.id, result.end)
 
     def _index(self, device: str) -> WorkIndex:
         w = self.work.get(device)
@@ -204,73 +196,58 @@ class ClockworkPolicy:
             w = self.late[device] = WorkIndex()
         return w
 
-    def on_extra(self, state: Scheduler, action: Action, now: float) -> None:
-        # Parity batches and replicas take device time like any INFER: plan around them.
-        dev = state.devices[action.device]
-        action.expected_start = self._timeline(dev).exec.add(action.id, action.expected_duration, now)
-        self._dirty.add(dev.name)
-
-    def _timeline(self, dev: DeviceState) -> DeviceTimeline:
-        tl = self.timelines.get(dev.name)
-        if tl is None:
-            tl = self.timelines[dev.name] = DeviceTimeline()
-        return tl
-
     # ---------------------------------------------------------------- the step
 
-    def schedule(self, state: Scheduler, now: float) -> None:
+    def schedule(self, view: ControllerView, now: float) -> Steps:
         if not (self._dirty or self.cold or self._replica_check) and \
                 min(self._dev_wake.values(), default=math.inf) > now:
             return  # nothing changed since the last pass, and no device's time has come
         # Inference first: a model whose LOAD just finished gets its batch (and is then busy)
         # before any other LOAD may look for room.
-        self._plan_inference(state, now)
-        if self.cold or self._replica_check:
-            issued = len(state.pending_actions)
-            self._plan_memory(state, now)
-            if len(state.pending_actions) != issued:
-                self._plan_inference(state, now)
+        yield from self._plan_inference(view, now)
+        if (self.cold or self._replica_check) and (yield from self._plan_memory(view, now)):
+            yield from self._plan_inference(view, now)
 
     # ---------------------------------------------------------------- estimates
 
     @staticmethod
-    def _est(state: Scheduler, key: str, samples: int, where: DeviceState | str) -> float:
+    def _est(view: ControllerView, key: str, samples: int, where: DeviceState | str) -> float:
         if isinstance(where, str):
-            return state.estimate(key, samples, where)
-        est = state.estimator.infer(key, samples if where.kind in EXACT_ROW_KINDS else
-                                    state.models[key].spec.batch_size_for(samples), where.kind, where.name)
-        return est if est is not None else state.estimate(key, samples, where)
+            return view.estimate(key, samples, where)
+        est = view.estimator.infer(key, samples if where.kind in EXACT_ROW_KINDS else
+                                    view.models[key].spec.batch_size_for(samples), where.kind, where.name)
+        return est if est is not None else view.estimate(key, samples, where)
 
-    def _load_est(self, state: Scheduler, entry: ModelEntry, kind: str) -> float:
-        est = state.estimator.load(entry.spec.key, kind)
+    def _load_est(self, view: ControllerView, entry: ModelEntry, kind: str) -> float:
+        est = view.estimator.load(entry.spec.key, kind)
         return est if est is not None else entry.weight_bytes / LOAD_BANDWIDTH_GUESS
 
     # ---------------------------------------------------------------- inference
 
-    def _plan_inference(self, state: Scheduler, now: float) -> None:
+    def _plan_inference(self, view: ControllerView, now: float) -> Steps:
         limit = now + self.horizon
-        timelines, work_of, dirty = self.timelines, self.work, self._dirty
+        devices, work_of, dirty = view.devices, self.work, self._dirty
         for name, wake in list(self._dev_wake.items()):
             if wake <= now:
                 dirty.add(name)
                 del self._dev_wake[name]
-        order = sorted((timelines[n].exec.free_at(now) if n in timelines else now, n)
+        order = sorted((devices[n].timeline.exec.free_at(now), n)
                        for n in dirty if n in work_of and work_of[n].live)
         dirty.clear()
         for start, name in order:
-            dev = state.devices[name]
-            lane = self._timeline(dev).exec
+            dev = view.devices[name]
+            lane = dev.timeline.exec
             work = work_of[name]
             while start < limit and work.live:
-                if not self._dispatch(state, dev, start, now):
+                if not (yield from self._dispatch(view, dev, start, now)):
                     break
                 start = lane.free_at(now)
             if start >= limit and work.live:
-                self._drop_late(state, dev, start, now)
+                yield from self._drop_late(view, dev, start, now)
                 if work.live:
                     self._dev_wake[name] = start - self.horizon
 
-    def _choose_batch(self, state: Scheduler, entry: ModelEntry, dev: DeviceState, start: float
+    def _choose_batch(self, view: ControllerView, entry: ModelEntry, dev: DeviceState, start: float
                       ) -> list[InferenceRequest]:
         """The largest batch of this model whose requests all finish in time if it starts at `start`.
 
@@ -304,7 +281,7 @@ class ClockworkPolicy:
 
         # When a batch of each row count would end, once: both searches below look at most of them.
         top = min(cap, sum(r.samples for r in cands))  # no batch can hold more rows than are queued
-        ends = [0.0] + [start + self._est(state, key, rows, kind) for rows in range(1, top + 1)]
+        ends = [0.0] + [start + self._est(view, key, rows, kind) for rows in range(1, top + 1)]
         # The head's batch: requests in order of urgency while everyone still meets its deadline
         # (what runs when the largest batch starts with the head).
         head_batch: list[InferenceRequest] = []
@@ -337,59 +314,58 @@ class ClockworkPolicy:
                 best_rows, best_at = rows, i
         return best_rows, best_at
 
-    def _drop_late(self, state: Scheduler, dev: DeviceState, start: float, now: float) -> None:
+    def _drop_late(self, view: ControllerView, dev: DeviceState, start: float, now: float) -> Steps:
         """Heads that cannot start in time even when this device frees, where no device holding
         them frees sooner: answered now (the latest-start index reaches exactly those)."""
         late = self._late(dev.name)
         keep: list[tuple[str, float]] = []
         while (top := late.top()) is not None and top[1] < start:
             _, _, key = late.pop()  # type: ignore[misc]
-            entry = state.models.get(key)
+            entry = view.models.get(key)
             if entry is None or not dev.memory.is_ready(key):
                 continue
             while (head := entry.queue.head()) is not None:
-                latest = head.deadline - self._est(state, key, head.samples, dev)
-                if start <= latest or self._sooner_elsewhere(state, key, head.samples, dev, head.deadline, now):
+                latest = head.deadline - self._est(view, key, head.samples, dev)
+                if start <= latest or self._sooner_elsewhere(view, key, head.samples, dev, head.deadline, now):
                     keep.append((key, latest))
                     break
-                entry.queue.pop()
-                state.fail_request(head, state.deadline_error(head, now), now)
+                yield Drop(head)
                 self._dropped(key, now)
         for key, latest in keep:
             late.push(key, 0, latest)
 
     @staticmethod
-    def _slow_here(state: Scheduler, key: str, samples: int, dev: DeviceState, run: float) -> bool:
+    def _slow_here(view: ControllerView, key: str, samples: int, dev: DeviceState, run: float) -> bool:
         """The device's recent runs of the model are well above its kind's profile (a cheap filter
         before looking at the other devices)."""
-        profile = state.estimator.infer(key, samples, dev.kind)
+        profile = view.estimator.infer(key, samples, dev.kind)
         return profile is not None and run > SLOW_DEVICE * profile
 
-    def _sooner_elsewhere(self, state: Scheduler, key: str, samples: int, dev: DeviceState, finish: float,
+    def _sooner_elsewhere(self, view: ControllerView, key: str, samples: int, dev: DeviceState, finish: float,
                           now: float) -> bool:
         """Another device holding the model, where its INFERs have not just failed, would finish
         `samples` of it before `finish`."""
-        for name in state.ready_on.get(key, ()):
-            other = state.devices[name]
+        for name in view.ready_on.get(key, ()):
+            other = view.devices[name]
             if other is not dev and other.healthy_for(key, now) and \
-                    self._timeline(other).exec.free_at(now) + self._est(state, key, samples, other) < finish:
+                    other.timeline.exec.free_at(now) + self._est(view, key, samples, other) < finish:
                 return True
         return False
 
-    def _dispatch(self, state: Scheduler, dev: DeviceState, start: float, now: float) -> bool:
+    def _dispatch(self, view: ControllerView, dev: DeviceState, start: float, now: float) -> Steps:
         """Plan one batch on `dev` starting at `start`; False when there is nothing to run there."""
         work = self.work[dev.name]
         stash: list[tuple[str, float, float]] = []  # models left to other devices in this pass
         chosen: tuple[ModelEntry, InferenceRequest, float] | None = None
         while (top := work.pop()) is not None:
             rank, latest_key, key = top
-            entry = state.models.get(key)
+            entry = view.models.get(key)
             if entry is None or not dev.memory.is_ready(key):
                 continue
             head = entry.queue.head()
             if head is None:
                 continue
-            run = self._est(state, key, head.samples, dev)
+            run = self._est(view, key, head.samples, dev)
             latest_start = head.deadline - run
             if (head.rank, latest_start) > (rank, latest_key):
                 nxt = work.top()
@@ -397,18 +373,17 @@ class ClockworkPolicy:
                     work.push(key, head.rank, latest_start)  # less urgent than it was: in its place
                     continue
             if start > latest_start:
-                if self._sooner_elsewhere(state, key, head.samples, dev, head.deadline, now):
+                if self._sooner_elsewhere(view, key, head.samples, dev, head.deadline, now):
                     stash.append((key, head.rank, latest_start))  # too slow here: another device makes it
                     continue
                 # No device holding the model can finish it in time: answer at once, look again.
-                entry.queue.pop()
-                state.fail_request(head, state.deadline_error(head, now), now)
+                yield Drop(head)
                 self._dropped(key, now)
                 if (h := entry.queue.head()) is not None:
-                    work.push(key, h.rank, h.deadline - self._est(state, key, h.samples, dev))
+                    work.push(key, h.rank, h.deadline - self._est(view, key, h.samples, dev))
                 continue
             if not dev.healthy_for(key, now) and any(
-                    state.devices[n].healthy_for(key, now) for n in state.ready_on.get(key, ()) if n != dev.name):
+                    view.devices[n].healthy_for(key, now) for n in view.ready_on.get(key, ()) if n != dev.name):
                 # its INFERs failed here just now (until then), or a warm-up runs here (until the
                 # scheduler says it ended: on_queued)
                 stash.append((key, head.rank, latest_start))
@@ -416,8 +391,8 @@ class ClockworkPolicy:
                 if until > now:
                     self._dev_wake[dev.name] = min(until, self._dev_wake.get(dev.name, until))
                 continue
-            if (start > now or self._slow_here(state, key, head.samples, dev, run)) and \
-                    self._sooner_elsewhere(state, key, head.samples, dev, start + run, now):
+            if (start > now or self._slow_here(view, key, head.samples, dev, run)) and \
+                    self._sooner_elsewhere(view, key, head.samples, dev, start + run, now):
                 stash.append((key, head.rank, latest_start))  # busy or slow: a device that finishes sooner
                 continue
             chosen = (entry, head, latest_start)
@@ -428,29 +403,26 @@ class ClockworkPolicy:
             return False
         entry, head, latest_start = chosen
         spec, q = entry.spec, entry.queue
-        bind = self._bind_at(state, entry, dev, start, now)
+        bind = self._bind_at(view, entry, dev, start, now)
         if bind > now and not work:
             work.push(spec.key, head.rank, latest_start)
             self._dev_wake[dev.name] = min(bind, self._dev_wake.get(dev.name, bind))  # a fuller batch soon
             return False
-        taken = self._choose_batch(state, entry, dev, start)
+        taken = self._choose_batch(view, entry, dev, start)
         if not taken:
             work.push(spec.key, head.rank, latest_start)
             return False
-        for r in taken:
-            q.take(r)
         samples = sum(r.samples for r in taken)
         deadline = min(r.deadline for r in taken)
-        run = self._est(state, spec.key, samples, dev)
+        run = self._est(view, spec.key, samples, dev)
         b = spec.batch_size_for(samples)
         latest = max(deadline - run, start + LATEST_GRACE)
-        action = state.issue_infer(spec, dev, taken, b, now, earliest=now, latest=latest, expected=run)
-        action.expected_start = self._timeline(dev).exec.add(action.id, run, now)
+        yield Infer(spec, dev.name, taken, b, latest, run)  # (the scheduler takes them from the queue)
         if (h := q.head()) is not None:
-            work.push(spec.key, h.rank, h.deadline - self._est(state, spec.key, h.samples, dev))
+            work.push(spec.key, h.rank, h.deadline - self._est(view, spec.key, h.samples, dev))
         return True
 
-    def _bind_at(self, state: Scheduler, entry: ModelEntry, dev: DeviceState, start: float, now: float) -> float:
+    def _bind_at(self, view: ControllerView, entry: ModelEntry, dev: DeviceState, start: float, now: float) -> float:
         """When to choose the next batch of `entry` on `dev` (which frees at `start`): now, or, for
         a model arriving fast enough, just before the batch should start, so that it holds what
         arrives meanwhile.
@@ -476,25 +448,26 @@ class ClockworkPolicy:
         if head is None or queued >= cap or rate * wait < MIN_FILL:
             return now
         full_at = now + (cap - queued) / rate
-        latest = head.deadline - self._est(state, key, cap, dev) - LATEST_GRACE
+        latest = head.deadline - self._est(view, key, cap, dev) - LATEST_GRACE
         return max(start, min(full_at, head.arrival + wait, latest)) - BIND_LEAD
 
     # ---------------------------------------------------------------- memory
 
-    def _plan_memory(self, state: Scheduler, now: float) -> None:
+    def _plan_memory(self, view: ControllerView, now: float) -> Steps:
         """Loads for the most urgent unmet demand: cold models with work first by their head's
         deadline (a load takes a copy lane for a while, and a model whose requests expire first
         must not wait behind newer ones), then replicas of models their devices cannot keep up
         with. While every copy lane is busy, only the most urgent cold heads are checked, and
-        answered now if no LOAD could serve them in time."""
+        answered now if no LOAD could serve them in time. Returns whether it issued a LOAD."""
+        placed_any = False
         wanted: list[tuple[float, float, ModelEntry]] = []
         for key in self._replica_check:
-            entry = state.models.get(key)
-            placed = state.placed_on.get(key)
+            entry = view.models.get(key)
+            placed = view.placed_on.get(key)
             head = entry.queue.head() if entry is not None else None
-            if entry is None or head is None or not placed or len(placed) >= len(state.devices):
+            if entry is None or head is None or not placed or len(placed) >= len(view.devices):
                 continue
-            if self._needs_replica(state, entry, [state.devices[n] for n in placed], now):
+            if self._needs_replica(view, entry, [view.devices[n] for n in placed], now):
                 wanted.append((head.deadline, 0.0, entry))
         self._replica_check.clear()
         wanted.sort(key=lambda w: w[:2])
@@ -503,49 +476,51 @@ class ClockworkPolicy:
         checked = 0
 
         def free_lanes() -> bool:
-            return any(self._timeline(d).copy.free_at(now) < limit for d in state.devices.values())
+            return any(d.timeline.copy.free_at(now) < limit for d in view.devices.values())
 
         lanes_free = free_lanes()
         while (top := self.cold.top()) is not None or wanted:
             if wanted and (top is None or wanted[0][0] < top[0]):
                 _, _, entry = wanted.pop(0)
-                if lanes_free and self._place(state, entry, now):
+                if lanes_free and (yield from self._place(view, entry, now)):
                     lanes_free = free_lanes()
+                    placed_any = True
                 continue
             deadline, minus_backlog, key = self.cold.pop()  # type: ignore[misc]
-            entry = state.models.get(key)
-            if entry is None or state.placed_on.get(key) or (head := entry.queue.head()) is None:
+            entry = view.models.get(key)
+            if entry is None or view.placed_on.get(key) or (head := entry.queue.head()) is None:
                 continue
-            current = (head.deadline, -self._backlog(state, entry))
+            current = (head.deadline, -self._backlog(view, entry))
             if current > (deadline, minus_backlog):
                 self.cold.push(key, *current)  # less urgent than it was: in its place
                 continue
             if lanes_free:
-                if self._place(state, entry, now):
+                if (yield from self._place(view, entry, now)):
                     lanes_free = free_lanes()
+                    placed_any = True
             else:
-                self._drop_unloadable(state, entry, now)
-            if not state.placed_on.get(key) and (h := entry.queue.head()) is not None:
-                later.append((key, h.deadline, -self._backlog(state, entry)))
+                yield from self._drop_unloadable(view, entry, now)
+            if not view.placed_on.get(key) and (h := entry.queue.head()) is not None:
+                later.append((key, h.deadline, -self._backlog(view, entry)))
                 checked += 1
             if checked >= COLD_CHECKS:
                 break  # the rest are less urgent: looked at as lanes drain and loads land
         for key, deadline, minus_backlog in later:
             self.cold.push(key, deadline, minus_backlog)
+        return placed_any
 
-    def _drop_unloadable(self, state: Scheduler, entry: ModelEntry, now: float) -> None:
+    def _drop_unloadable(self, view: ControllerView, entry: ModelEntry, now: float) -> Steps:
         """Answer at once the queued requests of a cold model that no LOAD could serve in time."""
         spec = entry.spec
         best = math.inf
-        for dev in state.devices.values():
+        for dev in view.devices.values():
             if dev.memory.budget < entry.weight_bytes:
                 continue
-            tl = self._timeline(dev)
-            ready = max(tl.copy.free_at(now) + self._load_est(state, entry, dev.kind), tl.exec.free_at(now))
-            best = min(best, ready + self._est(state, spec.key, 1, dev))
+            tl = dev.timeline
+            ready = max(tl.copy.free_at(now) + self._load_est(view, entry, dev.kind), tl.exec.free_at(now))
+            best = min(best, ready + self._est(view, spec.key, 1, dev))
         while (h := entry.queue.head()) is not None and best > h.deadline:
-            entry.queue.pop()
-            state.fail_request(h, state.deadline_error(h, now), now)
+            yield Drop(h)
 
     def _dropped(self, key: str, now: float) -> None:
         meter = self.drops.get(key)
@@ -553,7 +528,7 @@ class ClockworkPolicy:
             meter = self.drops[key] = RateMeter()
         meter.add(1, now)
 
-    def _utilisation(self, state: Scheduler, dev: DeviceState, leaving: list[str], now: float) -> float:
+    def _utilisation(self, view: ControllerView, dev: DeviceState, leaving: list[str], now: float) -> float:
         """Seconds of work per second the models on `dev` bring it (their arrival rates times their
         cost per sample at their largest batch, shared among their replicas), without `leaving`.
         A device's sum is made at most every UTIL_REFRESH seconds (its rates decay over a second;
@@ -562,31 +537,31 @@ class ClockworkPolicy:
         if cached is None or now - cached[0] > UTIL_REFRESH:
             parts: dict[str, float] = {}
             for k in dev.memory.models():
-                entry = state.models.get(k)
+                entry = view.models.get(k)
                 meter = self.rates.get(k)
                 if entry is None or meter is None:
                     continue
                 b = entry.spec.max_batch_size
-                replicas = len(state.placed_on.get(k, ())) or 1
-                parts[k] = meter.value(now) * self._est(state, k, b, dev) / b / replicas
+                replicas = len(view.placed_on.get(k, ())) or 1
+                parts[k] = meter.value(now) * self._est(view, k, b, dev) / b / replicas
             cached = self._util[dev.name] = (now, sum(parts.values()), parts)
         _, total, parts = cached
         return total - sum(parts.get(k, 0.0) for k in leaving)
 
-    def _cold_cost(self, state: Scheduler, entry: ModelEntry, kind: str, now: float) -> float:
+    def _cold_cost(self, view: ControllerView, entry: ModelEntry, kind: str, now: float) -> float:
         """Copy-lane seconds per second the model would cost if every request found it cold."""
         meter = self.rates.get(entry.spec.key)
         rate = meter.value(now) if meter is not None else 0.0
-        return rate * self._load_est(state, entry, kind)
+        return rate * self._load_est(view, entry, kind)
 
-    def _backlog(self, state: Scheduler, entry: ModelEntry) -> float:
+    def _backlog(self, view: ControllerView, entry: ModelEntry) -> float:
         """Seconds of work queued for a model, at its largest batch size."""
         spec = entry.spec
         b = spec.max_batch_size
-        kind = state.kinds[0]
-        return entry.queue.samples * self._est(state, spec.key, b, kind) / b
+        kind = view.kinds[0]
+        return entry.queue.samples * self._est(view, spec.key, b, kind) / b
 
-    def _needs_replica(self, state: Scheduler, entry: ModelEntry, placed: list[DeviceState], now: float) -> bool:
+    def _needs_replica(self, view: ControllerView, entry: ModelEntry, placed: list[DeviceState], now: float) -> bool:
         """More arrivals than its devices can serve, or requests dropped because they were too
         slow or busy (Clockwork's SMART scheduler replicates after drops the same way)."""
         key = entry.spec.key
@@ -599,39 +574,39 @@ class ClockworkPolicy:
         if meter is None or entry.queue.samples < entry.spec.max_batch_size:
             return False
         b = entry.spec.max_batch_size
-        capacity = sum(b / max(self._est(state, key, b, d), 1e-9) for d in placed)
+        capacity = sum(b / max(self._est(view, key, b, d), 1e-9) for d in placed)
         return meter.value(now) > REPLICA_UTILISATION * capacity
 
-    def _place(self, state: Scheduler, entry: ModelEntry, now: float) -> bool:
+    def _place(self, view: ControllerView, entry: ModelEntry, now: float) -> Steps:
         """Issue a LOAD of `entry` (and the UNLOADs that make room for it); True if one was issued."""
         key, nbytes = entry.spec.key, entry.weight_bytes
         head = entry.queue.head()
 
         def wanted(k: str) -> bool:
-            e = state.models.get(k)
+            e = view.models.get(k)
             return e is not None and e.queue.requests > 0
 
         # Never evict a model that costs more to keep cold than this one: that only moves the
         # cold starts, and makes more copy work than it saves.
-        mine = self._cold_cost(state, entry, dev_kind := next(iter(state.devices.values())).kind, now)
+        mine = self._cold_cost(view, entry, dev_kind := next(iter(view.devices.values())).kind, now)
 
         def demand(k: str) -> float:
-            e = state.models.get(k)
-            return self._cold_cost(state, e, dev_kind, now) if e is not None else 0.0
+            e = view.models.get(k)
+            return self._cold_cost(view, e, dev_kind, now) if e is not None else 0.0
 
         options = []
         b1 = head.samples if head is not None else 1
-        for dev in state.devices.values():
+        for dev in view.devices.values():
             if dev.memory.state(key) is not None or dev.memory.budget < nbytes or not dev.can_load(key, now):
                 continue
-            tl = self._timeline(dev)
+            tl = dev.timeline
             if tl.copy.free_at(now) >= now + self.horizon:
                 continue  # its copy lane is busy: plan the load later
             meter = self.copy_busy.get(dev.name)
             # Under copy pressure a load evicts no model in more demand, unless its head request
             # must load now or never: waiting for pressure to ease would starve it to its deadline.
             urgent = head is not None and head.deadline - (
-                tl.copy.free_at(now) + self._load_est(state, entry, dev.kind) + self._est(state, key, b1, dev)
+                tl.copy.free_at(now) + self._load_est(view, entry, dev.kind) + self._est(view, key, b1, dev)
             ) <= self.horizon
             pressed = meter is not None and meter.value(now) > COPY_PRESSURE and not urgent
 
@@ -645,33 +620,29 @@ class ClockworkPolicy:
             victims = dev.memory.victims(nbytes, evictable=evictable, wanted=wanted)
             if victims is None:
                 continue
-            ready = max(tl.copy.free_at(now) + self._load_est(state, entry, dev.kind), tl.exec.free_at(now))
-            finish = ready + self._est(state, key, b1, dev)
+            ready = max(tl.copy.free_at(now) + self._load_est(view, entry, dev.kind), tl.exec.free_at(now))
+            finish = ready + self._est(view, key, b1, dev)
             # Spread demand: the device with the least work per second already on it (in steps of
             # 10% of a device), then the one that can serve this model soonest.
-            load = round(self._utilisation(state, dev, victims, now) * 10)
+            load = round(self._utilisation(view, dev, victims, now) * 10)
             options.append((sum(wanted(k) for k in victims), len(victims) > 0, load, finish, dev.name, dev, victims))
         if not options:
             return False
         finish = min(o[3] for o in options)
-        if head is not None and not any(d.memory.state(key) is not None for d in state.devices.values()):
+        if head is not None and not any(d.memory.state(key) is not None for d in view.devices.values()):
             # Cold: a head that even the best LOAD cannot save is answered now; the load still
             # goes ahead if anyone behind it can make it.
             while (h := entry.queue.head()) is not None and finish > h.deadline:
-                entry.queue.pop()
-                state.fail_request(h, state.deadline_error(h, now), now)
+                yield Drop(h)
             if entry.queue.head() is None:
                 return False
         *_, dev, victims = min(options, key=lambda o: o[:5])
         for k in victims:
-            victim = state.models.get(k)
+            victim = view.models.get(k)
             if victim is not None:
-                state.issue_unload(victim.spec, dev, now)
+                yield Unload(victim.spec, dev.name)
         self._util.pop(dev.name, None)
-        action = state.issue_load(entry.spec, dev, now)
-        est = self._load_est(state, entry, dev.kind)
-        action.expected_duration = est
-        action.expected_start = self._timeline(dev).copy.add(action.id, est, now)
-        if any(d.memory.state(key) is not None for d in state.devices.values() if d is not dev):
+        yield Load(entry.spec, dev.name, self._load_est(view, entry, dev.kind))
+        if any(d.memory.state(key) is not None for d in view.devices.values() if d is not dev):
             self.replicated_at[key] = now
         return True

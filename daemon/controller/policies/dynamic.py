@@ -12,15 +12,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from daemon.actions import Action, Result
+from daemon.actions import Result
+from daemon.controller.decisions import Drop, Infer, Load, Steps, Unload
 from daemon.controller.state import LATEST_GRACE, DeviceState, ModelEntry
+from daemon.controller.view import ControllerView
 from daemon.errors import Unavailable
 from daemon.request import InferenceRequest
-
-if TYPE_CHECKING:
-    from daemon.controller.scheduler import Scheduler
 
 
 class DynamicBatchingPolicy:
@@ -30,43 +27,40 @@ class DynamicBatchingPolicy:
         self.max_queue_delay = max_queue_delay
         self._wake: float | None = None
 
-    def next_wakeup(self, state: Scheduler, now: float) -> float | None:
+    def next_wakeup(self, view: ControllerView, now: float) -> float | None:
         return self._wake
 
-    def on_submit(self, state: Scheduler, req: InferenceRequest, now: float) -> None:
+    def on_submit(self, view: ControllerView, req: InferenceRequest, now: float) -> None:
         pass
 
-    def on_result(self, state: Scheduler, result: Result, now: float) -> None:
+    def on_result(self, view: ControllerView, result: Result, now: float) -> None:
         pass
 
-    def on_queued(self, state: Scheduler, entry: ModelEntry, now: float) -> None:
+    def on_queued(self, view: ControllerView, entry: ModelEntry, now: float) -> None:
         pass
 
-    def on_extra(self, state: Scheduler, action: Action, now: float) -> None:
-        pass
-
-    def schedule(self, state: Scheduler, now: float) -> None:
+    def schedule(self, view: ControllerView, now: float) -> Steps:
         self._wake = None
-        for entry in state.active():
-            if not any(d.memory.state(entry.spec.key) is not None for d in state.devices.values()):
-                self._place(state, entry, now)
-        for dev in state.devices.values():
+        for entry in view.active():
+            if not any(d.memory.state(entry.spec.key) is not None for d in view.devices.values()):
+                yield from self._place(view, entry, now)
+        for dev in view.devices.values():
             while dev.infer_inflight == 0:
-                entry = self._pick(state, dev, now)
-                if entry is None or not self._dispatch(state, dev, entry, now):
+                entry = self._pick(view, dev, now)
+                if entry is None or not (yield from self._dispatch(view, dev, entry, now)):
                     break
 
     # ---------------------------------------------------------------- batches
 
-    def _pick(self, state: Scheduler, dev: DeviceState, now: float) -> ModelEntry | None:
+    def _pick(self, view: ControllerView, dev: DeviceState, now: float) -> ModelEntry | None:
         best: ModelEntry | None = None
         best_arrival = float("inf")
-        for entry in state.active():
+        for entry in view.active():
             key = entry.spec.key
             if not dev.memory.is_ready(key):
                 continue
             if not dev.healthy_for(key, now) and any(
-                    state.devices[n].healthy_for(key, now) for n in state.ready_on.get(key, ()) if n != dev.name):
+                    view.devices[n].healthy_for(key, now) for n in view.ready_on.get(key, ()) if n != dev.name):
                 continue  # another device holding it serves it (failures here just now, a warm-up)
             head = entry.queue.head()
             if head is None:
@@ -80,52 +74,54 @@ class DynamicBatchingPolicy:
                 best, best_arrival = entry, head.arrival
         return best
 
-    def _dispatch(self, state: Scheduler, dev: DeviceState, entry: ModelEntry, now: float) -> bool:
+    def _dispatch(self, view: ControllerView, dev: DeviceState, entry: ModelEntry, now: float) -> Steps:
         spec, q = entry.spec, entry.queue
         taken: list[InferenceRequest] = []
         samples = 0
-        while (h := q.head()) is not None and samples + h.samples <= spec.max_batch_size:
-            taken.append(q.pop())
-            samples += h.samples
+        for r in q.first(spec.max_batch_size):  # oldest deadlines first, as many as fit
+            if samples + r.samples > spec.max_batch_size:
+                break
+            taken.append(r)
+            samples += r.samples
         if not taken:
             return False
         while True:  # drop what cannot finish in time; the batch may then shrink
             b = spec.batch_size_for(samples)
-            est = state.estimate(spec.key, samples, dev)
+            est = view.estimate(spec.key, samples, dev)
             keep = [r for r in taken if now + est <= r.deadline]
             for r in taken:
                 if now + est > r.deadline:
-                    state.fail_request(r, state.deadline_error(r, now), now)
+                    yield Drop(r)
             if len(keep) == len(taken):
                 break
             taken, samples = keep, sum(r.samples for r in keep)
             if not taken:
                 return True  # the device is still free: look for more work
         latest = max(min(r.deadline for r in taken) - est, now + LATEST_GRACE)
-        state.issue_infer(spec, dev, taken, b, now, earliest=now, latest=latest, expected=est)
+        yield Infer(spec, dev.name, taken, b, latest, est)
         return True
 
     # ---------------------------------------------------------------- loads
 
-    def _place(self, state: Scheduler, entry: ModelEntry, now: float) -> None:
+    def _place(self, view: ControllerView, entry: ModelEntry, now: float) -> Steps:
         nbytes = entry.weight_bytes
-        fits = [d for d in state.devices.values() if d.memory.budget >= nbytes]
+        fits = [d for d in view.devices.values() if d.memory.budget >= nbytes]
         if not fits:
             err = Unavailable(f"model {entry.spec.name} needs {nbytes} bytes of weights, more than any "
-                              "device's weight budget" if state.lost < len(state.devices) else
+                              "device's weight budget" if view.lost < len(view.devices) else
                               "every device of this daemon has failed")
-            while entry.queue.head() is not None:
-                state.fail_request(entry.queue.pop(), err, now)
+            for r in list(entry.queue):
+                yield Drop(r, err)
             return
         fits = [d for d in fits if d.can_load(entry.spec.key, now)]
         free = [d for d in fits if d.memory.free >= nbytes]
         if free:
             dev = min(free, key=lambda d: (d.infer_inflight + d.load_inflight, -d.memory.free))
-            state.issue_load(entry.spec, dev, now)
+            yield Load(entry.spec, dev.name)
             return
 
         def wanted(k: str) -> bool:
-            e = state.models.get(k)
+            e = view.models.get(k)
             return e is not None and e.queue.requests > 0
 
         options = []
@@ -137,7 +133,7 @@ class DynamicBatchingPolicy:
             return  # everything is busy; try again when a result frees something
         *_, dev, victims = min(options, key=lambda o: o[:3])
         for k in victims:
-            victim = state.models[k].spec if k in state.models else None
+            victim = view.models[k].spec if k in view.models else None
             if victim is not None:
-                state.issue_unload(victim, dev, now)
-        state.issue_load(entry.spec, dev, now)
+                yield Unload(victim, dev.name)
+        yield Load(entry.spec, dev.name)

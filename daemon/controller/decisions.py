@@ -1,0 +1,83 @@
+"""What a policy or the ParM workflow decides, as small records the scheduler applies.
+
+A policy's `schedule` is a generator of these: the scheduler applies each one as it comes
+(the requests leave their queue, the device's memory and lanes account for the action) and
+sends back the `Action` it issued, so the next decision sees the state the last one left.
+Policies never mutate the controller's state themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import numpy as np
+
+from daemon.actions import Action
+from daemon.errors import EscapementError
+from daemon.repository import ModelSpec
+from daemon.request import InferenceRequest
+
+
+@dataclass(slots=True)
+class Infer:
+    """Run `requests` (taken from their model's queue) as one batch of `batch_size` on `device`,
+    starting no later than `latest`; `expected` seconds. A parity batch names its members'
+    requests in `coded` instead; a replica names the action it duplicates."""
+
+    spec: ModelSpec
+    device: str
+    requests: list[InferenceRequest]
+    batch_size: int
+    latest: float
+    expected: float
+    coded: list[list[InferenceRequest]] | None = None
+    encoder: str = ""
+    replica_of: int = 0
+
+
+@dataclass(slots=True)
+class Load:
+    """Copy a model's weights to `device` (`expected`: the policy's estimate of the copy)."""
+
+    spec: ModelSpec
+    device: str
+    expected: float | None = None
+
+
+@dataclass(slots=True)
+class Unload:
+    spec: ModelSpec
+    device: str
+
+
+@dataclass(slots=True)
+class Drop:
+    """A queued request no device can serve: out of its queue, answered with `error` (by default:
+    its deadline cannot be met)."""
+
+    request: InferenceRequest
+    error: EscapementError | None = None
+
+
+@dataclass(slots=True)
+class Save:
+    """Answer an action's requests still running with `outputs` (a reconstruction, or a replica's)."""
+
+    action: Action
+    outputs: tuple[np.ndarray, ...]
+    decode_s: float = 0.0  # measured time the decode took
+    counter: str = "reconstructions"
+
+
+@dataclass(slots=True)
+class Release:
+    """A lost member whose reconstruction cannot come in time: its requests are retried or failed."""
+
+    action: Action
+
+
+Step = Infer | Load | Unload | Drop | Save | Release
+# A policy's pass (or the ParM workflow's): yields steps, is sent the action each one issued,
+# and may return a flag to its caller (what that means is the generator's own contract).
+Steps = Generator[Step, Action | None, bool | None]
