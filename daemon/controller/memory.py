@@ -22,6 +22,12 @@ class DeviceMemory:
         self.budget = budget
         self.used = 0
         self._models: OrderedDict[str, tuple[Residency, int]] = OrderedDict()  # LRU first
+        # Ready models by size class (bit length of their bytes), each in LRU order, and when each
+        # was last used: the least recently used model that frees enough alone is found by looking
+        # at the head of a few classes, not by walking hundreds of smaller models.
+        self._by_size: dict[int, OrderedDict[str, None]] = {}
+        self._used_at: dict[str, int] = {}
+        self._clock = 0
 
     @property
     def free(self) -> int:
@@ -53,21 +59,39 @@ class DeviceMemory:
         _, nbytes = self._models[key]
         self._models[key] = (Residency.READY, nbytes)
         self._models.move_to_end(key)
+        self._by_size.setdefault(nbytes.bit_length(), OrderedDict())[key] = None
+        self._used(key)
+
+    def _used(self, key: str) -> None:
+        self._clock += 1
+        self._used_at[key] = self._clock
 
     def release(self, key: str) -> int:
-        _, nbytes = self._models.pop(key)
+        state, nbytes = self._models.pop(key)
         self.used -= nbytes
+        if state == Residency.READY:
+            cls = self._by_size[nbytes.bit_length()]
+            del cls[key]
+            if not cls:
+                del self._by_size[nbytes.bit_length()]
+            del self._used_at[key]
         return nbytes
 
     def retire(self) -> None:
         """The device is lost: it holds nothing and has room for nothing from now on."""
         self._models.clear()
+        self._by_size.clear()
+        self._used_at.clear()
         self.used = 0
         self.budget = 0
 
     def touch(self, key: str) -> None:
-        if key in self._models:
+        entry = self._models.get(key)
+        if entry is not None:
             self._models.move_to_end(key)
+            if entry[0] == Residency.READY:
+                self._by_size[entry[1].bit_length()].move_to_end(key)
+                self._used(key)
 
     def victims(self, nbytes: int, evictable: Callable[[str], bool],
                 wanted: Callable[[str], bool]) -> list[str] | None:
@@ -82,23 +106,40 @@ class DeviceMemory:
         need = nbytes - self.free
         if need <= 0:
             return []
-        # In LRU order, lazily: the first idle model that frees enough alone ends the search
-        # (usually after a few models, however many the device holds).
-        idle: list[str] = []
+        alone = self._alone(need, evictable, wanted)
+        if alone is not None:
+            return [alone]
+        # Else the least recently used idle models until enough is free, then those in demand.
+        chosen: list[str] = []
         in_demand: list[str] = []
         for k, (s, n) in self._models.items():
             if s != Residency.READY or not evictable(k):
                 continue
             if wanted(k):
                 in_demand.append(k)
-            elif n >= need:
-                return [k]
-            else:
-                idle.append(k)
-        chosen: list[str] = []
-        for k in idle + in_demand:
+                continue
+            chosen.append(k)
+            need -= n
+            if need <= 0:
+                return chosen
+        for k in in_demand:
             chosen.append(k)
             need -= self._models[k][1]
             if need <= 0:
                 return chosen
         return None
+
+    def _alone(self, need: int, evictable: Callable[[str], bool], wanted: Callable[[str], bool]) -> str | None:
+        """The least recently used ready model nobody wants that frees `need` bytes on its own."""
+        best: str | None = None
+        best_at = 0
+        for bits, cls in self._by_size.items():
+            if (1 << bits) <= need:
+                continue  # every model of this class is smaller than 2**bits
+            for k in cls:  # least recently used first: its first fit is the class's answer
+                if self._models[k][1] >= need and evictable(k) and not wanted(k):
+                    at = self._used_at[k]
+                    if best is None or at < best_at:
+                        best, best_at = k, at
+                    break
+        return best

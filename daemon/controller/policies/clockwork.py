@@ -538,15 +538,33 @@ class ClockworkPolicy:
             parts: dict[str, float] = {}
             for k in dev.memory.models():
                 entry = view.models.get(k)
-                meter = self.rates.get(k)
-                if entry is None or meter is None:
-                    continue
-                b = entry.spec.max_batch_size
-                replicas = len(view.placed_on.get(k, ())) or 1
-                parts[k] = meter.value(now) * self._est(view, k, b, dev) / b / replicas
+                if entry is not None:
+                    parts[k] = self._share(view, entry, dev, now)
             cached = self._util[dev.name] = (now, sum(parts.values()), parts)
         _, total, parts = cached
         return total - sum(parts.get(k, 0.0) for k in leaving)
+
+    def _share(self, view: ControllerView, entry: ModelEntry, dev: DeviceState, now: float) -> float:
+        """Seconds of work per second one model brings `dev` (its share among its replicas)."""
+        meter = self.rates.get(entry.spec.key)
+        if meter is None:
+            return 0.0
+        b = entry.spec.max_batch_size
+        replicas = len(view.placed_on.get(entry.spec.key, ())) or 1
+        return meter.value(now) * self._est(view, entry.spec.key, b, dev) / b / replicas
+
+    def _moved(self, view: ControllerView, dev: DeviceState, entry: ModelEntry, victims: list[str],
+               now: float) -> None:
+        """A LOAD of `entry` replacing `victims` on `dev`: its utilisation, updated in place (a sum
+        over hundreds of models is made again only when it is UTIL_REFRESH old)."""
+        cached = self._util.get(dev.name)
+        if cached is None:
+            return
+        when, total, parts = cached
+        for k in victims:
+            total -= parts.pop(k, 0.0)
+        share = parts[entry.spec.key] = self._share(view, entry, dev, now)
+        self._util[dev.name] = (when, total + share, parts)
 
     def _cold_cost(self, view: ControllerView, entry: ModelEntry, kind: str, now: float) -> float:
         """Copy-lane seconds per second the model would cost if every request found it cold."""
@@ -641,8 +659,8 @@ class ClockworkPolicy:
             victim = view.models.get(k)
             if victim is not None:
                 yield Unload(victim.spec, dev.name)
-        self._util.pop(dev.name, None)
         yield Load(entry.spec, dev.name, self._load_est(view, entry, dev.kind))
+        self._moved(view, dev, entry, victims, now)
         if any(d.memory.state(key) is not None for d in view.devices.values() if d is not dev):
             self.replicated_at[key] = now
         return True
