@@ -17,9 +17,14 @@ Two settings:
 `summary.accuracy` gives, for the zoo (`daemon.coding.zoo`: an MLP with LayerNorm and dropout, a
 residual CNN with BatchNorm, a transformer encoder over image rows, each trained on the bundled
 digits), accuracy when everything is available and in degraded mode (every prediction
-reconstructed from a parity model) at k = 2, 3, 4, with the parity trainer's defaults: held-out
-test figures, the checkpoint chosen on a validation split, overall accuracy at unavailability
-f = 1%, 5%, 10% ((1-f)·available + f·degraded) and training wall time.
+reconstructed from a parity model) at k = 2, 3, 4, with the parity trainer's defaults and the
+default code for the input (`codes.default_encoder`: concat for images at k = 2 and 4, else sum):
+held-out test figures, the checkpoint chosen on a validation split, overall accuracy at
+unavailability f = 1%, 5%, 10% ((1-f)·available + f·degraded) and training wall time.
+
+`summary.codec_us` gives what a parity batch costs the executor beyond a plain batch (filling
+its input buffer from the k members' requests with each code: `IOBuffers.fill_coded` against
+`IOBuffers.fill`) and what a decode costs the controller, per batch size and input shape.
 """
 
 from __future__ import annotations
@@ -37,9 +42,11 @@ import torch
 from bench import loadgen, results
 from bench.scenarios.common import demo_repo, measure, spec_of
 from bench.servers import Escapement
-from daemon.coding import trainer, zoo
+from daemon.coding import codes, trainer, zoo
 from daemon.controller.policies.clockwork import ClockworkPolicy
 from daemon.repository import ParitySpec, parity_model, scan
+from daemon.request import InferenceRequest
+from daemon.runtime.backend import IOBuffers
 from daemon.runtime.program import load_program
 from daemon.sim import CLOCKWORK_V100, Simulation, random_bursts, sim_spec
 
@@ -173,8 +180,9 @@ def accuracy(quick: bool, seed: int = 0) -> list[dict[str, Any]]:
             runner = load_program(m).host_runner
             data = trainer.load_dataset(m, None)
             for k in KS:
-                _, rep = trainer.train(m, runner, data, k, "sum", config=cfg)
-                row = {"model": m.name, "k": k, "available_accuracy": rep.available_accuracy,
+                encoder = codes.default_encoder(k, m.inputs[0].sample_shape)
+                _, rep = trainer.train(m, runner, data, k, encoder, config=cfg)
+                row = {"model": m.name, "k": k, "encoder": encoder, "available_accuracy": rep.available_accuracy,
                        "reconstruction_accuracy": rep.reconstruction_accuracy,
                        "degraded_accuracy": rep.degraded_accuracy,
                        "degraded_drop": rep.available_accuracy - rep.degraded_accuracy
@@ -192,16 +200,63 @@ def accuracy(quick: bool, seed: int = 0) -> list[dict[str, Any]]:
 
 def accuracy_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: architecture x k: available, reconstruction, degraded, overall at f = 10%, training time."""
-    lines = ["| model | k | available | reconstruction | degraded | drop | overall f=1% | overall f=5% | "
-             "overall f=10% | train s | steps | stopped |", "|" + "---|" * 12]
+    lines = ["| model | k | code | available | reconstruction | degraded | drop | overall f=1% | overall f=5% | "
+             "overall f=10% | train s | steps | stopped |", "|" + "---|" * 13]
     for r in rows:
         o = r["overall_accuracy"]
-        lines.append(f"| {r['model']} | {r['k']} | {r['available_accuracy']:.4f} | "
+        lines.append(f"| {r['model']} | {r['k']} | {r.get('encoder', 'sum')} | {r['available_accuracy']:.4f} | "
                      f"{r['reconstruction_accuracy']:.4f} | "
                      f"{r['degraded_accuracy']:.4f} | {r['degraded_drop'] * 100:.1f} pt | {o['f=0.01']:.4f} | "
                      f"{o['f=0.05']:.4f} | {o['f=0.1']:.4f} | {r['train_seconds']:.1f} | {r['steps']} | "
                      f"{r['stopped']} |")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ encode / decode cost
+
+CODEC_SHAPES = ((1, 8, 8), (3, 32, 32), (3, 224, 224))  # the zoo's digits, CIFAR, ImageNet
+CODEC_BATCHES = (1, 8, 32)
+
+
+def _best_us(fn: Any, reps: int) -> float:
+    """The median of `reps` timings of fn(), in microseconds (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e6
+
+
+def codec_cost(quick: bool) -> list[dict[str, Any]]:
+    """Microseconds to fill a parity batch's input (k members' requests, encoded) with each code against a
+    plain batch's fill, and to decode one member (parity output minus k-1 outputs of 1,000 logits)."""
+    spec = sim_spec("codec", max_batch=max(CODEC_BATCHES))
+    rng = np.random.default_rng(0)
+    out = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as an executor's CPU thread encodes
+    try:
+        for shape in CODEC_SHAPES[:2] if quick else CODEC_SHAPES:
+            for batch in CODEC_BATCHES:
+                buf = IOBuffers(batch, [np.zeros((batch, *shape), np.float32)], [])
+                reqs = [[InferenceRequest(spec, (rng.standard_normal((1, *shape), dtype=np.float32),), 1, 0.0, 1.0)
+                         for _ in range(batch)] for _ in range(4)]
+                reps = 20 if quick or shape[-1] > 100 else 200
+                row: dict[str, Any] = {"shape": list(shape), "batch": batch,
+                                       "fill_us": _best_us(lambda reqs=reqs, buf=buf: buf.fill(reqs[0]), reps)}
+                for k in (2, 4):
+                    for name in codes.ENCODERS:
+                        row[f"fill_coded_{name}_k{k}_us"] = _best_us(
+                            lambda reqs=reqs, buf=buf, k=k, name=name: buf.fill_coded(reqs[:k], name), reps)
+                logits = [torch.from_numpy(rng.standard_normal((batch, 1000), dtype=np.float32)) for _ in range(4)]
+                row["decode_k4_1000_logits_us"] = _best_us(lambda logits=logits: codes.decode(logits[0], logits[1:]),
+                                                           reps)
+                out.append(row)
+    finally:
+        torch.set_num_threads(threads)
+    return out
 
 
 def _pair(rows: list[dict[str, Any]], setting: str, k: int) -> dict[str, Any]:
@@ -230,6 +285,8 @@ def run(quick: bool = False, json_out: str | None = None, seconds: float | None 
     summary: dict[str, Any] = {} if skip_latency else {f"simulated_k{k}": _pair(rows, "simulated", k) for k in KS}
     if not skip_cpu and not skip_latency:
         summary["cpu_k2"] = _pair(rows, "cpu", 2)
+    if not skip_latency:
+        summary["codec_us"] = codec_cost(quick)
     if not skip_accuracy:
         summary["accuracy"] = accuracy(quick, accuracy_seed)
         summary["accuracy_table"] = accuracy_table(summary["accuracy"])
@@ -253,6 +310,7 @@ def run(quick: bool = False, json_out: str | None = None, seconds: float | None 
                   "models": list(zoo.ZOO), "data": "scikit-learn digits, 80/20 split (seed 0); parity validation: "
                   "20% of the training split; figures on the test split",
                   "trainer": "TrainConfig(max_epochs=15, time_limit_s=20)" if quick else "TrainConfig() defaults",
+                  "encoder": "codes.default_encoder(k, input shape)",
                   "seed": accuracy_seed},
               "wall_s": None}
     config["wall_s"] = round(time.monotonic() - t0, 1)

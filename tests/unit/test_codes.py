@@ -55,3 +55,58 @@ def test_concat_averages_when_it_downsamples() -> None:
 def test_bad_codes_are_refused(name: str, k: int, shape: tuple[int, ...], needle: str) -> None:
     with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         codes.check(name, k, shape)
+
+
+def _concat_reference(xs: list[torch.Tensor]) -> torch.Tensor:
+    """ParM's image encoder spelled the slow, obvious way: area-average, then tile."""
+    import torch.nn.functional as F
+
+    if len(xs) == 2:
+        return torch.cat([F.avg_pool2d(x, kernel_size=(1, 2)) for x in xs], dim=3)
+    small = [F.avg_pool2d(x, kernel_size=2) for x in xs]
+    return torch.cat([torch.cat(small[:2], dim=3), torch.cat(small[2:], dim=3)], dim=2)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_concat_matches_average_pooling_and_tiling(k: int) -> None:
+    gen = torch.Generator().manual_seed(k)
+    xs = [torch.randn(3, 2, 6, 10, generator=gen) for _ in range(k)]  # not square: rows and columns differ
+    torch.testing.assert_close(codes.encode_concat(xs), _concat_reference(xs), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("k", "shape", "expected"), [
+    (2, (1, 8, 8), "concat"),
+    (4, (3, 32, 32), "concat"),
+    (3, (1, 8, 8), "sum"),  # concat tiles 2 or 4 images only
+    (4, (64,), "sum"),  # not an image
+    (4, (1, 7, 8), "sum"),  # odd height
+])
+def test_the_default_code_is_concat_where_it_applies(k: int, shape: tuple[int, ...], expected: str) -> None:
+    assert codes.default_encoder(k, shape) == expected
+
+
+@pytest.mark.parametrize("name", ["sum", "concat"])
+def test_the_served_parity_batch_is_the_training_encoding(name: str) -> None:
+    """IOBuffers.fill_coded (the executor's path) gives exactly what training encoded, rows a member
+    lacks as zeros, and clears rows a previous, larger batch left behind."""
+    import numpy as np
+
+    from daemon.request import InferenceRequest
+    from daemon.runtime.backend import IOBuffers
+    from daemon.sim import sim_spec
+
+    rng = np.random.default_rng(0)
+    spec = sim_spec("m")
+    buf = IOBuffers(8, [np.full((8, 1, 4, 4), 7.0, np.float32)], [])
+    buf.filled = 8  # a previous batch filled every row
+
+    def req(n: int) -> InferenceRequest:
+        return InferenceRequest(spec, (rng.standard_normal((n, 1, 4, 4), dtype=np.float32),), n, 0.0, 1.0)
+
+    members = [[req(2), req(1)], [req(3)], [req(1)], [req(2)]]  # 3, 3, 1 and 2 rows
+    rows = buf.fill_coded(members, name)
+    parts = [torch.from_numpy(np.concatenate([r.inputs[0] for r in m])) for m in members]
+    expected = codes.encoder(name)(codes.stack_members(parts, 3))
+    assert rows == 3
+    torch.testing.assert_close(torch.from_numpy(buf.host[0][:3]), expected)
+    assert not buf.host[0][3:].any()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from daemon.coding import trainer, zoo
+from daemon.coding import codes, trainer, zoo
 from daemon.repository import ModelSpec, scan
 from daemon.runtime.program import load_program
 
@@ -146,3 +146,44 @@ def test_every_zoo_architecture_trains_and_exports(tmp_path: Path, name: str) ->
     parity.eval()
     with torch.no_grad():
         assert torch.allclose(served(x + x), parity(x + x), atol=1e-4)
+
+
+def test_the_decode_loss_ignores_what_decoding_cannot_see_and_mse_does_not() -> None:
+    gen = torch.Generator().manual_seed(0)
+    members = torch.randn(5, 3, 4, generator=gen) * 3  # 5 groups of k = 3, 4 classes
+    exact = members.sum(1)
+    shifted = exact + 2.0  # the same shift on every class: every decoded softmax is unchanged
+    assert float(trainer.parity_loss(exact, members, "decode")) == pytest.approx(0.0, abs=1e-6)
+    assert float(trainer.parity_loss(shifted, members, "decode")) == pytest.approx(0.0, abs=1e-5)
+    assert float(trainer.parity_loss(shifted, members, "mse")) == pytest.approx(4.0)
+    wrong = exact + torch.randn(5, 4, generator=gen)
+    assert float(trainer.parity_loss(wrong, members, "decode")) > 1e-3
+
+
+def test_patience_and_the_step_budget_grow_with_k(tmp_path: Path) -> None:
+    epochs = {k: budget / per_epoch for k in (2, 4) for per_epoch, budget in [trainer.step_budget(4000, k, 32, None)]}
+    assert epochs == {2: 1000, 4: 2000}  # 500·k epochs
+    per_epoch, budget = trainer.step_budget(4000, 4, 32, 3)
+    assert budget == 3 * per_epoch  # max_epochs still caps it
+    spec = _export(nn.Linear(4, 3), tmp_path)
+    runner = load_program(spec).host_runner
+    for k, given, used in ((3, None, 30), (4, None, 40), (4, 7, 7)):
+        _, report = trainer.train(spec, runner, _data(), k, config=trainer.TrainConfig(max_epochs=1, patience=given))
+        assert report.config["patience"] == used
+
+
+def test_a_concat_coded_parity_model_of_an_image_model_trains_exports_and_decodes(tmp_path: Path) -> None:
+    zoo.build(tmp_path / "repo", ["zoo_rescnn"], epochs=1)  # barely trained: this checks the plumbing
+    spec = next(m for m in scan(tmp_path / "repo").models if m.name == "zoo_rescnn")
+    full = trainer.load_dataset(spec, None)
+    data = trainer.Dataset(full.x_train[:400], full.x_test[:80], full.y_train[:400], full.y_test[:80])
+    assert codes.default_encoder(4, spec.inputs[0].sample_shape) == "concat"
+    parity, report = trainer.train(spec, load_program(spec).host_runner, data, 4, "concat",
+                                   config=trainer.TrainConfig(max_epochs=2))
+    assert report.encoder == "concat" and report.reconstruction_accuracy > 0.0
+    trainer.export(parity, spec, tmp_path / "parity.pt2")
+    served = torch.export.load(str(tmp_path / "parity.pt2")).module()
+    xs = [torch.from_numpy(data.x_test[i : i + 5]) for i in range(0, 20, 5)]
+    parity.eval()
+    with torch.no_grad():
+        assert torch.allclose(served(codes.encode_concat(xs)), parity(codes.encode_concat(xs)), atol=1e-4)
