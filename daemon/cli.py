@@ -22,8 +22,9 @@ def _settings(args: argparse.Namespace) -> Any:
     from daemon.config import load_settings, with_overrides
 
     s = load_settings(args.config)
-    return with_overrides(s, http=args.http, socket=args.socket, models=args.models, devices=args.device,
-                          policy=getattr(args, "policy", None), log_level=getattr(args, "log_level", None))
+    return with_overrides(s, http=args.http, grpc=args.grpc, socket=args.socket, models=args.models,
+                          devices=args.device, policy=getattr(args, "policy", None),
+                          log_level=getattr(args, "log_level", None))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -273,6 +274,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config file (default: the embedded config/escapement.toml)")
     p.add_argument("--http", metavar="HOST:PORT", help="HTTP listener; '' disables it")
+    p.add_argument("--grpc", metavar="HOST:PORT", help="gRPC (KServe v2) listener; '' disables it")
     p.add_argument("--socket", metavar="PATH", help="unix socket path; '' disables it")
     p.add_argument("--models", metavar="DIR", help="model repository")
     p.add_argument("--device", action="append", metavar="NAME",

@@ -64,6 +64,7 @@ class ServerSettings:
 
     http: str = doc("HOST:PORT of the HTTP (KServe v2) listener; empty disables it.", "127.0.0.1:8000")
     socket: str = doc("Path of the msgpack unix socket; empty disables it.", "run/escapement.sock")
+    grpc: str = doc("HOST:PORT of the gRPC (KServe v2 grpc_service.proto) listener; empty disables it.", "")
     socket_mode: str = doc("Permissions of the unix socket file, in octal.", "0660")
     max_body_bytes: int = doc("Largest HTTP body or socket frame accepted (bytes or '64MiB').", 64 * 2**20)
     max_connections: int = doc("Most concurrent client connections per listener.", 1024)
@@ -102,6 +103,8 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if self.http:
             parse_hostport(self.http, "server.http")
+        if self.grpc:
+            parse_hostport(self.grpc, "server.grpc")
         _need(re.fullmatch(r"0?[0-7]{3}", self.socket_mode) is not None, "server.socket_mode",
               self.socket_mode, "expected an octal mode such as '0660'")
         _need(self.max_body_bytes >= 1024, "server.max_body_bytes", self.max_body_bytes,
@@ -406,6 +409,7 @@ def with_overrides(
     settings: Settings,
     *,
     http: str | None = None,
+    grpc: str | None = None,
     socket: str | None = None,
     models: str | None = None,
     devices: list[str] | None = None,
@@ -419,6 +423,8 @@ def with_overrides(
     ctrl = dataclasses.asdict(settings.controller)
     if http is not None:
         server["http"] = http
+    if grpc is not None:
+        server["grpc"] = grpc
     if socket is not None:
         server["socket"] = socket
     if log_level is not None:

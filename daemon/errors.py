@@ -1,26 +1,28 @@
-"""The error tree and its one mapping to HTTP / socket statuses.
+"""The error tree and its one mapping to HTTP / socket statuses and gRPC status codes.
 
 ::
 
+                                     HTTP  gRPC
     EscapementError
-     ├── ClientError ................ the caller's mistake: 4xx, never logged as a failure
-     │    ├── BadRequest ............ 400 malformed body, wrong shape, datatype or byte count
-     │    ├── Forbidden ............. 403 a management endpoint without its token
-     │    ├── NotFound .............. 404 unknown model, version or path
-     │    ├── MethodNotAllowed ...... 405
-     │    ├── RequestTimeout ........ 408 a request or frame not received whole in time
-     │    ├── PayloadTooLarge ....... 413 body, frame or JSON over the configured limit
-     │    ├── UnsupportedMediaType .. 415 an unknown Content-Encoding, a non-JSON management body
-     │    ├── HeadersTooLarge ....... 431
-     │    └── NotImplementedByServer 501 a protocol feature this daemon does not offer
-     ├── Unavailable ................ 503 model not ready, daemon draining
-     │    └── Overloaded ............ 503 + Retry-After: a bound is reached (queue, memory, connections)
-     ├── DeadlineExceeded ........... 504 the request's deadline cannot be (or was not) met
-     ├── Cancelled .................. 499 the client went away before an answer
-     └── InternalError .............. 500 a model raised, an executor failed
+     ├── ClientError ................ 4xx: the caller's mistake, never logged as a failure
+     │    ├── BadRequest ............ 400  INVALID_ARGUMENT    malformed body, wrong shape, datatype, bytes
+     │    ├── Forbidden ............. 403  PERMISSION_DENIED   a management call without its token
+     │    ├── NotFound .............. 404  NOT_FOUND           unknown model, version or path
+     │    ├── MethodNotAllowed ...... 405  UNIMPLEMENTED
+     │    ├── RequestTimeout ........ 408  DEADLINE_EXCEEDED   a request or frame not received whole in time
+     │    ├── PayloadTooLarge ....... 413  RESOURCE_EXHAUSTED  body, frame, message or JSON over its limit
+     │    ├── UnsupportedMediaType .. 415  INVALID_ARGUMENT    an unknown Content-Encoding, a non-JSON body
+     │    ├── HeadersTooLarge ....... 431  RESOURCE_EXHAUSTED
+     │    └── NotImplementedByServer 501  UNIMPLEMENTED       a protocol feature this daemon does not offer
+     ├── Unavailable ................ 503  UNAVAILABLE         model not ready, daemon draining
+     │    └── Overloaded ............ 503  UNAVAILABLE         + Retry-After: a bound is reached
+     ├── DeadlineExceeded ........... 504  DEADLINE_EXCEEDED   the request's deadline cannot be (was not) met
+     ├── Cancelled .................. 499  CANCELLED           the client went away before an answer
+     └── InternalError .............. 500  INTERNAL            a model raised, an executor failed
     ConfigError ..................... start-up only: a bad setting stops the daemon
 
-The socket frontend uses the same numeric statuses as HTTP so the two frontends agree.
+The socket frontend uses the same numeric statuses as HTTP so the frontends agree; gRPC
+codes are the names of `grpc.StatusCode` members (this module does not import grpc).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class EscapementError(Exception):
     """Base of every error the daemon reports to a caller."""
 
     status: int = 500
+    grpc: str = "INTERNAL"
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -38,48 +41,59 @@ class EscapementError(Exception):
 
 class ClientError(EscapementError):
     status = 400
+    grpc = "INVALID_ARGUMENT"
 
 
 class BadRequest(ClientError):
     status = 400
+    grpc = "INVALID_ARGUMENT"
 
 
 class Forbidden(ClientError):
     status = 403
+    grpc = "PERMISSION_DENIED"
 
 
 class NotFound(ClientError):
     status = 404
+    grpc = "NOT_FOUND"
 
 
 class MethodNotAllowed(ClientError):
     status = 405
+    grpc = "UNIMPLEMENTED"
 
 
 class RequestTimeout(ClientError):
     """A request (or socket frame) that did not arrive whole in time."""
 
     status = 408
+    grpc = "DEADLINE_EXCEEDED"
 
 
 class PayloadTooLarge(ClientError):
     status = 413
+    grpc = "RESOURCE_EXHAUSTED"
 
 
 class UnsupportedMediaType(ClientError):
     status = 415
+    grpc = "INVALID_ARGUMENT"
 
 
 class HeadersTooLarge(ClientError):
     status = 431
+    grpc = "RESOURCE_EXHAUSTED"
 
 
 class NotImplementedByServer(ClientError):
     status = 501
+    grpc = "UNIMPLEMENTED"
 
 
 class Unavailable(EscapementError):
     status = 503
+    grpc = "UNAVAILABLE"
 
     def __init__(self, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
@@ -97,14 +111,17 @@ class Overloaded(Unavailable):
 
 class DeadlineExceeded(EscapementError):
     status = 504
+    grpc = "DEADLINE_EXCEEDED"
 
 
 class Cancelled(EscapementError):
     status = 499
+    grpc = "CANCELLED"
 
 
 class InternalError(EscapementError):
     status = 500
+    grpc = "INTERNAL"
 
 
 class ConfigError(Exception):
@@ -116,6 +133,13 @@ def status_of(exc: BaseException) -> int:
     if isinstance(exc, EscapementError):
         return exc.status
     return 500
+
+
+def grpc_code_of(exc: BaseException) -> str:
+    """The gRPC status code's name (a `grpc.StatusCode` member) for an exception; unexpected: INTERNAL."""
+    if isinstance(exc, EscapementError):
+        return exc.grpc
+    return "INTERNAL"
 
 
 def message_of(exc: BaseException) -> str:

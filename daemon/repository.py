@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from daemon.datatypes import KNOWN_UNSUPPORTED, DataType, lookup
+from daemon.datatypes import KNOWN_UNSUPPORTED, WIRE_ONLY, DataType, lookup
 
 log = logging.getLogger("escapement.repository")
 
@@ -149,23 +149,26 @@ class ModelSpec:
     parity: ParitySpec | None = None
     preload_replicas: int = 0  # devices to load it onto at start-up (its parity model onto another)
     key: str = field(init=False, compare=False)  # "name:version", used on every hot path
+    # Powers of two up to max_batch_size, plus max_batch_size itself if it is not one; and, per
+    # sample count, the smallest of them that holds it (the scheduler asks per batch it plans).
+    batch_sizes: tuple[int, ...] = field(init=False, compare=False, repr=False)
+    _size_for: tuple[int, ...] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", f"{self.name}:{self.version}")
-
-    @property
-    def batch_sizes(self) -> tuple[int, ...]:
-        """Powers of two up to max_batch_size, plus max_batch_size itself if it is not one."""
-        sizes = [1 << i for i in range(max(self.max_batch_size, 1).bit_length()) if 1 << i <= self.max_batch_size]
-        if sizes[-1] != self.max_batch_size:
-            sizes.append(self.max_batch_size)
-        return tuple(sizes)
+        cap = max(self.max_batch_size, 1)
+        sizes = [1 << i for i in range(cap.bit_length()) if 1 << i <= cap]
+        if sizes[-1] != cap:
+            sizes.append(cap)
+        object.__setattr__(self, "batch_sizes", tuple(sizes))
+        object.__setattr__(self, "_size_for", (0, *(next(b for b in sizes if b >= n) for n in range(1, cap + 1))))
 
     def batch_size_for(self, samples: int) -> int:
         """The smallest supported batch size that holds `samples`."""
-        for b in self.batch_sizes:
-            if b >= samples:
-                return b
+        if 0 < samples <= self.max_batch_size:
+            return self._size_for[samples]
+        if samples <= 0:
+            return self.batch_sizes[0]
         raise ValueError(f"{samples} samples exceed max_batch_size {self.max_batch_size}")
 
     @property
@@ -197,6 +200,9 @@ def _tensor_specs(raw: Any, what: str, model: str) -> tuple[TensorSpec, ...]:
         if dt is None:
             hint = " (not supported by torch models here)" if dt_name in KNOWN_UNSUPPORTED else ""
             raise ModelConfigError(f"{where}: datatype {dt_name!r} is not supported{hint}")
+        if dt.name in WIRE_ONLY:
+            raise ModelConfigError(f"{where}: datatype {dt.name} is understood on the wire, but models cannot take "
+                                   "or give it yet (the runtime has no IO buffers for it)")
         if (not isinstance(shape, list) or len(shape) < 1
                 or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)):
             raise ModelConfigError(f"{where}: shape {shape!r} must be a list of integers")

@@ -211,6 +211,10 @@ class DaemonThread:
         return f"127.0.0.1:{self.daemon.http_port}"
 
     @property
+    def grpc(self) -> str:
+        return f"127.0.0.1:{self.daemon.grpc_port}"
+
+    @property
     def socket(self) -> str:
         return self.settings.server.socket
 

@@ -2,21 +2,25 @@
 
 Every check a request's tensors must pass lives here, so HTTP and the socket refuse the same
 inputs with the same messages: names, datatypes, shapes (batch first, non-batch dims as the
-model declares) and byte counts. Binary data is wrapped without copying.
+model declares) and byte counts. Binary data is wrapped without copying, except BYTES, whose
+length-prefixed elements become a numpy object array of `bytes`; BF16 is `ml_dtypes.bfloat16`.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from daemon.datatypes import BY_NAME
+from daemon.datatypes import BY_NAME, DataType
 from daemon.errors import BadRequest
 from daemon.repository import ModelSpec
+
+_LEN = struct.Struct("<I")  # a BYTES element's length prefix
 
 
 @dataclass(slots=True)
@@ -28,6 +32,21 @@ class WireTensor:
     shape: list[int]
     raw: bytes | memoryview | None = None
     data: Any = None
+
+
+MAX_TIMEOUT_US = 3_600_000_000  # an hour: a larger timeout is a mistake, not a deadline
+
+
+def request_options(timeout_us: Any, priority: Any) -> tuple[int | None, int | None]:
+    """A request's `timeout` (µs; None: the model's SLO) and `priority` (None or 0: the default
+    level) as the wire gave them, checked; the same rules on every frontend."""
+    if timeout_us is not None and (isinstance(timeout_us, bool) or not isinstance(timeout_us, int)
+                                   or not 0 <= timeout_us <= MAX_TIMEOUT_US):
+        raise BadRequest(f"timeout must be an integer number of microseconds in 0..{MAX_TIMEOUT_US}, "
+                         f"got {timeout_us!r}")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int) or priority < 0):
+        raise BadRequest(f"priority must be a non-negative integer, got {priority!r}")
+    return timeout_us, priority
 
 
 def check_shape(shape: Any, name: str) -> list[int]:
@@ -70,18 +89,77 @@ def assemble_inputs(spec: ModelSpec, tensors: Sequence[WireTensor]) -> tuple[tup
         if batch not in (-1, n):
             raise BadRequest(f"inputs disagree on the batch size ({batch} and {n})")
         batch = n
-        count = math.prod(shape)
-        dt = s.datatype.numpy
-        if t.raw is not None:
-            want = count * dt.itemsize
-            if len(t.raw) != want:
-                raise BadRequest(f"input {s.name}: {len(t.raw)} bytes of data, but shape {shape} of "
-                                 f"{s.datatype.name} needs {want}")
-            arr = np.frombuffer(t.raw, dtype=dt).reshape(shape)
-        else:
-            arr = _from_json(t.data, s.datatype.name, dt, count, s.name).reshape(shape)
-        arrays.append(arr)
+        arrays.append(decode_tensor(s.name, s.datatype, shape, t))
     return tuple(arrays), batch
+
+
+def decode_tensor(name: str, datatype: DataType, shape: list[int], t: WireTensor) -> np.ndarray:
+    """One input's array of `shape`, from raw bytes or JSON data; BadRequest if they do not fit."""
+    count = math.prod(shape)
+    if t.raw is None:
+        if datatype.variable:
+            return _bytes_from_json(t.data, count, name).reshape(shape)
+        if datatype.name == "BF16":  # through FP32: numpy's float checks, then rounded to bfloat16
+            wide = _from_json(t.data, "BF16", np.dtype(np.float32), count, name)
+            narrow = wide.astype(datatype.numpy)
+            if np.isinf(narrow.astype(np.float32)).sum() != np.isinf(wide).sum():
+                raise BadRequest(f"input {name}: a value is out of range for BF16")
+            return narrow.reshape(shape)
+        return _from_json(t.data, datatype.name, datatype.numpy, count, name).reshape(shape)
+    if datatype.variable:
+        return decode_bytes(t.raw, count, name).reshape(shape)
+    want = count * datatype.itemsize
+    if len(t.raw) != want:
+        raise BadRequest(f"input {name}: {len(t.raw)} bytes of data, but shape {shape} of "
+                         f"{datatype.name} needs {want}")
+    return np.frombuffer(t.raw, dtype=datatype.numpy).reshape(shape)
+
+
+def decode_bytes(raw: bytes | memoryview, count: int, name: str) -> np.ndarray:
+    """`count` BYTES elements, each a 4-byte little-endian length and that many bytes, filling `raw`
+    exactly; an object array of `bytes`."""
+    view = memoryview(raw)
+    end = len(view)
+    out = np.empty(count, dtype=object)
+    pos = 0
+    for i in range(count):
+        if pos + 4 > end:
+            raise BadRequest(f"input {name}: BYTES data ends before element {i} of {count} (each element is a "
+                             "4-byte little-endian length, then its bytes)")
+        (n,) = _LEN.unpack_from(view, pos)
+        pos += 4
+        if n > end - pos:
+            raise BadRequest(f"input {name}: BYTES element {i} says {n} bytes, but only {end - pos} remain")
+        out[i] = bytes(view[pos : pos + n])
+        pos += n
+    if pos != end:
+        raise BadRequest(f"input {name}: {end - pos} bytes of data follow its {count} BYTES elements")
+    return out
+
+
+def _bytes_from_json(data: Any, count: int, name: str) -> np.ndarray:
+    """BYTES given as values: strings (nested lists, or flat), taken as their UTF-8 bytes, or bytes."""
+    if data is None:
+        raise BadRequest(f"input {name}: no data (give 'data', or binary data with parameters.binary_data_size)")
+    flat: list[bytes] = []
+    stack: list[Any] = [data]
+    while stack:  # depth-first, left to right: row-major order
+        x = stack.pop()
+        if isinstance(x, list):
+            if len(flat) + len(stack) + len(x) > count:  # never walk more than the shape holds
+                raise BadRequest(f"input {name}: more values of data than its shape holds ({count})")
+            stack.extend(reversed(x))
+        elif isinstance(x, str):
+            flat.append(x.encode())
+        elif isinstance(x, bytes):  # gRPC's bytes_contents (JSON has only strings)
+            flat.append(x)
+        else:
+            raise BadRequest(f"input {name}: BYTES data must be strings, got {type(x).__name__}")
+    if len(flat) != count:
+        raise BadRequest(f"input {name}: {len(flat)} values of data, but its shape needs {count}")
+    out = np.empty(count, dtype=object)
+    out[:] = flat
+    return out
 
 
 def _from_json(data: Any, dt_name: str, dt: np.dtype, count: int, name: str) -> np.ndarray:
@@ -154,8 +232,29 @@ def select_outputs(spec: ModelSpec, names: Sequence[str] | None) -> list[int]:
 
 
 def tensor_bytes(arr: np.ndarray) -> bytes:
-    """Little-endian, row-major bytes of an output."""
+    """Little-endian, row-major bytes of an output; BYTES as length-prefixed elements."""
+    if arr.dtype == object:
+        return b"".join(_LEN.pack(len(b)) + b for b in (_as_bytes(x) for x in arr.ravel()))
     a = np.ascontiguousarray(arr)
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
     return a.tobytes()
+
+
+def _as_bytes(x: Any) -> bytes:
+    return x.encode() if isinstance(x, str) else bytes(x)
+
+
+def json_data(arr: np.ndarray, name: str) -> Any:
+    """An output's values for a JSON answer (flat, row-major): numbers as they are, BF16 as floats,
+    BYTES as strings (BadRequest if an element is not UTF-8: it must be asked for as binary)."""
+    flat = arr.ravel() if arr.flags.c_contiguous else arr.flatten()
+    if arr.dtype == object:
+        try:
+            return [x if isinstance(x, str) else bytes(x).decode() for x in flat]
+        except UnicodeDecodeError:
+            raise BadRequest(f"output {name} holds bytes that are not UTF-8, which JSON cannot carry; ask for it "
+                             "as binary data") from None
+    if arr.dtype == BY_NAME["BF16"].numpy:
+        return flat.astype(np.float32)
+    return flat

@@ -1,8 +1,9 @@
-"""The HTTP frontend: KServe v2 / Open Inference Protocol with Triton's extensions, on aiohttp.
+"""The HTTP frontend: KServe v2 / Open Inference Protocol with Triton's extensions (api/httpserver.py).
 
 It works unmodified with `tritonclient[http]`: JSON tensors and the binary tensor data
 extension both ways, errors as `{"error": "..."}` (tritonclient reads that key), no
-Content-Type required of the client. Routes match Triton's (the version is numeric).
+Content-Type required of the client. Routes match Triton's (the version is numeric). It reaches
+the daemon only through the gateway (daemon/gateway.py).
 """
 
 from __future__ import annotations
@@ -10,14 +11,23 @@ from __future__ import annotations
 import hmac
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
 from daemon import __version__
 from daemon.api import observe
-from daemon.api.codec import WireTensor, assemble_inputs, check_shape, select_outputs, tensor_bytes
+from daemon.api.codec import (
+    WireTensor,
+    assemble_inputs,
+    check_shape,
+    json_data,
+    request_options,
+    select_outputs,
+    tensor_bytes,
+)
 from daemon.api.httpserver import HttpServer, Request, Response, Router, error_response
+from daemon.api.metadata import model_config_json, model_metadata_json
 from daemon.datatypes import BY_NAME
 from daemon.errors import (
     BadRequest,
@@ -28,11 +38,9 @@ from daemon.errors import (
     PayloadTooLarge,
     UnsupportedMediaType,
 )
+from daemon.gateway import Gateway
 from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest
-
-if TYPE_CHECKING:
-    from daemon.server import Daemon
 
 log = logging.getLogger("escapement.http")
 
@@ -83,14 +91,15 @@ def _parameters(request: Request, limit: int) -> dict[str, Any]:
 
 
 class HttpFrontend:
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.settings = gateway.settings.server
         self.router = r = Router()
         bases = ("/v2/models/{model}", "/v2/models/{model}/versions/{version:[0-9]+}")
         for base in bases:  # first: routes are tried in order, and infer is the hot path
             r.add("POST", base + "/infer", self.infer)
         # /metrics and the statistics extension (api/observe.py), before `/v2/models/{model}` matches "stats"
-        observe.add_routes(r, daemon)
+        observe.add_routes(r, gateway)
         r.add("GET", "/v2", self.server_metadata)
         r.add("GET", "/v2/health/live", self.live)
         r.add("GET", "/v2/health/ready", self.ready)
@@ -113,11 +122,11 @@ class HttpFrontend:
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self, host: str, port: int) -> int:
-        s = self.daemon.settings.server
+        s = self.settings
         self.server = HttpServer(self.router, answer_error, max_body=s.max_body_bytes,
                                  max_connections=s.max_connections, keepalive_s=s.idle_timeout_s,
                                  write_timeout_s=s.write_timeout_s, request_timeout_s=s.request_timeout_s,
-                                 memory=self.daemon.request_memory)
+                                 memory=self.gateway.request_memory)
         port = await self.server.start(host, port)
         if is_loopback(s.http):  # other listeners have names we cannot know: the token guards them
             self._hosts = frozenset(f"{h}:{port}" for h in (host.lower(), "localhost", "127.0.0.1", "[::1]"))
@@ -141,29 +150,22 @@ class HttpFrontend:
         return json_response({"live": True})
 
     async def ready(self, request: Request) -> Response:
-        ok = self.daemon.is_ready()
-        body: dict[str, Any] = {"ready": ok}
-        lost = self.daemon.lost_devices()
-        if lost:  # which device failed, and why (a sticky CUDA error, a hang)
-            body["lost_devices"] = lost
-        return json_response(body, 200 if ok else 503)
+        health = self.gateway.health()
+        body: dict[str, Any] = {"ready": health.ready}
+        if health.lost_devices:  # which device failed, and why (a sticky CUDA error, a hang)
+            body["lost_devices"] = health.lost_devices
+        return json_response(body, 200 if health.ready else 503)
 
     # ---------------------------------------------------------------- models
 
     def _entry(self, request: Request) -> Any:
-        return self.daemon.registry.entry(request.params["model"], request.params.get("version"))
+        return self.gateway.model(request.params["model"], request.params.get("version"))
 
     async def model_metadata(self, request: Request) -> Response:
         entry = self._entry(request)
         spec: ModelSpec = entry.spec
-        if request.params.get("version") is not None:
-            versions = [str(spec.version)]
-        else:
-            versions = [str(v) for v in sorted(self.daemon.registry.versions(spec.name))]
-        return json_response({
-            "name": spec.name, "versions": versions, "platform": spec.platform,
-            "inputs": [t.as_json() for t in spec.inputs], "outputs": [t.as_json() for t in spec.outputs],
-        })
+        versions = [spec.version] if request.params.get("version") is not None else self.gateway.versions(spec.name)
+        return json_response(model_metadata_json(spec, versions))
 
     async def model_ready(self, request: Request) -> Response:
         entry = self._entry(request)
@@ -179,33 +181,33 @@ class HttpFrontend:
         body = request.body
         ready_only = False
         if body.strip():
-            obj = _parse_json(body, "the request body", self.daemon.settings.server.max_json_bytes)
+            obj = _parse_json(body, "the request body", self.settings.max_json_bytes)
             if not isinstance(obj, dict):
                 raise BadRequest("the index request body must be a JSON object")
             ready_only = bool(obj.get("ready", False))
-        return json_response(self.daemon.registry.index(ready_only))
+        return json_response(self.gateway.index(ready_only))
 
     async def repository_load(self, request: Request) -> Response:
         """(Re)read a model's entry from the repository and serve it; 200 once it is ready."""
         self._authorize(request)
-        params = _parameters(request, self.daemon.settings.server.max_json_bytes)
+        params = _parameters(request, self.settings.max_json_bytes)
         if "config" in params or any(k.startswith("file:") for k in params):
             raise NotImplementedByServer("a load request carrying a config or model files is not supported; put "
                                          "them in the model repository and load the model by name")
-        return json_response(await self.daemon.load_model(request.params["model"]))
+        return json_response(await self.gateway.load_model(request.params["model"]))
 
     async def repository_unload(self, request: Request) -> Response:
         """Stop serving a model; 200 once its accepted requests are answered and it is unloaded."""
         self._authorize(request)
-        params = _parameters(request, self.daemon.settings.server.max_json_bytes)
+        params = _parameters(request, self.settings.max_json_bytes)
         dependents = params.get("unload_dependents", False)
         if not isinstance(dependents, bool):
             raise BadRequest(f"parameters.unload_dependents must be a boolean, got {dependents!r}")
         # A model's only dependent is its parity model, which always goes with it.
-        return json_response(await self.daemon.unload_model(request.params["model"]))
+        return json_response(await self.gateway.unload_model(request.params["model"]))
 
     async def controller_stats(self, request: Request) -> Response:
-        return json_response(self.daemon.statistics())
+        return json_response(self.gateway.statistics())
 
     # ---------------------------------------------------------------- management
     # /v2/admin/* and the repository's load and unload change what the daemon does. Each needs the
@@ -214,11 +216,11 @@ class HttpFrontend:
     # body typed as a form would type it (not JSON) is refused before anything else.
 
     def _authorize(self, request: Request, faults: bool = False) -> None:
-        s = self.daemon.settings.server
+        s = self.settings
         self._same_site(request)
         if faults and not s.allow_faults:
             raise Forbidden("fault injection is off: set server.allow_faults to use it (tests and demos only)")
-        token = self.daemon.admin_token
+        token = self.gateway.admin_token
         if token:
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, f"Bearer {token}".encode()):  # no timing hints about the token
@@ -243,35 +245,32 @@ class HttpFrontend:
 
     async def get_faults(self, request: Request) -> Response:
         self._authorize(request, faults=True)
-        return json_response({name: (ex.faults.spec.as_json() if ex.faults.spec else None)
-                              for name, ex in self.daemon.executors.items()})
+        return json_response(self.gateway.faults())
 
     async def set_fault(self, request: Request) -> Response:
         self._authorize(request, faults=True)
         from daemon.runtime.faults import FaultSpec
 
-        obj = _parse_json(request.body, "the request body", self.daemon.settings.server.max_json_bytes)
+        obj = _parse_json(request.body, "the request body", self.settings.max_json_bytes)
         if not isinstance(obj, dict) or not isinstance(obj.get("device"), str):
             raise BadRequest('expected {"device": "cpu:0", "slowdown": 3.0, ...}')
-        ex = self.daemon.executors.get(obj.pop("device"))
-        if ex is None:
-            raise NotFound(f"no such device; devices: {sorted(self.daemon.executors)}")
+        device = obj.pop("device")
+        if device not in self.gateway.faults():
+            raise NotFound(f"no such device; devices: {sorted(self.gateway.faults())}")
         try:
             spec = FaultSpec(**obj)
         except (TypeError, ValueError) as e:
             raise BadRequest(f"bad fault: {e}") from None
-        ex.faults.set(spec)
-        log.warning("fault injected on %s: %s", ex.device.name, spec)
+        self.gateway.set_fault(device, spec)
+        log.warning("fault injected on %s: %s", device, spec)
         return json_response(spec.as_json())
 
     async def clear_fault(self, request: Request) -> Response:
         self._authorize(request, faults=True)
-        ex = self.daemon.executors.get(request.params["device"])
-        if ex is None:
-            raise NotFound("no such device")
-        ex.faults.set(None)
-        log.warning("faults cleared on %s", ex.device.name)
-        return json_response({"device": ex.device.name, "faults": None})
+        device = request.params["device"]
+        self.gateway.set_fault(device, None)
+        log.warning("faults cleared on %s", device)
+        return json_response({"device": device, "faults": None})
 
     async def named_repository(self, request: Request) -> Response:
         raise NotImplementedByServer("'repository_name' specification is not supported")
@@ -279,11 +278,10 @@ class HttpFrontend:
     # ---------------------------------------------------------------- inference
 
     async def infer(self, request: Request) -> Response:
-        daemon = self.daemon
-        daemon.check_overload()  # before reading the body: refusing must cost little
-        spec = daemon.registry.resolve(request.params["model"], request.params.get("version"))
+        gw = self.gateway
+        spec = gw.admit(request.params["model"], request.params.get("version"))  # before decoding
         body = request.body
-        max_json = daemon.settings.server.max_json_bytes
+        max_json = self.settings.max_json_bytes
         header_len = request.headers.get(_HEADER_LEN_KEY)
         if header_len is not None:
             try:
@@ -303,8 +301,7 @@ class HttpFrontend:
         tensors = self._wire_inputs(obj.get("inputs"), binary)
         arrays, samples = assemble_inputs(spec, tensors)
         if request.lease is not None:  # tensors decoded from JSON are new memory; binary ones view the body
-            request.lease.force(sum(math.prod(t.shape) * BY_NAME[t.datatype].itemsize
-                                    for t in tensors if t.raw is None))
+            request.lease.force(sum(decoded_bytes(t) for t in tensors))
         outputs = self._wanted_outputs(spec, obj)
         params = obj.get("parameters") or {}
         if not isinstance(params, dict):
@@ -312,12 +309,12 @@ class HttpFrontend:
         req_id = obj.get("id")
         if req_id is not None and not isinstance(req_id, str):
             raise BadRequest("id must be a string")
-        if req_id and len(req_id.encode()) > daemon.settings.server.max_request_id_bytes:
-            raise BadRequest(f"id is longer than {daemon.settings.server.max_request_id_bytes} bytes "
+        if req_id and len(req_id.encode()) > self.settings.max_request_id_bytes:
+            raise BadRequest(f"id is longer than {self.settings.max_request_id_bytes} bytes "
                              "(server.max_request_id_bytes)")
-        req = daemon.new_request(spec, arrays, samples, params.get("timeout"), params.get("priority"),
-                                 req_id or "")
-        await daemon.run_request(req)
+        timeout_us, priority = request_options(params.get("timeout"), params.get("priority"))
+        req = gw.new_request(spec, arrays, samples, timeout_us, priority, req_id or "")
+        await gw.infer(req)
         return self._response(spec, req, outputs)
 
     async def _raw_binary(self, request: Request, spec: ModelSpec, body: memoryview) -> Response:
@@ -328,8 +325,8 @@ class HttpFrontend:
         s = spec.inputs[0]
         tensor = WireTensor(s.name, s.datatype.name, [1, *s.sample_shape], raw=body)
         arrays, samples = assemble_inputs(spec, [tensor])
-        req = self.daemon.new_request(spec, arrays, samples, None, None, "")
-        await self.daemon.run_request(req)
+        req = self.gateway.new_request(spec, arrays, samples, None, None, "")
+        await self.gateway.infer(req)
         return self._response(spec, req, [(i, True) for i in range(len(spec.outputs))])
 
     @staticmethod
@@ -403,7 +400,7 @@ class HttpFrontend:
                 item["parameters"] = {"binary_data_size": len(b)}
                 chunks.append(b)
             else:
-                item["data"] = arr.ravel() if arr.flags.c_contiguous else arr.flatten()
+                item["data"] = json_data(arr, o.name)
             out_json.append(item)
         resp: dict[str, Any] = {"model_name": spec.name, "model_version": str(spec.version), "outputs": out_json}
         if req.client_id:
@@ -417,26 +414,14 @@ class HttpFrontend:
                         {HEADER_LEN: str(len(header))})
 
 
+def decoded_bytes(t: WireTensor) -> int:
+    """New memory an input took to decode (binary tensors view the body, except BYTES, copied out)."""
+    dt = BY_NAME[t.datatype]
+    if dt.variable:  # an object and a bytes per element (~80 bytes of overhead each), plus the data
+        return (len(t.raw) if t.raw is not None else 0) + 80 * math.prod(t.shape)
+    return 0 if t.raw is not None else math.prod(t.shape) * dt.itemsize
+
+
 def is_loopback(hostport: str) -> bool:
     host = hostport.rpartition(":")[0].strip("[]")
     return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
-
-
-def model_config_json(spec: ModelSpec) -> dict[str, Any]:
-    """The model's configuration in the shape of Triton's ModelConfig JSON, plus our own fields."""
-    def io(t: Any) -> dict[str, Any]:
-        return {"name": t.name, "data_type": f"TYPE_{t.datatype.name}", "dims": list(t.sample_shape)}
-
-    return {
-        "name": spec.name,
-        "platform": spec.platform,
-        "backend": "pytorch",
-        "version_policy": {"all": {}},
-        "max_batch_size": spec.max_batch_size,
-        "input": [io(t) for t in spec.inputs],
-        "output": [io(t) for t in spec.outputs],
-        "dynamic_batching": {"preferred_batch_size": list(spec.batch_sizes)},
-        "parameters": {"slo_ms": {"string_value": f"{spec.slo_s * 1000:g}"}},
-        "escapement": {"slo_ms": spec.slo_s * 1000, "batch_sizes": list(spec.batch_sizes),
-                       "description": spec.description, "metadata": spec.metadata},
-    }

@@ -22,13 +22,13 @@ import socket
 import struct
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 
 from daemon.api.budget import Lease
-from daemon.api.codec import WireTensor, assemble_inputs, check_shape, select_outputs, tensor_bytes
-from daemon.api.http import model_config_json
+from daemon.api.codec import WireTensor, assemble_inputs, check_shape, request_options, select_outputs, tensor_bytes
+from daemon.api.metadata import model_config_json, model_metadata_json
 from daemon.errors import (
     BadRequest,
     EscapementError,
@@ -39,10 +39,9 @@ from daemon.errors import (
     retry_after_of,
     status_of,
 )
+from daemon.gateway import Gateway
+from daemon.registry import ModelState
 from daemon.request import InferenceRequest
-
-if TYPE_CHECKING:
-    from daemon.server import Daemon
 
 log = logging.getLogger("escapement.socket")
 
@@ -117,15 +116,16 @@ def error_frame(req_id: Any, exc: BaseException) -> dict[str, Any]:
 class SocketConnection(asyncio.Protocol):
     def __init__(self, frontend: SocketFrontend) -> None:
         self.frontend = frontend
-        self.daemon = frontend.daemon
-        self.max_frame = frontend.daemon.settings.server.max_body_bytes
+        self.gateway = frontend.gateway
+        self.settings = frontend.settings
+        self.max_frame = frontend.settings.max_body_bytes
         self.transport: asyncio.Transport | None = None
         self._buf = bytearray()
         self._inflight: dict[int, InferenceRequest] = {}  # internal request id -> request
-        self.share = frontend.daemon.request_memory.share()
+        self.share = frontend.gateway.request_memory.share()
         self._frame_lease: Lease | None = None  # the frame being received, charged whole from its length
         self._starved = False  # the daemon's request memory cannot take the next frame: not reading
-        self._cap = frontend.daemon.settings.server.max_inflight_per_connection
+        self._cap = frontend.settings.max_inflight_per_connection
         self._stalled = False  # frames wait for its requests to finish (_held)
         self._closed = False
         self._paused = False  # the client is not reading its answers
@@ -143,7 +143,7 @@ class SocketConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not subclasses
         transport.set_write_buffer_limits(high=HIGH_WATER)
-        limit = self.daemon.settings.server.max_connections
+        limit = self.settings.max_connections
         if len(self.frontend.connections) >= limit:
             self.frontend.refused += 1
             self.send(error_frame(None, Overloaded(f"the server holds {limit} socket connections, its limit "
@@ -156,9 +156,9 @@ class SocketConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self.frontend.connections.discard(self)
-        self.daemon.request_memory.forget(self)
+        self.gateway.request_memory.forget(self)
         for req in list(self._inflight.values()):
-            self.daemon.controller.cancel(req)
+            self.gateway.cancel(req)
             req.context[2].release()
         self._inflight.clear()
         if self._frame_lease is not None:
@@ -267,7 +267,7 @@ class SocketConnection(asyncio.Protocol):
                 if not lease.take(n):  # wait, not reading, until requests finish and memory frees
                     self._starved = True
                     self._want_reading()
-                    self.daemon.request_memory.wait(self, self._memory_freed)
+                    self.gateway.request_memory.wait(self, self._memory_freed)
                     return False
                 self._frame_lease = lease
                 self.frame_begun = time.monotonic()
@@ -336,7 +336,7 @@ class SocketConnection(asyncio.Protocol):
             if req_id is not None and (isinstance(req_id, bool) or not isinstance(req_id, int | str)):
                 req_id = None
                 raise BadRequest("id must be an integer or a string")
-            limit = self.daemon.settings.server.max_request_id_bytes
+            limit = self.settings.max_request_id_bytes
             if isinstance(req_id, str) and len(req_id.encode()) > limit:
                 req_id = None  # not echoed: it is what the limit keeps from being held
                 raise BadRequest(f"id is longer than {limit} bytes (server.max_request_id_bytes)")
@@ -353,38 +353,35 @@ class SocketConnection(asyncio.Protocol):
         lease.release()
 
     def _control(self, op: Any, msg: dict[str, Any]) -> dict[str, Any]:
-        reg = self.daemon.registry
+        gw = self.gateway
         if op == "live":
             return {"live": True}
         if op == "ready":
-            return {"ready": self.daemon.is_ready()}
+            return {"ready": gw.health().ready}
         if op == "index":
-            return {"models": reg.index(bool(msg.get("ready", False)))}
+            return {"models": gw.index(bool(msg.get("ready", False)))}
         if op == "stats":
-            return {"controller": self.daemon.statistics()}
+            return {"controller": gw.statistics()}
         name = msg.get("model")
         if op in ("metadata", "model_ready", "config"):
             if not isinstance(name, str):
                 raise BadRequest(f"op {op} needs a model name")
-            entry = reg.entry(name, _version(msg))
+            entry = gw.model(name, _version(msg))
             spec = entry.spec
             if op == "model_ready":
-                return {"ready": entry.state.value == "READY", "state": entry.state.value}
+                return {"ready": entry.state == ModelState.READY, "state": entry.state.value}
             if op == "config":
                 return {"config": model_config_json(spec)}
-            return {"name": spec.name, "versions": [str(v) for v in sorted(reg.versions(spec.name))],
-                    "platform": spec.platform, "inputs": [t.as_json() for t in spec.inputs],
-                    "outputs": [t.as_json() for t in spec.outputs]}
+            return model_metadata_json(spec, gw.versions(spec.name))
         raise BadRequest(f"unknown op {op!r}; ops are infer, live, ready, index, stats, metadata, model_ready, config")
 
     # ---------------------------------------------------------------- inference
 
     def _infer(self, req_id: Any, msg: dict[str, Any], lease: Lease) -> None:
-        self.daemon.check_overload()
         name = msg.get("model")
         if not isinstance(name, str):
             raise BadRequest("infer needs a model name")
-        spec = self.daemon.registry.resolve(name, _version(msg))
+        spec = self.gateway.admit(name, _version(msg))
         raw_inputs = msg.get("inputs")
         if not isinstance(raw_inputs, list) or not raw_inputs:
             raise BadRequest("inputs must be a non-empty list")
@@ -404,12 +401,13 @@ class SocketConnection(asyncio.Protocol):
         if wanted is not None and (not isinstance(wanted, list) or not all(isinstance(w, str) for w in wanted)):
             raise BadRequest("outputs must be a list of names")
         out_idx = select_outputs(spec, wanted)
-        req = self.daemon.new_request(spec, arrays, samples, msg.get("timeout_us"), msg.get("priority"), "")
+        timeout_us, priority = request_options(msg.get("timeout_us"), msg.get("priority"))
+        req = self.gateway.new_request(spec, arrays, samples, timeout_us, priority, "")
         req.context = (req_id, out_idx, lease)
         req.on_finish = self._finished
         self._inflight[req.id] = req
         try:
-            self.daemon.controller.submit(req)
+            self.gateway.submit(req)
         except BaseException:
             self._inflight.pop(req.id, None)
             raise
@@ -454,8 +452,9 @@ def _version(msg: dict[str, Any]) -> str | int | None:
 
 
 class SocketFrontend:
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.settings = gateway.settings.server
         self.server: asyncio.AbstractServer | None = None
         self.connections: set[SocketConnection] = set()
         self.path: Path | None = None
@@ -466,7 +465,7 @@ class SocketFrontend:
         await asyncio.to_thread(self._prepare, path)
         loop = asyncio.get_running_loop()
         self.server = await loop.create_unix_server(lambda: SocketConnection(self), path, backlog=1024)
-        os.chmod(path, int(self.daemon.settings.server.socket_mode, 8))
+        os.chmod(path, int(self.settings.socket_mode, 8))
         self.path = Path(path)
         self._sweeper = loop.create_task(self._sweep(), name="socket-sweeper")
 
@@ -475,7 +474,7 @@ class SocketFrontend:
         those whose client has not read its answers for server.write_timeout_s, and those with a
         frame begun but not whole after server.request_timeout_s (a client dripping a large frame
         would otherwise hold its memory, charged when the frame began, for good)."""
-        s = self.daemon.settings.server
+        s = self.settings
         while True:
             await asyncio.sleep(min(1.0, s.idle_timeout_s / 4, s.write_timeout_s / 4, s.request_timeout_s / 4))
             now = time.monotonic()

@@ -108,12 +108,12 @@ def test_defect5_warm_ups_share_the_serving_device(mixed_repo: Path) -> None:
             for f in repo.glob("*/*/profile.json"):
                 f.unlink()  # every version is measured again, on the serving device
             (repo / "wide" / "config.toml").write_text((repo / "wide" / "config.toml").read_text() + f"# {i}\n")
-            changes = asyncio_run(dt, dt.daemon.reload_repository())
+            changes = asyncio_run(dt, dt.daemon.models.reload_repository())
             assert changes["reloaded"] == ["wide:1"]
             serve_and_compare(dt, repo, ["wide"])
         assert len(api._streams) == streams == 5
         assert dt.daemon.executors["emucuda:0"].backend is ex.backend
-        stats = dt.daemon.statistics()["devices"]["emucuda:0"]
+        stats = dt.daemon.gateway.statistics()["devices"]["emucuda:0"]
         assert stats["used"] == ex.used_bytes  # the controller's charge is the device's
         assert not any(k.startswith("warmup:") for k in stats["models"])
         assert not dt.errors
@@ -159,7 +159,7 @@ def test_zipf_over_twenty_models_with_room_for_a_quarter(tmp_path: Path) -> None
                     pytest.fail(f"m{k:02d}: {e}")
                 charged.append(ex.used_bytes)
         assert max(charged) <= budget
-        stats = dt.daemon.statistics()
+        stats = dt.daemon.gateway.statistics()
         assert stats["counters"]["unloads"] > 5  # it evicted, and reloaded
         assert len(stats["devices"]["emucuda:0"]["models"]) <= 5
         assert not dt.errors
@@ -177,7 +177,7 @@ def test_defect7_a_lost_device_is_left_and_reported(mixed_repo: Path) -> None:
         with SocketClient(dt.socket) as c:
             x = {"INPUT__0": np.ones((2, 4), np.float32)}
             c.infer("tiny_pt2", x, timeout_us=5_000_000)
-            holders = [n for n, s in dt.daemon.statistics()["devices"].items() if "tiny_pt2:1" in s["models"]]
+            holders = [n for n, s in dt.daemon.gateway.statistics()["devices"].items() if "tiny_pt2:1" in s["models"]]
             lost = holders[0]
             api = dt.daemon.executors[lost].backend.api
             assert isinstance(api, EmuCuda)
@@ -189,7 +189,7 @@ def test_defect7_a_lost_device_is_left_and_reported(mixed_repo: Path) -> None:
             metrics = http.request("GET", "/metrics")[1].decode()
         assert body["ready"] and "illegal memory access" in body["lost_devices"][lost]
         assert f'escapement_device_up{{device="{lost}"}} 0.0' in metrics
-        assert dt.daemon.statistics()["devices"][lost]["failed"]
+        assert dt.daemon.gateway.statistics()["devices"][lost]["failed"]
         assert [e for e in dt.errors if "illegal memory access" not in e] == []
     finally:
         dt.stop()

@@ -141,9 +141,9 @@ def test_stop_drains_accepted_requests_and_says_so(demo_repo: Path, run_dir: Pat
         assert dt.loop is not None
 
         async def infer_then_stop() -> np.ndarray:
-            req = d.new_request(d.registry.resolve("mlp_784"), (np.zeros((1, 784), np.float32),), 1, 5_000_000,
+            req = d.gateway.new_request(d.registry.resolve("mlp_784"), (np.zeros((1, 784), np.float32),), 1, 5_000_000,
                                 None, "")
-            running = asyncio.ensure_future(d.run_request(req))
+            running = asyncio.ensure_future(d.gateway.infer(req))
             await asyncio.sleep(0)  # submitted
             d.request_stop()
             return (await running).outputs[0]

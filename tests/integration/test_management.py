@@ -226,8 +226,8 @@ def test_a_client_priority_is_clamped_unless_allowed(guarded: DaemonThread) -> N
     spec = dt.daemon.registry.resolve("digits_mlp")
     x = (np.zeros((1, 784), np.float32),)
     default = dt.daemon.settings.controller.default_priority
-    urgent = dt.call(dt.daemon.new_request, spec, x, 1, None, 1, "c")
-    lazy = dt.call(dt.daemon.new_request, spec, x, 1, None, default + 5, "c")
+    urgent = dt.call(dt.daemon.gateway.new_request, spec, x, 1, None, 1, "c")
+    lazy = dt.call(dt.daemon.gateway.new_request, spec, x, 1, None, default + 5, "c")
     assert urgent.rank == default  # may not jump everyone
     assert lazy.rank == default + 5  # may lower its own
 

@@ -140,15 +140,15 @@ def test_unload_answers_accepted_requests_before_unloading(daemon: DaemonThread)
     async def scenario() -> tuple[list[Any], dict[str, Any], BaseException | None]:
         spec = d.registry.resolve("digits_mlp")
         x = (np.zeros((1, 64), np.float32),)
-        accepted = [asyncio.ensure_future(d.run_request(d.new_request(spec, x, 1, 1_000_000, None, "")))
+        accepted = [asyncio.ensure_future(d.gateway.infer(d.gateway.new_request(spec, x, 1, 1_000_000, None, "")))
                     for _ in range(12)]
         await asyncio.sleep(0)  # one loop turn: each is submitted, none can be answered yet
         assert d.controller.scheduler.pending == 12
-        unloading = asyncio.ensure_future(d.unload_model("digits_mlp"))
+        unloading = asyncio.ensure_future(d.gateway.unload_model("digits_mlp"))
         await asyncio.sleep(0)
         late: BaseException | None = None
         try:  # a request after the unload began is refused at once
-            await d.run_request(d.new_request(spec, x, 1, None, None, ""))
+            await d.gateway.infer(d.gateway.new_request(spec, x, 1, None, None, ""))
         except Unavailable as e:
             late = e
         answers = await asyncio.gather(*accepted, return_exceptions=True)
@@ -165,13 +165,13 @@ def test_unload_answers_accepted_requests_before_unloading(daemon: DaemonThread)
 
 def test_reload_applies_what_changed_in_the_repository(daemon: DaemonThread, repo: Path, demo_repo: Path) -> None:
     d = daemon.daemon
-    assert on_loop(daemon, d.reload_repository())["loaded"] == []
+    assert on_loop(daemon, d.models.reload_repository())["loaded"] == []
     # A new model, a removed one (with its parity model), and a broken entry, in one reload.
     shutil.copytree(demo_repo / "mlp_784", repo / "mlp_784")
     shutil.rmtree(repo / "digits_mlp")
     (repo / "bad").mkdir()
     (repo / "bad" / "config.toml").write_text("max_batch_size = 0\n")
-    r = on_loop(daemon, d.reload_repository())
+    r = on_loop(daemon, d.models.reload_repository())
     assert r["loaded"] == ["mlp_784:1"] and r["unloaded"] == ["digits_mlp:1"]
     assert r["broken"] == {"bad": "bad: max_batch_size = 0: expected an integer in 1..4096"}
     assert states(daemon) == {"mlp_784:1": ("READY", ""),
@@ -181,19 +181,19 @@ def test_reload_applies_what_changed_in_the_repository(daemon: DaemonThread, rep
     cfg = repo / "mlp_784" / "config.toml"
     cfg.write_text(cfg.read_text().replace("slo_ms = 100", "slo_ms = 250"))
     shutil.rmtree(repo / "bad")
-    r = on_loop(daemon, d.reload_repository())
+    r = on_loop(daemon, d.models.reload_repository())
     assert r["reloaded"] == ["mlp_784:1"] and r["broken"] == {}
     assert d.registry.resolve("mlp_784").slo_s == 0.25
     with HttpClient(daemon.http) as h:
         assert h.infer("mlp_784", X784).outputs["OUTPUT__0"].shape == (2, 10)
     # An entry that breaks keeps what it served; an unloaded model stays unloaded across reloads.
     cfg.write_text("this is [not toml")
-    r = on_loop(daemon, d.reload_repository())
+    r = on_loop(daemon, d.models.reload_repository())
     assert "mlp_784" in r["broken"] and r["unloaded"] == []
     assert states(daemon)["mlp_784:1"] == ("READY", "")
     cfg.write_text((demo_repo / "mlp_784" / "config.toml").read_text())
-    on_loop(daemon, d.unload_model("mlp_784"))
-    assert on_loop(daemon, d.reload_repository())["loaded"] == []
+    on_loop(daemon, d.gateway.unload_model("mlp_784"))
+    assert on_loop(daemon, d.models.reload_repository())["loaded"] == []
     assert states(daemon)["mlp_784:1"] == ("UNAVAILABLE", "unloaded")
 
 
@@ -214,11 +214,11 @@ def test_a_reload_requested_during_a_reload_runs_once_more_after_it(repo: Path) 
         async def two_sighups() -> None:
             daemon.request_reload()
             await asyncio.sleep(0)  # the reload task starts, takes the lock, and waits on its scan
-            assert daemon._repo_lock.locked()
+            assert daemon.models.lock.locked()
             daemon.request_reload()  # during it: one more, after it
             daemon.request_reload()  # and another one now coalesces with that
-            assert daemon._reloader is not None
-            await daemon._reloader
+            assert daemon.models.reloader is not None
+            await daemon.models.reloader
 
         on_loop(dt, two_sighups())
         seen = []

@@ -15,10 +15,10 @@ from daemon.api.uds import SocketConnection, SocketFrontend
 from daemon.config import settings_from_dict
 from daemon.datatypes import BY_NAME
 from daemon.errors import BadRequest
-from daemon.registry import ModelState
+from daemon.gateway import Gateway
+from daemon.registry import ModelRegistry, ModelState
 from daemon.repository import ModelSpec, TensorSpec
 from daemon.request import InferenceRequest, RequestStatus
-from daemon.server import Daemon
 
 FP32 = BY_NAME["FP32"]
 SPEC = ModelSpec("sum", 1, Path("/x"), "pt2", (TensorSpec("x", FP32, (-1, 3)),), (TensorSpec("y", FP32, (-1, 1)),),
@@ -79,14 +79,17 @@ class InstantController:
 Conn = tuple[SocketConnection, FakeTransport, InstantController]
 
 
+def gateway(server: dict[str, Any], ctl: InstantController) -> Gateway:
+    """A gateway serving SPEC over a fake controller: the frontend alone, no daemon."""
+    registry = ModelRegistry()
+    registry.add(SPEC, ModelState.READY)
+    return Gateway(settings_from_dict({"server": server}), registry, ctl)
+
+
 @pytest.fixture
 def conn() -> Conn:
-    settings = settings_from_dict({"server": {"max_body_bytes": 4096}})
-    daemon = Daemon(settings)
-    daemon.registry.add(SPEC, ModelState.READY)
     ctl = InstantController()
-    daemon._controller = ctl  # type: ignore[assignment]
-    c = SocketConnection(SocketFrontend(daemon))
+    c = SocketConnection(SocketFrontend(gateway({"max_body_bytes": 4096}, ctl)))
     t = FakeTransport()
     c.connection_made(t)  # type: ignore[arg-type]
     return c, t, ctl
@@ -161,7 +164,7 @@ def test_control_ops(conn: Conn) -> None:
     c.data_received(frame({"op": "metadata", "id": "m", "model": "sum"}))
     live, ready, index, meta = t.frames()
     assert live["live"] is True
-    assert ready["ready"] is False  # the daemon was never started
+    assert ready["ready"] is True  # what the gateway's health says (a fake gateway is always ready)
     assert index["models"] == [{"name": "sum", "version": "1", "state": "READY"}]
     assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 3]}]
 
@@ -189,13 +192,11 @@ def test_reading_pauses_while_the_client_does_not_read(conn: Conn) -> None:
 # ------------------------------------------------------------------ request memory and fairness
 
 
-def make(server: dict[str, Any]) -> tuple[Daemon, SocketFrontend, InstantController]:
-    daemon = Daemon(settings_from_dict({"server": {"max_body_bytes": 4096, **server}}))
-    daemon.registry.add(SPEC, ModelState.READY)
+def make(server: dict[str, Any]) -> tuple[Gateway, SocketFrontend, InstantController]:
     ctl = InstantController()
     ctl.hold = True
-    daemon._controller = ctl  # type: ignore[assignment]
-    return daemon, SocketFrontend(daemon), ctl
+    gw = gateway({"max_body_bytes": 4096, **server}, ctl)
+    return gw, SocketFrontend(gw), ctl
 
 
 def connect(frontend: SocketFrontend) -> tuple[SocketConnection, FakeTransport]:

@@ -14,17 +14,11 @@ import asyncio
 from typing import Any
 
 from daemon.api.uds import FRAMES_PER_TURN, SocketConnection, SocketFrontend
-from daemon.config import settings_from_dict
-from daemon.registry import ModelState
-from daemon.server import Daemon
-from tests.protocol.test_socket_framing import SPEC, FakeTransport, InstantController, frame, infer
+from tests.protocol.test_socket_framing import FakeTransport, InstantController, frame, gateway, infer
 
 
 def connection() -> tuple[SocketConnection, FakeTransport]:
-    daemon = Daemon(settings_from_dict({"server": {"max_body_bytes": 4096}}))
-    daemon.registry.add(SPEC, ModelState.READY)
-    daemon._controller = InstantController()  # type: ignore[assignment]
-    c = SocketConnection(SocketFrontend(daemon))
+    c = SocketConnection(SocketFrontend(gateway({"max_body_bytes": 4096}, InstantController())))
     t = FakeTransport()
     c.connection_made(t)  # type: ignore[arg-type]
     return c, t

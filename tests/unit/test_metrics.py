@@ -11,9 +11,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.actions import Action, ActionKind, Result, ResultStatus
-from daemon.api.observe import model_stats_json
 from daemon.controller.telemetry import Buckets
 from daemon.errors import DeadlineExceeded, Overloaded
+from daemon.gateway import model_stats_json
 from daemon.metrics import make_registry
 from daemon.repository import ModelSpec
 from tests.unit.harness import Harness, make_spec

@@ -1,0 +1,316 @@
+"""The gRPC frontend: KServe v2 / Open Inference Protocol (`grpc_service.proto`) on grpcio's asyncio server.
+
+It runs on the daemon's event loop beside HTTP and reaches the daemon only through the gateway
+(daemon/gateway.py). The messages and the service stubs are tritonclient's generated ones
+(`tritonclient.grpc.service_pb2`), the same the unmodified `tritonclient[grpc]` speaks.
+
+Served: ServerLive/Ready, ModelReady, ServerMetadata, ModelMetadata, ModelConfig,
+ModelStatistics, RepositoryIndex/ModelLoad/ModelUnload and ModelInfer, with tensors in
+`raw_input_contents` (any datatype) or typed contents. A gRPC deadline becomes the request's
+deadline (when tighter than its `timeout` parameter); a cancelled RPC or a passed deadline
+cancels the request. Errors map through daemon/errors.py's one tree. Streaming inference,
+shared memory, trace and log settings answer UNIMPLEMENTED (the generated base class).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+from daemon import __version__
+from daemon.api.budget import Lease
+from daemon.api.codec import WireTensor, assemble_inputs, check_shape, request_options, select_outputs, tensor_bytes
+from daemon.api.http import EXTENSIONS, is_loopback
+from daemon.api.metadata import model_config_json
+from daemon.datatypes import BY_NAME
+from daemon.errors import (
+    BadRequest,
+    EscapementError,
+    Forbidden,
+    NotImplementedByServer,
+    grpc_code_of,
+    message_of,
+    retry_after_of,
+)
+from daemon.gateway import Gateway
+from daemon.registry import ModelState
+from daemon.repository import ModelSpec
+from daemon.request import InferenceRequest
+
+log = logging.getLogger("escapement.grpc")
+
+MIN_SEND_BYTES = 64 << 20  # answers may be larger than requests: at least this much may be sent
+# Typed contents: the field each datatype's values travel in (FP16 and BF16 have none: raw only).
+CONTENTS_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+                  "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
+                  "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
+                  "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+
+Ctx = grpc.aio.ServicerContext
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Handler = Callable[[Any, Req, Ctx], Awaitable[Resp]]
+
+
+def rpc(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
+    """The one place a handler's exception becomes a gRPC status (daemon/errors.py's mapping)."""
+    @functools.wraps(fn)
+    async def handler(self: Any, request: Req, context: Ctx) -> Resp:
+        try:
+            return await fn(self, request, context)
+        except EscapementError as e:
+            if e.status == 500:  # only the daemon's own failures are ERRORs: refusals are counted
+                log.error("%s: %s", fn.__name__, e.message)
+            exc: Exception = e
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            log.exception("%s failed", fn.__name__)
+            exc = e
+        retry = retry_after_of(exc)
+        if retry is not None:
+            context.set_trailing_metadata((("retry-after", f"{retry:g}"),))
+        await context.abort(getattr(grpc.StatusCode, grpc_code_of(exc)), message_of(exc))
+        raise AssertionError("unreachable: abort raises")
+    return handler
+
+
+def _param(p: pb.InferParameter) -> Any:
+    """An InferParameter's value (whichever of its oneof is set)."""
+    which = p.WhichOneof("parameter_choice")
+    return None if which is None else getattr(p, which)
+
+
+class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, gateway: Gateway, listener: str) -> None:
+        self.gateway = gateway
+        self.settings = gateway.settings.server
+        self.listener = listener  # HOST:PORT, for the loopback rule of management calls
+        self.share = gateway.request_memory.share()  # every gRPC request charges this one share
+
+    # ---------------------------------------------------------------- server
+
+    @rpc
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Ctx) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    @rpc
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Ctx) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.gateway.health().ready)
+
+    @rpc
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Ctx) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="escapement", version=__version__, extensions=EXTENSIONS)
+
+    # ---------------------------------------------------------------- models
+
+    @rpc
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Ctx) -> pb.ModelReadyResponse:
+        entry = self.gateway.model(request.name, request.version or None)
+        return pb.ModelReadyResponse(ready=entry.state == ModelState.READY)
+
+    @rpc
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Ctx) -> pb.ModelMetadataResponse:
+        spec = self.gateway.model(request.name, request.version or None).spec
+        versions = [spec.version] if request.version else self.gateway.versions(spec.name)
+
+        def tensors(ts: Any) -> list[pb.ModelMetadataResponse.TensorMetadata]:
+            return [pb.ModelMetadataResponse.TensorMetadata(name=t.name, datatype=t.datatype.name, shape=list(t.shape))
+                    for t in ts]
+
+        return pb.ModelMetadataResponse(name=spec.name, versions=[str(v) for v in versions], platform=spec.platform,
+                                        inputs=tensors(spec.inputs), outputs=tensors(spec.outputs))
+
+    @rpc
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Ctx) -> pb.ModelConfigResponse:
+        spec = self.gateway.model(request.name, request.version or None).spec
+        cfg = {k: v for k, v in model_config_json(spec).items() if k != "escapement"}  # ours has no proto field
+        return pb.ModelConfigResponse(config=json_format.ParseDict(cfg, mc.ModelConfig()))
+
+    @rpc
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Ctx) -> pb.ModelStatisticsResponse:
+        stats = self.gateway.model_statistics(request.name or None, request.version or None)
+        return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
+
+    @rpc
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Ctx) -> pb.RepositoryIndexResponse:
+        self._no_named_repository(request.repository_name)
+        models = [pb.RepositoryIndexResponse.ModelIndex(**m) for m in self.gateway.index(request.ready)]
+        return pb.RepositoryIndexResponse(models=models)
+
+    @rpc
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
+                                  context: Ctx) -> pb.RepositoryModelLoadResponse:
+        self._authorize(context)
+        self._no_named_repository(request.repository_name)
+        if "config" in request.parameters or any(k.startswith("file:") for k in request.parameters):
+            raise NotImplementedByServer("a load request carrying a config or model files is not supported; put "
+                                         "them in the model repository and load the model by name")
+        await self.gateway.load_model(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    @rpc
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
+                                    context: Ctx) -> pb.RepositoryModelUnloadResponse:
+        self._authorize(context)
+        self._no_named_repository(request.repository_name)
+        # A model's only dependent is its parity model, which always goes with it (unload_dependents).
+        await self.gateway.unload_model(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    @staticmethod
+    def _no_named_repository(name: str) -> None:
+        if name:
+            raise NotImplementedByServer("'repository_name' specification is not supported")
+
+    def _authorize(self, context: Ctx) -> None:
+        """Management calls: the bearer token in the `authorization` metadata, or (only when the operator
+        opted in) a loopback listener, as on HTTP."""
+        token = self.gateway.admin_token
+        if token:
+            given = dict(context.invocation_metadata() or ()).get("authorization", "")
+            if not hmac.compare_digest(str(given).encode(), f"Bearer {token}".encode()):
+                raise Forbidden("a management call: metadata authorization: Bearer <the admin token> is required")
+        elif not (self.settings.admin_open_loopback and is_loopback(self.listener)):
+            raise Forbidden("management calls need a token (server.admin_token_file, or a systemd credential named "
+                            "admin-token), or server.admin_open_loopback on a loopback listener")
+
+    # ---------------------------------------------------------------- inference
+
+    @rpc
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Ctx) -> pb.ModelInferResponse:
+        gw = self.gateway
+        spec = gw.admit(request.model_name, request.model_version or None)  # before decoding
+        raw = request.raw_input_contents
+        size = sum(len(r) for r in raw)
+        lease = self.share.lease()
+        if not lease.take(size):  # grpcio holds the message already: refusing frees it sooner
+            raise gw.request_memory.refusal(size)
+        try:
+            return await self._infer(spec, request, context, lease)
+        finally:
+            lease.release()
+
+    async def _infer(self, spec: ModelSpec, request: pb.ModelInferRequest, context: Ctx,
+                     lease: Lease) -> pb.ModelInferResponse:
+        gw = self.gateway
+        tensors = self._wire_inputs(request)
+        arrays, samples = assemble_inputs(spec, tensors)
+        lease.force(sum(a.nbytes for a, t in zip(arrays, tensors, strict=False) if t.raw is None))
+        out_idx = self._wanted_outputs(spec, request)
+        params = {k: _param(v) for k, v in request.parameters.items()}
+        if len(request.id.encode()) > self.settings.max_request_id_bytes:
+            raise BadRequest(f"id is longer than {self.settings.max_request_id_bytes} bytes "
+                             "(server.max_request_id_bytes)")
+        timeout_us, priority = request_options(params.get("timeout"), params.get("priority"))
+        left = context.time_remaining()  # the client's gRPC deadline: a hard one
+        if left is not None:
+            grpc_us = max(0, int(left * 1e6))
+            timeout_us = grpc_us if timeout_us is None else min(timeout_us, grpc_us)
+        req = gw.new_request(spec, arrays, samples, timeout_us, priority, request.id)
+        await gw.infer(req)  # a cancelled RPC (client gone, deadline passed) cancels it
+        return self._response(spec, req, out_idx)
+
+    @staticmethod
+    def _wire_inputs(request: pb.ModelInferRequest) -> list[WireTensor]:
+        raw = request.raw_input_contents
+        if not request.inputs:
+            raise BadRequest("inputs must be a non-empty list")
+        if raw and len(raw) != len(request.inputs):
+            raise BadRequest(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; give "
+                             "every input's data there, or none")
+        tensors: list[WireTensor] = []
+        for i, t in enumerate(request.inputs):
+            if "shared_memory_region" in t.parameters:
+                raise NotImplementedByServer("shared-memory tensors are not supported")
+            shape = check_shape(list(t.shape), t.name)
+            if raw:
+                if t.HasField("contents"):
+                    raise BadRequest(f"input {t.name}: data in both contents and raw_input_contents")
+                tensors.append(WireTensor(t.name, t.datatype, shape, raw=raw[i]))
+                continue
+            field = CONTENTS_FIELD.get(t.datatype)
+            if field is None:
+                known = t.datatype in BY_NAME
+                raise BadRequest(f"input {t.name}: {t.datatype} data must come in raw_input_contents"
+                                 if known else f"input {t.name}: unknown datatype {t.datatype}")
+            values = getattr(t.contents, field)
+            others = [f.name for f, v in t.contents.ListFields() if f.name != field and v]
+            if others:
+                raise BadRequest(f"input {t.name}: {t.datatype} data belongs in contents.{field}, not {others[0]}")
+            tensors.append(WireTensor(t.name, t.datatype, shape, data=list(values)))
+        return tensors
+
+    @staticmethod
+    def _wanted_outputs(spec: ModelSpec, request: pb.ModelInferRequest) -> list[int]:
+        if not request.outputs:
+            return list(range(len(spec.outputs)))
+        for o in request.outputs:
+            if "classification" in o.parameters and _param(o.parameters["classification"]):
+                raise NotImplementedByServer("the classification extension is not supported")
+            if "shared_memory_region" in o.parameters:
+                raise NotImplementedByServer("shared-memory tensors are not supported")
+        return select_outputs(spec, [o.name for o in request.outputs])
+
+    @staticmethod
+    def _response(spec: ModelSpec, req: InferenceRequest, out_idx: list[int]) -> pb.ModelInferResponse:
+        assert req.outputs is not None
+        resp = pb.ModelInferResponse(model_name=spec.name, model_version=str(spec.version), id=req.client_id)
+        for i in out_idx:
+            o = spec.outputs[i]
+            arr = req.outputs[i]
+            resp.outputs.add(name=o.name, datatype=o.datatype.name, shape=list(arr.shape))
+            resp.raw_output_contents.append(tensor_bytes(arr))
+        if req.reconstructed:
+            resp.parameters["reconstructed"].bool_param = True
+        return resp
+
+
+class GrpcFrontend:
+    """The listener: a grpc.aio server on the running loop."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.server: grpc.aio.Server | None = None
+        self._stopping: asyncio.Task[None] | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        s = self.gateway.settings.server
+        # grpcio holds a whole message before the handler sees it (the handler then charges it to the
+        # request memory): a message is at most server.max_body_bytes, and at most max_connections
+        # RPCs are in flight (past that: RESOURCE_EXHAUSTED).
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", s.max_body_bytes),
+            ("grpc.max_send_message_length", max(s.max_body_bytes, MIN_SEND_BYTES)),
+            ("grpc.so_reuseport", 0),  # a second daemon on the same port must fail, not share it
+        ], maximum_concurrent_rpcs=s.max_connections)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(self.gateway, f"{host}:{port}"),
+                                                           self.server)
+        bound = self.server.add_insecure_port(f"{host}:{port}" if ":" not in host else f"[{host}]:{port}")
+        if bound == 0:
+            raise OSError(f"cannot listen for gRPC on {host}:{port}")
+        await self.server.start()
+        return bound
+
+    async def stop_listening(self, grace_s: float) -> None:
+        """Stop taking RPCs at once; those running get up to `grace_s` to be answered (the drain)."""
+        if self.server is not None and self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_task(self.server.stop(grace_s), name="grpc-stop")
+
+    async def close(self) -> None:
+        """Cancel the RPCs still running and close the listener."""
+        if self.server is not None:
+            await self.server.stop(0)
+            if self._stopping is not None:
+                await asyncio.gather(self._stopping, return_exceptions=True)
+            self.server = None

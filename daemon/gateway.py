@@ -1,0 +1,262 @@
+"""The gateway: the one narrow interface every frontend (HTTP, gRPC, the unix socket) uses.
+
+A frontend decodes the wire into an `InferenceRequest` and hands it over here; it never sees
+the daemon, the scheduler or the executors. What it may ask:
+
+- requests: `admit` (overload check + model resolution, before decoding), `new_request`
+  (deadline and priority), `submit` / `cancel` (the one submission path), and `infer` for
+  frontends that await an answer (it wraps `submit` in a future);
+- models: `model`, `versions`, `index`, and the repository's `load_model` / `unload_model`;
+- health and observability: `health`, `statistics`, `model_statistics`, `metrics`;
+- management: the fault-injection hooks (`faults`, `set_fault`, `clear_fault`).
+
+Tests build a `Gateway` over a fake controller to drive a frontend without a daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from daemon import metrics
+from daemon.api.budget import RequestMemory
+from daemon.api.throttle import RenderBudget
+from daemon.clock import Clock, MonotonicClock
+from daemon.config import Settings
+from daemon.controller.telemetry import ModelStats, Span
+from daemon.errors import NotFound, Overloaded, Unavailable
+from daemon.overload import LagTracker
+from daemon.registry import ModelRegistry, ModelState, VersionEntry
+from daemon.repository import ModelSpec
+from daemon.request import InferenceRequest
+
+if TYPE_CHECKING:
+    from daemon.controller.scheduler import Scheduler
+    from daemon.runtime.executor import Executor
+    from daemon.runtime.faults import FaultSpec
+
+
+class Controller(Protocol):
+    """What the gateway needs of the controller (daemon/controller/service.py ControllerService)."""
+
+    def submit(self, req: InferenceRequest) -> None: ...
+
+    def cancel(self, req: InferenceRequest) -> None: ...
+
+
+class RepositoryControl(Protocol):
+    """The repository extension's load and unload (daemon/models.py ModelManager)."""
+
+    def load_model(self, name: str) -> Awaitable[dict[str, Any]]: ...
+
+    def unload_model(self, name: str) -> Awaitable[dict[str, Any]]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    ready: bool
+    lost_devices: dict[str, str] = field(default_factory=dict)  # device -> why (a sticky error, a hang)
+
+
+def _always_ready() -> Health:
+    return Health(True)
+
+
+class Gateway:
+    def __init__(self, settings: Settings, registry: ModelRegistry, controller: Controller, *,
+                 clock: Clock | None = None, overload: LagTracker | None = None,
+                 request_memory: RequestMemory | None = None, models: RepositoryControl | None = None,
+                 executors: Mapping[str, Executor] | None = None, health: Callable[[], Health] = _always_ready,
+                 admin_token: str = "") -> None:
+        s = settings.server
+        self.settings = settings
+        self.registry = registry
+        self.controller = controller
+        self.clock = clock or MonotonicClock()
+        self.overload = overload or LagTracker(s.shed_lag_ms / 1000.0)
+        self.request_memory = request_memory or RequestMemory(s.request_memory_bytes, s.connection_share)
+        self.admin_token = admin_token  # management endpoints need it ("" = see server.admin_open_loopback)
+        self._models = models
+        self._executors: Mapping[str, Executor] = executors or {}
+        self._health = health
+        self._statistics = RenderBudget(self._render_statistics)
+        self._metrics: RenderBudget[bytes] | None = None
+
+    # ---------------------------------------------------------------- requests
+
+    def admit(self, name: str, version: str | int | None) -> ModelSpec:
+        """The model a new inference request is for; refuses it at once (before its body is decoded,
+        so refusing costs little) while the loop is overloaded. NotFound, Unavailable, Overloaded."""
+        if self.overload.overloaded:
+            self.overload.shed += 1
+            raise Overloaded(f"the daemon is overloaded: its event loop is {self.overload.lag_s * 1e3:.0f} ms "
+                             "behind; retry later", retry_after_s=1.0)
+        return self.registry.resolve(name, version)
+
+    def new_request(self, spec: ModelSpec, arrays: tuple[np.ndarray, ...], samples: int, timeout_us: int | None,
+                    priority: int | None, client_id: str) -> InferenceRequest:
+        """A request arriving now; `timeout_us` and `priority` as checked by api/codec.py
+        (request_options). Its deadline is the model's SLO unless the client set a timeout."""
+        now = self.clock.now()
+        deadline = now + (spec.slo_s if timeout_us is None else timeout_us * 1e-6)
+        priority = priority or 0
+        ctl = self.settings.controller
+        rank = priority or ctl.default_priority
+        if not ctl.client_priorities:  # a client may lower its own priority, not jump everyone else's
+            rank = max(rank, ctl.default_priority)
+        return InferenceRequest(spec, arrays, samples, now, deadline, priority, rank, client_id)
+
+    def submit(self, req: InferenceRequest) -> None:
+        """Hand a request to the controller; `req.on_finish` is called once it is answered (success,
+        failure or cancellation). Raises the refusal (Unavailable, Overloaded, DeadlineExceeded)."""
+        spec = req.model
+        # A version being unloaded or replaced stays in the scheduler until its accepted requests
+        # are answered: only the registry says it admits no more (a request built before that).
+        if self.registry.resolve(spec.name, spec.version) is not spec:
+            raise Unavailable(f"model {spec.name} version {spec.version} was reloaded while the request was "
+                              "read; retry")
+        self.controller.submit(req)
+
+    def cancel(self, req: InferenceRequest) -> None:
+        """The client went away: the request is dropped wherever it is (its on_finish still runs)."""
+        self.controller.cancel(req)
+
+    async def infer(self, req: InferenceRequest) -> InferenceRequest:
+        """Submit and wait for the answer; raises the request's error. Cancelling the caller (a client
+        gone, a gRPC deadline) cancels the request."""
+        fut: asyncio.Future[InferenceRequest] = asyncio.get_running_loop().create_future()
+
+        def done(r: InferenceRequest) -> None:
+            if not fut.done():
+                fut.set_result(r)
+
+        req.on_finish = done
+        self.submit(req)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self.cancel(req)
+            raise
+        if req.error is not None:
+            raise req.error
+        return req
+
+    # ---------------------------------------------------------------- models
+
+    def model(self, name: str, version: str | int | None = None) -> VersionEntry:
+        """A model version (None: the newest that serves) whatever its state; NotFound, Unavailable."""
+        return self.registry.entry(name, version)
+
+    def versions(self, name: str) -> list[int]:
+        return sorted(self.registry.versions(name))
+
+    def index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        """The repository index: one entry per version (and per broken entry), Triton's shape."""
+        return self.registry.index(ready_only)
+
+    async def load_model(self, name: str) -> dict[str, Any]:
+        return await self._repository().load_model(name)
+
+    async def unload_model(self, name: str) -> dict[str, Any]:
+        return await self._repository().unload_model(name)
+
+    def _repository(self) -> RepositoryControl:
+        if self._models is None:
+            raise NotFound("this daemon has no model repository to load from")
+        return self._models
+
+    # ---------------------------------------------------------------- health and observability
+
+    def health(self) -> Health:
+        return self._health()
+
+    def statistics(self) -> dict[str, Any]:
+        """The controller's statistics plus the event loop's lag and the requests shed for it
+        (within a budget of loop time: a flood of requests for them gets the last ones)."""
+        return self._statistics.get()
+
+    def _render_statistics(self) -> dict[str, Any]:
+        o = self.overload
+        m = self.request_memory
+        return {**self._scheduler().statistics(),
+                "loop": {"lag_ms": o.lag_s * 1e3, "max_lag_ms": o.max_s * 1e3, "shed": o.shed},
+                "request_memory": {"held_bytes": m.held, "peak_bytes": m.peak, "limit_bytes": m.limit,
+                                   "refused": m.refused}}
+
+    def model_statistics(self, name: str | None = None, version: str | int | None = None) -> list[dict[str, Any]]:
+        """Triton's statistics extension (`model_stats`), for every ready version, one model's ready
+        versions, or one version. NotFound for an unknown model or version, Unavailable for one
+        with no version ready."""
+        registry = self.registry
+        if name is None:
+            specs = [e.spec for n in registry.names() for _, e in sorted(registry.versions(n).items())
+                     if e.state == ModelState.READY]
+        elif version is not None and version != "":
+            specs = [registry.resolve(name, version)]
+        else:
+            specs = [e.spec for _, e in sorted(registry.versions(name).items()) if e.state == ModelState.READY]
+            if not specs:
+                specs = [registry.resolve(name)]  # raises: unknown, broken, or no version ready
+        sched = self._scheduler()
+        epoch = time.time() - self.clock.now()  # the daemon's clock is monotonic
+        return [model_stats_json(sched, spec, epoch) for spec in specs]
+
+    def metrics(self) -> bytes:
+        """The Prometheus text exposition, rendered on the loop (the collector reads the controller's
+        state) within a budget of loop time: a flood of scrapes gets the last rendering."""
+        if self._metrics is None:
+            registry = metrics.make_registry(self._scheduler, self.overload)
+            self._metrics = RenderBudget(lambda: metrics.render(registry))
+        return self._metrics.get()
+
+    def _scheduler(self) -> Scheduler:
+        return self.controller.scheduler  # type: ignore[attr-defined, no-any-return]  # the real service's
+
+    # ---------------------------------------------------------------- management (fault injection)
+
+    def faults(self) -> dict[str, Any]:
+        return {name: (ex.faults.spec.as_json() if ex.faults.spec else None) for name, ex in self._executors.items()}
+
+    def set_fault(self, device: str, spec: FaultSpec | None) -> None:
+        """Inject a fault on a device's executor (None clears it); NotFound for an unknown device."""
+        ex = self._executors.get(device)
+        if ex is None:
+            raise NotFound(f"no such device {device!r}; devices: {sorted(self._executors)}")
+        ex.faults.set(spec)
+
+
+def model_stats_json(sched: Scheduler, spec: ModelSpec, epoch: float) -> dict[str, Any]:
+    """One `$model_stat` of Triton's statistics extension; `epoch` turns clock times into Unix times."""
+    m = sched.telemetry.models.get(spec.key) or ModelStats(spec)
+    entry = sched.models.get(spec.key)
+    weights = entry.weight_bytes if entry is not None else 0
+    none = Span().as_json()
+    last = round((m.last_inference + epoch) * 1000) if m.last_inference else 0
+    return {
+        "name": spec.name,
+        "version": str(spec.version),
+        "last_inference": last,
+        "inference_count": m.inference_count,
+        "execution_count": m.execution_count,
+        "inference_stats": {
+            "success": m.success.as_json(), "fail": m.fail.as_json(), "queue": m.queue.as_json(),
+            "compute_input": m.compute_input.as_json(), "compute_infer": m.compute_infer.as_json(),
+            "compute_output": m.compute_output.as_json(),
+            "cache_hit": none, "cache_miss": none,  # escapement has no response cache
+        },
+        "response_stats": {},
+        "batch_stats": [
+            {"batch_size": size,
+             "compute_input": {"count": b.count, "ns": 0},
+             "compute_infer": {"count": b.count, "ns": round(b.infer_s * 1e9)},
+             "compute_output": {"count": b.count, "ns": round(b.other_s * 1e9)}}
+            for size, b in sorted(m.batches.items())
+        ],
+        "memory_usage": [{"type": "GPU" if d.kind == "cuda" else "CPU", "id": d.device.index, "byte_size": weights}
+                         for d in sched.devices.values() if d.memory.is_ready(spec.key)],
+    }

@@ -1,0 +1,531 @@
+"""The model manager: which model versions the daemon serves, and changing that without dropping a request.
+
+It owns the repository scans and the served versions (`ModelRegistry` says what frontends see;
+`ModelManager` decides it). A new version is read (in a worker thread), warmed up on a serving
+device and profiled before it is admitted; a version leaving is refused new requests at once
+and unloaded once its accepted ones are answered. SIGHUP reloads (`reload_repository`), and the
+repository extension's load and unload (`load_model`, `unload_model`) apply a scan the same
+way, one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from daemon.clock import Clock
+from daemon.coding import codes
+from daemon.config import Settings
+from daemon.controller.scheduler import Scheduler
+from daemon.controller.service import ControllerService
+from daemon.errors import BadRequest, ConfigError, NotFound, Unavailable
+from daemon.lifecycle import State
+from daemon.notify import Notifier
+from daemon.registry import ModelRegistry, ModelState
+from daemon.repository import ModelSpec, ScanResult, parity_model, scan
+from daemon.runtime.devices import Device
+from daemon.runtime.executor import Executor
+from daemon.runtime.hostmem import HostPins
+from daemon.runtime.profiler import measure, read_profile, seeds, write_profile
+from daemon.runtime.program import Program, ProgramError, load_program
+
+log = logging.getLogger("escapement.server")
+
+Stamp = tuple[tuple[int, int], ...]  # (mtime_ns, size) of a version's files: a change is a new version
+Seeds = dict[str, tuple[dict[int, float], float | None]]  # device kind -> INFER and LOAD estimates
+Spawn = Callable[[Coroutine[Any, Any, Any], str], "asyncio.Task[Any]"]
+
+@dataclass(slots=True)
+class Prepared:
+    """A model version read into host memory and profiled, not yet known to the scheduler."""
+
+    spec: ModelSpec
+    stamp: Stamp
+    program: Program
+    seeds: Seeds
+    parity: Prepared | None = None  # its parity model, when it has one that loads
+    notes: str = ""  # what a device cannot do for it (e.g. why it runs without CUDA graphs)
+
+
+@dataclass(slots=True)
+class Served:
+    """A model version the scheduler knows (admitted requests, or about to)."""
+
+    spec: ModelSpec
+    stamp: Stamp
+    parity_key: str | None = None
+    retiring: bool = False  # refused new requests, waiting for its accepted ones
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.spec.key, self.parity_key) if self.parity_key else (self.spec.key,)
+
+
+@dataclass(slots=True)
+class Changes:
+    """What a reload, load or unload did, by version key ("name:version")."""
+
+    loaded: list[str] = field(default_factory=list)
+    reloaded: list[str] = field(default_factory=list)  # its files changed: replaced
+    unloaded: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # key -> why it is not (newly) served
+    broken: dict[str, str] = field(default_factory=dict)  # model name -> why its entry cannot be read
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        parts = [f"{len(v)} {k}" for k, v in asdict(self).items() if v]
+        return ", ".join(parts) or "nothing changed"
+
+
+class _NotServed(Exception):
+    """A model version cannot be served; the message says why."""
+
+
+def _stamp(spec: ModelSpec) -> Stamp:
+    files = [spec.path.parent.parent / "config.toml", spec.path]
+    if spec.parity is not None:
+        files.append(spec.path.parent / spec.parity.file)
+    out: list[tuple[int, int]] = []
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:
+            out.append((0, 0))
+        else:
+            out.append((st.st_mtime_ns, st.st_size))
+    return tuple(out)
+
+
+def _scan(root: Path, default_slo_ms: float) -> tuple[ScanResult, dict[str, Stamp]]:
+    """The repository's entries and their files' stamps (file I/O: run it in a thread)."""
+    result = scan(root, default_slo_ms)
+    return result, {m.key: _stamp(m) for m in result.models}
+
+
+def _busy(sched: Scheduler, keys: Sequence[str]) -> bool:
+    return any(d.busy[k] for d in sched.devices.values() for k in keys)
+
+
+def _quiet(sched: Scheduler, keys: Sequence[str]) -> bool:
+    """No request of these models is queued, running or held for a reconstruction, and no action
+    of theirs is in flight: they can leave the scheduler without failing anything."""
+    for key in keys:
+        entry = sched.models.get(key)
+        if entry is not None and entry.queue.requests:
+            return False
+    if _busy(sched, keys):
+        return False
+    return not any(g.spec.key in keys for g in sched.coding.groups.values())
+
+
+def _landed(sched: Scheduler, keys: Sequence[str]) -> bool:
+    """Every LOAD of these models has come back (loaded, or failed)."""
+    return all(sched.placed_on.get(k, set()) <= sched.ready_on.get(k, set()) for k in keys)
+
+
+class ModelManager:
+    """Serves the repository's models: reads, warms up, installs, reloads and retires versions."""
+
+    def __init__(self, settings: Settings, registry: ModelRegistry, controller: ControllerService,
+                 executors: dict[str, Executor], devices: Sequence[Device], programs: dict[str, Program],
+                 host_pins: HostPins, notifier: Notifier, clock: Clock, *, spawn: Spawn,
+                 phase: Callable[[], State], status_line: Callable[[], str]) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.controller = controller
+        self.executors = executors
+        self.devices = devices
+        self.programs = programs  # version key -> program; the executors read it (LOADs)
+        self.host_pins = host_pins
+        self.notifier = notifier
+        self.clock = clock
+        self._spawn = spawn  # a task the daemon tracks: cancelled on shutdown, its failure logged
+        self._phase = phase
+        self._status_line = status_line  # systemd's READY=1 status after a reload
+        self._served: dict[str, Served] = {}  # version key -> what the scheduler serves under it
+        self._unloaded: set[str] = set()  # model names unloaded through the API: reloads leave them out
+        self.lock = asyncio.Lock()  # reloads, loads and unloads run one at a time
+        self._reload_pending = False
+        self.reloader: asyncio.Task[None] | None = None
+        self.warming: set[threading.Event] = set()  # warm-ups running in a worker thread (shutdown waits)
+
+    @property
+    def state(self) -> State:
+        return self._phase()
+
+    def serving(self) -> int:
+        """How many model versions are READY."""
+        return sum(1 for m in self.registry.index() if m["state"] == "READY")
+
+    async def load_repository(self) -> None:
+        """Serve every model of the repository: read each (in a worker thread), warm it up and
+        preload it where its config asks; returns once each is ready or reported not served."""
+        async with self.lock:
+            changes = await self._sync(None)
+        for key, why in changes.failed.items():
+            log.error("model %s is not served: %s", key, why)
+
+    # ---------------------------------------------------------------- reload, load, unload
+
+    def request_reload(self) -> None:
+        """SIGHUP: reload the repository in the background; a request during a reload runs one
+        more after it (requests coalesce: the next reload sees every change made meanwhile)."""
+        if self.state > State.RUNNING:
+            return
+        self._reload_pending = True
+        if self.state == State.RUNNING and (self.reloader is None or self.reloader.done()):
+            self.reloader = self._spawn(self._reload_loop(), "reload")
+
+    async def _reload_loop(self) -> None:
+        while self._reload_pending and self.state == State.RUNNING:
+            self._reload_pending = False
+            try:
+                await self.reload_repository()
+            except Exception:  # one failed reload must not stop the next
+                log.exception("reload failed")
+
+    async def reload_repository(self) -> dict[str, Any]:
+        """Rescan the repository and apply what changed, without dropping a request.
+
+        New models and versions are loaded and admitted once warm; versions gone from the
+        repository are refused new requests and unloaded once their accepted ones are answered;
+        a version whose files changed is replaced (removed, then added: the old one serves until
+        the new one is read and warm); broken entries are reported, and a model whose entry broke
+        keeps serving what it served. Models unloaded through the API stay unloaded. systemd sees
+        RELOADING=1 now and READY=1 when done, whatever happened. Returns what changed.
+        """
+        async with self.lock:
+            self.notifier.reloading("reloading the model repository")
+            log.info("reload: rescanning %s", self.settings.models.repository)
+            try:
+                changes = await self._sync(None)
+            except ConfigError as e:
+                changes = Changes(failed={"repository": str(e)})
+            finally:
+                if self.state == State.RUNNING:  # never READY=1 after STOPPING=1
+                    self.notifier.ready(self._status_line())
+        for key, why in changes.failed.items():
+            log.error("reload: %s: %s", key, why)
+        log.info("reload done: %s", changes.summary())
+        return changes.as_json()
+
+    async def load_model(self, name: str) -> dict[str, Any]:
+        """(Re)read one model's entry from the repository and serve what it holds now (the
+        repository extension's load). NotFound if the repository has no such model; BadRequest
+        if its entry or a version of it cannot be served (what it served is then kept)."""
+        self._check_running()
+        async with self.lock:
+            try:
+                result, stamps = await self._scan()
+            except ConfigError as e:
+                raise Unavailable(str(e)) from None
+            if name not in result.broken and all(m.name != name for m in result.models):
+                raise NotFound(f"model {name!r} is not in the model repository")
+            self._unloaded.discard(name)
+            changes = await self._apply(result, stamps, {name})
+        log.info("load %s: %s", name, changes.summary())
+        problems = [*changes.broken.values(), *(f"{k}: {why}" for k, why in changes.failed.items())]
+        if problems:
+            raise BadRequest(f"failed to load model {name}: " + "; ".join(problems))
+        return changes.as_json()
+
+    async def unload_model(self, name: str) -> dict[str, Any]:
+        """Stop serving every version of a model (the repository extension's unload): new requests
+        are refused at once, accepted ones answered, then its weights unloaded. It stays listed as
+        UNAVAILABLE ("unloaded"), and reloads leave it so until `load_model`. NotFound if unknown."""
+        self._check_running()
+        if name not in self.registry.names():
+            raise NotFound(f"unknown model {name!r}")
+        async with self.lock:
+            self._unloaded.add(name)
+            keys = sorted(k for k, v in self._served.items() if v.spec.name == name and not v.retiring)
+            changes = await self._retire_all(keys, "unloading", self._mark_unloaded)
+            for entry in self.registry.versions(name).values():
+                if entry.spec.key not in self._served:  # a version that had failed to load, say
+                    self.registry.set_state(entry.spec, ModelState.UNAVAILABLE, "unloaded")
+        log.info("unload %s: %s", name, changes.summary())
+        return changes.as_json()
+
+    def _check_running(self) -> None:
+        if self.state != State.RUNNING:
+            raise Unavailable("the daemon is starting or shutting down; retry once it is running")
+
+    def _mark_unloaded(self, spec: ModelSpec) -> None:
+        self.registry.set_state(spec, ModelState.UNAVAILABLE, "unloaded")
+
+    def _forget_version(self, spec: ModelSpec) -> None:
+        self.registry.remove(spec.name, spec.version)
+
+    async def _scan(self) -> tuple[ScanResult, dict[str, Stamp]]:
+        root = Path(self.settings.models.repository)
+        try:
+            return await asyncio.to_thread(_scan, root, self.settings.models.default_slo_ms)
+        except FileNotFoundError:
+            raise ConfigError(f"models.repository: {root} is not a directory (build the demo models with "
+                              f"`escapement demo --out {root}`)") from None
+
+    async def _sync(self, names: set[str] | None) -> Changes:
+        result, stamps = await self._scan()
+        return await self._apply(result, stamps, names)
+
+    async def _apply(self, result: ScanResult, stamps: dict[str, Stamp], names: set[str] | None) -> Changes:
+        """Make what is served match a repository scan, for the models in `names` (None: all)."""
+        def mine(name: str) -> bool:
+            return names is None or name in names
+
+        skip = self._unloaded if names is None else set()  # a reload leaves API-unloaded models alone
+        wanted = {m.key: m for m in result.models if mine(m.name) and m.name not in skip}
+        in_repo = {m.key for m in result.models}
+        # 1. Broken entries are reported; a model whose entry broke keeps what it serves.
+        broken = {n: why for n, why in result.broken.items() if mine(n)}
+        for name in self.registry.names():
+            if mine(name) and name not in broken:
+                self.registry.remove(name)  # its broken entry, if it had one
+        for name, why in broken.items():
+            self.registry.set_broken(name, why)
+        # 2. Versions gone from the repository: refused from now on, unloaded once answered.
+        gone = sorted(k for k, v in self._served.items() if mine(v.spec.name) and k not in wanted
+                      and not v.retiring and v.spec.name not in broken and v.spec.name not in skip)
+        if gone:
+            self.notifier.status(f"unloading {len(gone)} model version(s)")
+        changes = await self._retire_all(gone, "unloading: gone from the repository", self._forget_version)
+        changes.broken = broken
+        # 3. Entries nothing stands behind any more (a failed version since deleted, say).
+        for name in [n for n in self.registry.names() if mine(n)]:
+            for version, entry in list(self.registry.versions(name).items()):
+                key = entry.spec.key
+                if key not in self._served and key not in wanted and not (name in skip and key in in_repo):
+                    self.registry.remove(name, version)
+        self._unloaded &= {m.name for m in result.models} | set(result.broken)
+        # 4. New versions, and versions whose files changed (removed, then added).
+        todo = sorted(k for k, m in wanted.items()
+                      if k not in self._served or self._served[k].spec != m or self._served[k].stamp != stamps[k])
+        for key in todo:
+            if key not in self._served:
+                self.registry.add(wanted[key], ModelState.LOADING)
+        for i, key in enumerate(todo, 1):
+            if self.state > State.RUNNING:
+                raise Unavailable("the daemon is shutting down")
+            self.notifier.status(f"loading model {i}/{len(todo)}: {key}")
+            replacing = key in self._served
+            why = await self._bring_up(wanted[key], stamps[key])
+            if why is not None:
+                changes.failed[key] = why
+            else:
+                (changes.reloaded if replacing else changes.loaded).append(key)
+        return changes
+
+    async def _retire_all(self, keys: Sequence[str], reason: str, after: Callable[[ModelSpec], None]) -> Changes:
+        changes = Changes()
+        for k in keys:  # all refused at once, before any wait
+            self._stop_admitting(k, ModelState.UNAVAILABLE, reason)
+        done = await asyncio.gather(*(self._retire(k, after) for k in keys))
+        for key, ok in zip(keys, done, strict=True):
+            if ok:
+                changes.unloaded.append(key)
+            else:
+                changes.failed[key] = "still running on a device: it is unloaded once that returns"
+        return changes
+
+    async def _bring_up(self, spec: ModelSpec, stamp: Stamp) -> str | None:
+        """Serve a new version, or replace a served one whose files changed; None if it is now
+        ready, else why not. A replaced version serves until its successor is read and warm."""
+        old = self._served.get(spec.key)
+        if old is not None and old.retiring:
+            return "its previous copy is still unloading; reload again once it is gone"
+        try:
+            prepared = await self._prepare(spec, stamp)
+        except _NotServed as e:
+            if old is not None:
+                return f"{e} (the version read before is still served)"
+            self.registry.set_state(spec, ModelState.UNAVAILABLE, str(e))
+            return str(e)
+        if old is not None:
+            self._stop_admitting(spec.key, ModelState.LOADING, "reloading: its files changed")
+            ok = await self._retire(spec.key, lambda s: self.registry.set_state(
+                s, ModelState.UNAVAILABLE, "unloaded for a reload that could not finish (a device did not "
+                "return); reload again"))
+            if not ok:
+                return "the version read before is still running on a device; reload again once it is unloaded"
+            self.registry.add(spec, ModelState.LOADING)
+        await self._install(prepared)
+        return None
+
+    async def _prepare(self, spec: ModelSpec, stamp: Stamp) -> Prepared:
+        """Read a version into host memory and profile it (both in threads); raises _NotServed."""
+        try:
+            program = await asyncio.to_thread(load_program, spec)
+        except ProgramError as e:
+            raise _NotServed(str(e)) from None
+        need = self._footprint(program)
+        largest = max(d.model_budget for d in self.devices)
+        if need > largest:
+            raise _NotServed(f"it needs {need} bytes on a device (weights and IO buffers), more than any device's "
+                             f"budget leaves for models ({largest} bytes; runtime.weight_budget)")
+        notes: list[str] = []
+        try:
+            model_seeds = await self._profile(spec, program, notes)
+        except Exception as e:  # a model that cannot even be warmed up is not served
+            raise _NotServed(f"warm-up failed: {e}") from e
+        parity = await self._prepare_parity(spec, stamp) if spec.parity is not None else None
+        return Prepared(spec, stamp, program, model_seeds, parity, "; ".join(notes))
+
+    def _footprint(self, program: Program) -> int:
+        """Device bytes a LOAD of `program` charges: the most any device's backend charges."""
+        return max(ex.footprint(program) for ex in self.executors.values())
+
+    async def _prepare_parity(self, spec: ModelSpec, stamp: Stamp) -> Prepared | None:
+        """A model's parity model; a problem with it disables parity, not the model."""
+        assert spec.parity is not None
+        pspec = parity_model(spec)
+        try:
+            if len(spec.inputs) != 1 or len(spec.outputs) != 1:
+                raise ValueError("parity needs a model with one input and one output")
+            codes.check(spec.parity.encoder, spec.parity.k, spec.inputs[0].sample_shape)
+            program = await asyncio.to_thread(load_program, pspec)
+            parity_seeds = await self._profile(pspec, program)
+        except (ValueError, ProgramError, RuntimeError) as e:
+            log.warning("model %s is served without parity: %s", spec.key, e)
+            return None
+        log.info("model %s: parity k=%d (%s) with %s", spec.key, spec.parity.k, spec.parity.encoder, pspec.path.name)
+        return Prepared(pspec, stamp, program, parity_seeds)
+
+    async def _profile(self, spec: ModelSpec, program: Program, notes: list[str] | None = None) -> Seeds:
+        """Estimates per device kind from the stored profile, measuring (and storing) what is missing;
+        what a device kind cannot do for the model goes to `notes`."""
+        stored = await asyncio.to_thread(read_profile, spec)
+        out: Seeds = {}
+        for kind in sorted({d.kind for d in self.devices}):
+            entry = stored.get(kind)
+            if entry is None:
+                entry = await self._warm_up(spec, program, kind)
+                stored_ok = await asyncio.to_thread(write_profile, spec, kind, entry)
+                log.info("model %s: profiled on %s in its warm-up%s", spec.key, entry["device"],
+                         "" if stored_ok else " (repository read-only: not stored)")
+            out[kind] = seeds(entry)
+            if entry.get("notes") and notes is not None:
+                notes.append(f"on {kind}: {entry['notes']}")
+        return out
+
+    async def _warm_up(self, spec: ModelSpec, program: Program, kind: str) -> dict[str, Any]:
+        """Measure a version on a serving device of `kind`: the controller makes room for it (as for
+        any LOAD: evicting idle models) and keeps the bytes reserved until it is done."""
+        holder = f"warmup:{spec.key}"
+        need = self._footprint(program)
+        timeout = self.settings.server.drain_timeout_s
+        device = await self.controller.reserve(holder, need, kind, timeout)
+        if device is None:
+            raise RuntimeError(f"no {kind} device had room for it within {timeout:.0f} s")
+        self.notifier.status(f"warming {spec.key} on {device}")
+        done = threading.Event()  # set when the thread is out of the device (shutdown waits for it)
+
+        def run() -> dict[str, Any]:
+            try:
+                return measure(self.executors[device], program, self.clock, self.settings.runtime.warmup_reps, 2,
+                               holder)
+            finally:
+                done.set()
+
+        self.warming.add(done)
+        job = asyncio.get_running_loop().run_in_executor(None, run)
+        limit = self.settings.runtime.warmup_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.shield(job), limit)
+        except TimeoutError:
+            why = f"the warm-up of {spec.key} has not returned for {limit:.0f} s (runtime.warmup_timeout_s)"
+            self.controller.declare_hung(device, why)
+            raise RuntimeError(why) from None
+        finally:
+            if done.is_set():
+                self.warming.discard(done)
+                self.controller.unreserve(holder, device)
+            else:  # still on the device (stuck, or a stop cancelled the wait): keep its bytes until it returns
+                def release(f: asyncio.Future[dict[str, Any]]) -> None:
+                    if not f.cancelled():
+                        f.exception()  # nobody waits for it any more: its failure (a stop) is not news
+                    self.warming.discard(done)
+                    if self.state < State.STOPPING:
+                        self.controller.unreserve(holder, device)
+                job.add_done_callback(release)
+
+
+    async def _install(self, p: Prepared) -> None:
+        """Hand a prepared version to the scheduler, preload it where asked (waiting for the LOADs
+        to come back) and admit requests for it."""
+        sched = self.controller.scheduler
+        spec = p.spec
+        for item in (p, p.parity):
+            if item is None:
+                continue
+            self.programs[item.spec.key] = item.program
+            sched.add_model(item.spec, self._footprint(item.program))
+            for kind, (infer, load) in item.seeds.items():
+                sched.seed(item.spec.key, kind, infer, load)
+        served = Served(spec, p.stamp, p.parity.spec.key if p.parity is not None else None)
+        self._served[spec.key] = served
+        if spec.preload_replicas:
+            self.notifier.status(f"preloading {spec.key} onto {spec.preload_replicas} device(s)")
+            placed = self.controller.preload(spec.key, spec.preload_replicas)
+            if served.parity_key is not None:
+                self.controller.preload(served.parity_key, 1, avoid=set(placed))
+            await self.controller.until(lambda s: _landed(s, served.keys))
+            if not sched.ready_on.get(spec.key):
+                log.warning("model %s: preloading failed; it is loaded when requests come", spec.key)
+        self.registry.set_state(spec, ModelState.READY, p.notes)
+        log.info("model %s ready (%s, %.1f MiB of weights)%s", spec.key, spec.format, p.program.weight_bytes / 2**20,
+                 f"; {p.notes}" if p.notes else "")
+
+    def _stop_admitting(self, key: str, state: ModelState, reason: str) -> None:
+        """New requests for a served version are refused from now on (its accepted ones are not)."""
+        served = self._served[key]
+        served.retiring = True
+        self.registry.set_state(served.spec, state, reason)
+
+    async def _retire(self, key: str, after: Callable[[ModelSpec], None]) -> bool:
+        """Wait until a version no longer admitted has answered its accepted requests (at most
+        `server.drain_timeout_s`), then take it out of the scheduler, which unloads it everywhere,
+        and call `after`. False if a device still runs an action of it by then: it is then taken
+        out in the background once the device returns."""
+        served = self._served[key]
+        assert served.retiring, "_stop_admitting first"
+        ctl = self.controller
+        timeout = self.settings.server.drain_timeout_s
+        try:
+            await asyncio.wait_for(ctl.until(lambda s: _quiet(s, served.keys)), timeout)
+        except TimeoutError:
+            if _busy(ctl.scheduler, served.keys):
+                log.warning("model %s: still running on a device after %.1f s (server.drain_timeout_s); "
+                            "it is unloaded once that returns", key, timeout)
+                self._spawn(self._retire_later(served, after), f"unload {key}")
+                return False
+            log.warning("model %s: requests still queued after %.1f s (server.drain_timeout_s) are "
+                        "answered with 503", key, timeout)
+        self._remove(served)
+        after(served.spec)
+        return True
+
+    async def _retire_later(self, served: Served, after: Callable[[ModelSpec], None]) -> None:
+        await self.controller.until(lambda s: not _busy(s, served.keys))
+        self._remove(served)
+        after(served.spec)
+
+    def _remove(self, served: Served) -> None:
+        """Take a version (and its parity model) out of the scheduler; it fails what is still
+        queued (nothing, once quiet) and unloads the weights from every device."""
+        ctl = self.controller
+        now = self.clock.now()
+        for k in served.keys:
+            ctl.apply(ctl.scheduler.remove_model(k, now))
+            ctl.scheduler.estimator.forget(k)  # a replacement must not inherit its timings
+            program = self.programs.pop(k, None)  # pending UNLOADs hold the program they unload
+            if program is not None:
+                self.host_pins.forget(program.host_block)  # no device loads it again
+        del self._served[served.spec.key]
+        log.info("model %s unloaded", served.spec.key)
