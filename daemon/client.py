@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import http.client
 import itertools
+import math
 import socket
 import struct
 from collections.abc import Mapping, Sequence
@@ -25,6 +26,7 @@ import msgpack
 import numpy as np
 import orjson
 
+from daemon.api.codec import decode_bytes, tensor_bytes
 from daemon.datatypes import BY_NAME, BY_NUMPY
 
 LENGTH = struct.Struct(">I")
@@ -54,10 +56,14 @@ def _datatype(arr: np.ndarray) -> str:
 
 
 def _le_bytes(arr: np.ndarray) -> bytes:
-    a = np.ascontiguousarray(arr)
-    if a.dtype.byteorder == ">":
-        a = a.astype(a.dtype.newbyteorder("<"))
-    return a.tobytes()
+    return tensor_bytes(arr)  # little-endian; BYTES (object arrays) length-prefixed
+
+
+def _wire_array(raw: bytes | memoryview, datatype: str, shape: list[int]) -> np.ndarray:
+    """An output from its wire bytes (BYTES: an object array of bytes)."""
+    if datatype == "BYTES":
+        return decode_bytes(raw, math.prod(shape), "output").reshape(shape)
+    return np.frombuffer(raw, dtype=BY_NAME[datatype].numpy).reshape(shape)
 
 
 def infer_message(model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None,
@@ -91,8 +97,7 @@ def decode_answer(msg: Any) -> dict[str, Any]:
 def infer_result(msg: dict[str, Any]) -> InferResult:
     outs = {}
     for o in msg.get("outputs", []):
-        dt = BY_NAME[o["datatype"]].numpy
-        outs[o["name"]] = np.frombuffer(o["data"], dtype=dt).reshape(o["shape"])
+        outs[o["name"]] = _wire_array(o["data"], o["datatype"], o["shape"])
     return InferResult(msg.get("model", ""), msg.get("version", ""), outs, bool(msg.get("reconstructed")))
 
 
@@ -274,9 +279,10 @@ def http_infer_result(body: bytes, header_len: str | None) -> InferResult:
         dt = BY_NAME[o["datatype"]].numpy
         size = (o.get("parameters") or {}).get("binary_data_size")
         if size is not None:
-            flat = np.frombuffer(body, dtype=dt, count=size // dt.itemsize, offset=offset)
-            outs[o["name"]] = flat.reshape(o["shape"])
+            outs[o["name"]] = _wire_array(memoryview(body)[offset : offset + size], o["datatype"], o["shape"])
             offset += size
+        elif o["datatype"] == "BYTES":
+            outs[o["name"]] = np.array([x.encode() for x in o["data"]], dtype=object).reshape(o["shape"])
         else:
             outs[o["name"]] = np.array(o["data"], dtype=dt).reshape(o["shape"])
     return InferResult(obj.get("model_name", ""), obj.get("model_version", ""), outs,

@@ -1,1 +1,2 @@
-"""Frontends: KServe v2 over HTTP and msgpack over a unix socket."""
+"""Frontends: KServe v2 over HTTP and gRPC, and msgpack over a unix socket; each reaches the daemon only
+through the gateway (daemon/gateway.py)."""

@@ -209,3 +209,35 @@ def test_management_needs_the_token_when_one_is_set(test_repo: Path) -> None:
     finally:
         dt.stop()
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.expect_errors("is not served")
+def test_a_shutdown_answers_the_grpc_requests_it_accepted(test_repo: Path) -> None:
+    from daemon.runtime.faults import FaultSpec
+
+    d = short_tmpdir()
+    dt = DaemonThread(settings(test_repo, d, server={"grpc": "127.0.0.1:0", "http": ""}))
+    dt.start()
+    try:
+        dt.call(dt.daemon.gateway.set_fault, "cpu:0", FaultSpec(add_ms=300))  # each INFER takes 300 ms more
+        x = np.ones((1, 4), np.float32)
+
+        async def main() -> np.ndarray:
+            c = tga.InferenceServerClient(dt.grpc)
+            try:
+                inp = tga.InferInput("INPUT__0", [1, 4], "FP32")
+                inp.set_data_from_numpy(x)
+                call = asyncio.ensure_future(c.infer("tiny_pt2", [inp], timeout=5_000_000))
+                accepted = asyncio.run_coroutine_threadsafe(
+                    dt.daemon.controller.until(lambda s: s.pending > 0), dt.loop)
+                await asyncio.wrap_future(accepted)  # the daemon holds it: now stop the daemon
+                assert dt.loop is not None
+                dt.loop.call_soon_threadsafe(dt.daemon.request_stop)
+                return (await call).as_numpy("OUTPUT__0")
+            finally:
+                await c.close()
+
+        np.testing.assert_allclose(asyncio.run(main()), reference(x), rtol=1e-5)
+    finally:
+        dt.stop()
+        shutil.rmtree(d, ignore_errors=True)

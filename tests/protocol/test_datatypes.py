@@ -222,3 +222,16 @@ async def test_grpc_deadline_becomes_the_request_deadline_and_cancels_it() -> No
     finally:
         await c.close()
         await fe.close()
+
+
+def test_our_socket_client_encodes_and_decodes_bytes_and_bf16() -> None:
+    from daemon.client import infer_message, infer_result
+
+    conn = SocketConnection(SocketFrontend(gateway(EchoController())))
+    t = FakeTransport()
+    conn.connection_made(t)  # type: ignore[arg-type]
+    conn.data_received(frame({"id": 5, **infer_message("echo", {"s": WORDS, "h": HALF})}))
+    (answer,) = t.frames()
+    r = infer_result(answer)
+    assert r.outputs["s_out"].tolist() == WORDS.tolist()
+    assert r.outputs["h_out"].dtype == ml_dtypes.bfloat16 and r.outputs["h_out"].tobytes() == HALF.tobytes()
