@@ -107,6 +107,8 @@ class Arena:
         cursor = 0  # where the next slid extent would land
         exts = sorted(self.live.values(), key=lambda e: e.offset)
         for k, e in enumerate(exts):
+            if e.offset - cursor >= need:
+                return moves  # the gap before it is large enough already (the start, or before a pinned one)
             nxt = exts[k + 1].offset if k + 1 < len(exts) else self.size
             if e.id in movable:
                 if e.offset != cursor:

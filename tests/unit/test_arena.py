@@ -16,7 +16,7 @@ ops = st.lists(st.tuples(st.sampled_from(["alloc", "free", "compact"]), st.integ
                          st.integers(0, 1000)), max_size=60)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True)  # the same examples every run (CI is deterministic)
 @given(ops)
 def test_extents_tile_the_arena_and_never_overlap(seq: list[tuple[str, int, int]]) -> None:
     a = Arena(SIZE)
@@ -47,7 +47,7 @@ def test_extents_tile_the_arena_and_never_overlap(seq: list[tuple[str, int, int]
         assert a.used == sum(e.nbytes for e in live)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(st.lists(st.integers(1, 8 * ALIGN), min_size=1, max_size=30))
 def test_freeing_everything_merges_back_into_one_extent(sizes: list[int]) -> None:
     a = Arena(SIZE)
@@ -83,3 +83,13 @@ def test_bad_uses_are_refused() -> None:
         a.free(e)
     with pytest.raises(ValueError, match="power-of-two"):
         Arena(1000, align=3)
+
+
+def test_compaction_sees_a_large_enough_gap_before_the_first_extent() -> None:
+    """Found by the property test: room at the start of the arena, before a pinned extent, is
+    room; no move is needed (it used to say that no plan could make room)."""
+    a = Arena(3 * ALIGN)
+    first, pinned, last = a.alloc(ALIGN), a.alloc(ALIGN), a.alloc(ALIGN)
+    assert first is not None and pinned is not None and last is not None
+    a.free(first)
+    assert a.plan_compaction(set(), ALIGN) == []
