@@ -192,7 +192,9 @@ class Simulation:
                 continue  # coalesce everything at this instant into one scheduling step
             results, self._pending_results = self._pending_results, []
             self._apply(self._timed(lambda r=results: driver.step(self.clock.now(), r)), records, index)
+            t0 = time.perf_counter()  # when to step next is the controller's work too
             wake = driver.next_wakeup(self.clock.now())
+            self._cpu += time.perf_counter() - t0
             if wake is not None and wake != self._wake_at:
                 self._wake_at = wake
                 self.at(max(wake, self.clock.now()), lambda: None)

@@ -23,7 +23,9 @@ from daemon.request import InferenceRequest
 class Policy(Protocol):
     name: str
 
-    def schedule(self, view: ControllerView, now: float) -> Steps: ...
+    def schedule(self, view: ControllerView, now: float) -> Steps | tuple[()]:
+        """The decisions of one pass; `()` when there is nothing to decide (cheaper than a generator)."""
+        ...
 
     def next_wakeup(self, view: ControllerView, now: float) -> float | None: ...
 

@@ -73,7 +73,6 @@ class Scheduler:
         self.models: dict[str, ModelEntry] = {}
         self.inflight: dict[int, Action] = {}
         self._active: set[str] = set()  # models that may have queued requests (pruned lazily)
-        self._best: dict[tuple[str, int], tuple[float, float, int]] = {}  # (model, samples) -> best, until, version
         self._rates: dict[str, tuple[float, int, int, float]] = {}  # model -> drain rate, version, holders, until
         self._running: dict[int, tuple[str, int]] = {}  # INFER id -> (model, samples) counted in its `running`
         # Where each model's weights are, derived from the devices' memory maps and kept with them.
@@ -216,7 +215,7 @@ class Scheduler:
                     f"model {req.model.name} is overloaded: with the {q.samples} sample(s) queued before it, this "
                     f"request cannot finish in under {done * 1e3:.1f} ms, and its deadline is "
                     f"{(req.deadline - now) * 1e3:.1f} ms away; retry later", retry_after_s=max(1.0, done)), now)
-        req.cold_start = not any(d.memory.is_ready(req.model.key) for d in self.devices.values())
+        req.cold_start = req.model.key not in self.ready_on
         self.counters["admitted"] += 1
         self.counters["cold_starts"] += req.cold_start
         req.status = RequestStatus.QUEUED
@@ -300,24 +299,24 @@ class Scheduler:
 
     def best_case(self, req: InferenceRequest) -> float:
         """The shortest time `req` could take on an idle device with its model loaded."""
-        est, spec = self.estimator, req.model
-        version = est.version(spec.key)
-        memo_key = (spec.key, req.samples)
-        hit = self._best.get(memo_key)
-        if hit is not None and hit[2] == version and est.now <= hit[1]:  # no estimate of it changed since
-            return hit[0]
-        best, until = math.inf, math.inf
+        # (No memo of its own: every result of the model changes it, and the estimator memoizes each
+        # estimate it reads until that one changes.)
+        est, spec, samples = self.estimator, req.model, req.samples
+        key = spec.key
+        best = math.inf
         # The devices holding the model (their recent runs), and each kind's profile: what any other
         # device would run it in once loaded (a device's own runs count only while it holds it).
-        where = [(self.devices[n].kind, n) for n in self.ready_on.get(spec.key, ())]
-        for kind, name in where + [(k, None) for k in self.kinds]:
-            rows = req.samples if kind in EXACT_ROW_KINDS else spec.batch_size_for(req.samples)
-            e, valid = est.infer_until(spec.key, rows, kind, name)
-            if e is not None:
-                best, until = min(best, e), min(until, valid)
-        best = best if best < math.inf else 0.0
-        self._best[memo_key] = (best, until, version)
-        return best
+        for name in self.ready_on.get(key, ()):
+            kind = self.devices[name].kind
+            e = est.infer_until(key, samples if kind in EXACT_ROW_KINDS else spec.batch_size_for(samples),
+                                kind, name)[0]
+            if e is not None and e < best:
+                best = e
+        for kind in self.kinds:
+            e = est.infer_until(key, samples if kind in EXACT_ROW_KINDS else spec.batch_size_for(samples), kind)[0]
+            if e is not None and e < best:
+                best = e
+        return best if best < math.inf else 0.0
 
     def _infer_est(self, spec: ModelSpec, samples: int, kind: str, device: str | None = None) -> float | None:
         rows = samples if kind in EXACT_ROW_KINDS else spec.batch_size_for(samples)
@@ -350,9 +349,12 @@ class Scheduler:
         self._run(self.policy.schedule(self, now), now)
         return self._take()
 
-    def _run(self, steps: Steps, now: float) -> bool | None:
+    def _run(self, steps: Steps | tuple[()], now: float) -> bool | None:
         """Apply a decider's steps one by one, each before it is asked for the next, sending it back
-        the action each issued; returns what the decider returned."""
+        the action each issued; returns what the decider returned. `()`: nothing to do."""
+        if not steps:
+            return None
+        assert not isinstance(steps, tuple)
         try:
             step = next(steps)
             while True:
@@ -403,11 +405,16 @@ class Scheduler:
             heapq.heappop(self._overdue)
         while self._hung and self._hung[0][2].id not in self.inflight:
             heapq.heappop(self._hung)
-        times = [t for t in (self._expiry[0][0] if self._expiry else None, self.policy.next_wakeup(self, now),
-                             self.parm.next_time(), self._overdue[0][0] if self._overdue else None,
-                             self._hung[0][0] if self._hung else None)
-                 if t is not None]
-        return min(times) if times else None
+        # (after every step: plain comparisons, no list)
+        best = self._expiry[0][0] if self._expiry else math.inf
+        if self._overdue and self._overdue[0][0] < best:
+            best = self._overdue[0][0]
+        if self._hung and self._hung[0][0] < best:
+            best = self._hung[0][0]
+        for t in (self.policy.next_wakeup(self, now), self.parm.next_time()):
+            if t is not None and t < best:
+                best = t
+        return best if best < math.inf else None
 
     def _expire(self, now: float) -> None:
         heap = self._expiry
@@ -520,22 +527,28 @@ class Scheduler:
 
     def issue_infer(self, spec: ModelSpec, dev: DeviceState, requests: list[InferenceRequest], batch_size: int,
                     now: float, earliest: float, latest: float, expected: float) -> Action:
+        samples = 0
+        due = math.inf
+        running = RequestStatus.RUNNING
         for r in requests:
-            r.status = RequestStatus.RUNNING
+            r.status = running
             r.dispatched_at = now
+            samples += r.samples
+            if r.deadline < due:
+                due = r.deadline
         dev.infer_inflight += 1
         dev.busy[spec.key] += 1
         dev.memory.touch(spec.key)
-        self.counters["infer_actions"] += 1
-        self.counters["infer_samples"] += sum(r.samples for r in requests)
-        self.counters["infer_slots"] += batch_size
+        counters = self.counters
+        counters["infer_actions"] += 1
+        counters["infer_samples"] += samples
+        counters["infer_slots"] += batch_size
         action = self.issue(Action(ActionKind.INFER, spec, dev.name, earliest, latest, expected, batch_size,
                                    requests, expected_start=earliest), now)
-        samples = action.samples
         self.models[spec.key].running += samples
         self._running[action.id] = (spec.key, samples)
         if requests:
-            heapq.heappush(self._overdue, (min(r.deadline for r in requests) + OVERDUE_GRACE, action.id, action))
+            heapq.heappush(self._overdue, (due + OVERDUE_GRACE, action.id, action))
         if spec.parity is not None:
             self._run(self.parm.issued(self, action, now), now)
         return action
@@ -649,10 +662,13 @@ class Scheduler:
         """Finish an action's requests that are still running with their rows of `outputs`."""
         off = 0
         answered = 0
-        for r in action.requests:
+        requests = action.requests
+        whole = len(requests) == 1 and all(len(o) == requests[0].samples for o in outputs)
+        for r in requests:
             n = r.samples
             if r.status == RequestStatus.RUNNING:
-                r.outputs = tuple(o[off : off + n] for o in outputs)
+                # (a batch of one request that fills it: its outputs are the batch's, no slicing)
+                r.outputs = outputs if whole else tuple(o[off : off + n] for o in outputs)
                 r.compute_s = compute_s
                 r.reconstructed = reconstructed
                 self._finish(r, RequestStatus.SUCCEEDED, None, now)

@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from daemon.actions import ActionKind, Result
+from daemon.actions import ActionKind, Result, ResultStatus
 from daemon.errors import Cancelled, DeadlineExceeded, EscapementError, InternalError, Overloaded, Unavailable
 from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest, RequestStatus
@@ -41,6 +41,9 @@ log = logging.getLogger("escapement.controller")
 _log10 = math.log10
 TRACE_RETRY_S = 5.0  # after a failed trace write, how long lines are dropped before the next try
 _INV_LOW = 1e7  # 1 / Histogram.LOW
+# (an enum's `.name` is a descriptor call: read once per action it costs more than the histogram)
+_KIND_NAMES = {k: k.name for k in ActionKind}
+_STARTED = frozenset({ResultStatus.OK, ResultStatus.FAILED})  # results of actions that ran
 
 
 class Histogram:
@@ -391,14 +394,15 @@ class Telemetry:
     def action(self, result: Result) -> None:
         """An action's result, before the controller acts on it."""
         a = result.action
-        dev = self.device(a.device)
-        started = result.status.name in ("OK", "FAILED")
+        dev = self.devices.get(a.device) or self.device(a.device)
+        started = result.status in _STARTED
         if started and result.ready_at:
             late = result.begin - result.ready_at
             self.lateness.add(late)
-            lane = dev.lateness.get(a.kind.name)
+            kind = _KIND_NAMES[a.kind]
+            lane = dev.lateness.get(kind)
             if lane is None:
-                lane = dev.lateness[a.kind.name] = Buckets(LATENESS_BOUNDS)
+                lane = dev.lateness[kind] = Buckets(LATENESS_BOUNDS)
             lane.add(late)
         if started and a.expected_start:
             self.start_error.add(result.begin - a.expected_start)

@@ -53,3 +53,65 @@ def test_memory_accounting_and_lru_victims() -> None:
     assert m.state("d") == Residency.LOADING
     assert not m.is_ready("d")
     assert m.victims(10, evictable=lambda k: True, wanted=lambda k: False) == []
+
+
+def _victims_by_full_walk(m: DeviceMemory, nbytes: int, evictable, wanted) -> list[str] | None:  # noqa: ANN001
+    """The rule `victims` implements, as a plain walk over every model in LRU order."""
+    if nbytes > m.budget:
+        return None
+    need = nbytes - m.free
+    if need <= 0:
+        return []
+    idle, in_demand = [], []
+    for k in m.models():
+        if not m.is_ready(k) or not evictable(k):
+            continue
+        if wanted(k):
+            in_demand.append(k)
+        elif m._models[k][1] >= need:
+            return [k]
+        else:
+            idle.append(k)
+    chosen = []
+    for k in idle + in_demand:
+        chosen.append(k)
+        need -= m._models[k][1]
+        if need <= 0:
+            return chosen
+    return None
+
+
+def test_victims_from_size_classes_match_a_walk_over_every_model() -> None:
+    """The per-size LRU classes find the same victims as walking every resident model, through
+    loads, touches, releases and loads still in flight, for many random histories."""
+    import random
+
+    for seed in range(40):
+        rng = random.Random(seed)
+        m = DeviceMemory(10_000)
+        keys = [f"m{i}" for i in range(60)]
+        for _ in range(400):
+            op = rng.random()
+            placed = m.models()
+            if op < 0.35:
+                k = rng.choice(keys)
+                n = rng.choice([40, 90, 300, 700, 1500, rng.randint(1, 2500)])
+                if m.state(k) is None and n <= m.free:
+                    m.reserve(k, n)
+                    if rng.random() < 0.9:
+                        m.loaded(k)
+            elif op < 0.45 and placed:
+                k = rng.choice(placed)
+                if m.state(k) == Residency.LOADING:
+                    m.loaded(k)
+            elif op < 0.75 and placed:
+                m.touch(rng.choice(placed))
+            elif op < 0.85 and placed:
+                m.release(rng.choice(placed))
+            else:
+                busy = set(rng.sample(keys, 10))
+                hot = set(rng.sample(keys, 15))
+                nbytes = rng.randint(1, 6000)
+                got = m.victims(nbytes, evictable=lambda k, b=busy: k not in b, wanted=lambda k, h=hot: k in h)
+                assert got == _victims_by_full_walk(m, nbytes, lambda k, b=busy: k not in b,
+                                                    lambda k, h=hot: k in h), (seed, nbytes)

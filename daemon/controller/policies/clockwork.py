@@ -198,10 +198,13 @@ class ClockworkPolicy:
 
     # ---------------------------------------------------------------- the step
 
-    def schedule(self, view: ControllerView, now: float) -> Steps:
+    def schedule(self, view: ControllerView, now: float) -> Steps | tuple[()]:
         if not (self._dirty or self.cold or self._replica_check) and \
                 min(self._dev_wake.values(), default=math.inf) > now:
-            return  # nothing changed since the last pass, and no device's time has come
+            return ()  # nothing changed since the last pass, and no device's time has come
+        return self._pass(view, now)
+
+    def _pass(self, view: ControllerView, now: float) -> Steps:
         # Inference first: a model whose LOAD just finished gets its batch (and is then busy)
         # before any other LOAD may look for room.
         yield from self._plan_inference(view, now)
@@ -356,7 +359,7 @@ class ClockworkPolicy:
         """Plan one batch on `dev` starting at `start`; False when there is nothing to run there."""
         work = self.work[dev.name]
         stash: list[tuple[str, float, float]] = []  # models left to other devices in this pass
-        chosen: tuple[ModelEntry, InferenceRequest, float] | None = None
+        chosen: tuple[ModelEntry, InferenceRequest, float, float] | None = None
         while (top := work.pop()) is not None:
             rank, latest_key, key = top
             entry = view.models.get(key)
@@ -395,13 +398,13 @@ class ClockworkPolicy:
                     self._sooner_elsewhere(view, key, head.samples, dev, start + run, now):
                 stash.append((key, head.rank, latest_start))  # busy or slow: a device that finishes sooner
                 continue
-            chosen = (entry, head, latest_start)
+            chosen = (entry, head, latest_start, run)
             break
         for key, rank, latest in stash:
             work.push(key, rank, latest)
         if chosen is None:
             return False
-        entry, head, latest_start = chosen
+        entry, head, latest_start, head_run = chosen
         spec, q = entry.spec, entry.queue
         bind = self._bind_at(view, entry, dev, start, now)
         if bind > now and not work:
@@ -412,9 +415,12 @@ class ClockworkPolicy:
         if not taken:
             work.push(spec.key, head.rank, latest_start)
             return False
-        samples = sum(r.samples for r in taken)
-        deadline = min(r.deadline for r in taken)
-        run = self._est(view, spec.key, samples, dev)
+        if len(taken) == 1 and taken[0] is head:  # (most batches at light load: estimated above)
+            samples, deadline, run = head.samples, head.deadline, head_run
+        else:
+            samples = sum(r.samples for r in taken)
+            deadline = min(r.deadline for r in taken)
+            run = self._est(view, spec.key, samples, dev)
         b = spec.batch_size_for(samples)
         latest = max(deadline - run, start + LATEST_GRACE)
         yield Infer(spec, dev.name, taken, b, latest, run)  # (the scheduler takes them from the queue)
@@ -470,6 +476,8 @@ class ClockworkPolicy:
             if self._needs_replica(view, entry, [view.devices[n] for n in placed], now):
                 wanted.append((head.deadline, 0.0, entry))
         self._replica_check.clear()
+        if not wanted and not self.cold:
+            return False  # (most passes: a model gained work and needs no replica)
         wanted.sort(key=lambda w: w[:2])
         limit = now + self.horizon
         later: list[tuple[str, float, float]] = []  # cold models looked at and still cold
