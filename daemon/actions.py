@@ -65,6 +65,7 @@ class Action:
     coded: list[list[InferenceRequest]] | None = None
     encoder: str = ""
     replica_of: int = 0  # a replica of this action (the same requests, on another device)
+    best_effort: bool = False  # a batch of the best-effort lane (no parity, no replica, no deadline)
     # Warm-ups run on a serving executor outside the scheduler: they name their program, the key
     # its weights are held under there, and where their results go.
     program: Any = None

@@ -242,6 +242,21 @@ class ControllerSettings:
                            10_000)
     max_pending_per_model: int = doc("Most requests queued for one model; more are refused with 503.",
                                      2_000)
+    # Triton's queue policy, daemon-wide (docs/controller.md "Request classes").
+    default_timeout_ms: float = doc("A request without a client timeout gets this one (Triton's "
+                                    "default_timeout_microseconds); 0: none, the model's SLO is then a target "
+                                    "and a request that cannot make it is answered late, not dropped.", 0.0)
+    timeout_action: Literal["reject", "delay"] = doc("What a timeout does to a request that cannot make it: "
+                                                     "'reject' (refused at arrival, 504 when hopeless) or 'delay' "
+                                                     "(kept, answered late behind on-time work), as Triton's.",
+                                                     "reject")
+    allow_timeout_override: bool = doc("Whether a client's own timeout replaces default_timeout_ms.", True)
+    best_effort_priority: int = doc("Requests whose priority number is at least this are best-effort from the "
+                                    "start (served in device time no on-time work needs); 0: none.", 0)
+    best_effort_max_wait_s: float = doc("Longest a best-effort or late request waits before it is answered 504.",
+                                        30.0)
+    best_effort_bytes: int = doc("Input bytes the best-effort lane may hold (all models); more are refused with "
+                                 "503.", 256 * 2**20)
 
     def __post_init__(self) -> None:
         _need(self.max_queue_delay_ms >= 0, "controller.max_queue_delay_ms", self.max_queue_delay_ms,
@@ -253,6 +268,14 @@ class ControllerSettings:
         _need(self.max_pending >= 1, "controller.max_pending", self.max_pending, "must be >= 1")
         _need(self.max_pending_per_model >= 1, "controller.max_pending_per_model",
               self.max_pending_per_model, "must be >= 1")
+        _need(self.default_timeout_ms >= 0, "controller.default_timeout_ms", self.default_timeout_ms, "must be >= 0")
+        _need(self.timeout_action in ("reject", "delay"), "controller.timeout_action", self.timeout_action,
+              "must be 'reject' or 'delay'")
+        _need(self.best_effort_priority >= 0, "controller.best_effort_priority", self.best_effort_priority,
+              "must be >= 0")
+        _need(0 < self.best_effort_max_wait_s <= 3600, "controller.best_effort_max_wait_s",
+              self.best_effort_max_wait_s, "must be in (0, 3600]")
+        _need(self.best_effort_bytes >= 0, "controller.best_effort_bytes", self.best_effort_bytes, "must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from daemon.api.budget import RequestMemory
 from daemon.api.throttle import RenderBudget
 from daemon.clock import Clock, MonotonicClock
 from daemon.config import Settings
+from daemon.controller.classes import classify
 from daemon.controller.telemetry import ModelStats, Span
 from daemon.errors import NotFound, Overloaded, Unavailable
 from daemon.overload import LagTracker
@@ -101,15 +102,17 @@ class Gateway:
     def new_request(self, spec: ModelSpec, arrays: tuple[np.ndarray, ...], samples: int, timeout_us: int | None,
                     priority: int | None, client_id: str) -> InferenceRequest:
         """A request arriving now; `timeout_us` and `priority` as checked by api/codec.py
-        (request_options). Its deadline is the model's SLO unless the client set a timeout."""
+        (request_options). Its deadline and class follow the queue policy (controller/classes.py): a
+        client timeout is a hard deadline; without one, the model's SLO is a target."""
         now = self.clock.now()
-        deadline = now + (spec.slo_s if timeout_us is None else timeout_us * 1e-6)
         priority = priority or 0
         ctl = self.settings.controller
         rank = priority or ctl.default_priority
         if not ctl.client_priorities:  # a client may lower its own priority, not jump everyone else's
             rank = max(rank, ctl.default_priority)
-        return InferenceRequest(spec, arrays, samples, now, deadline, priority, rank, client_id)
+        adm = classify(spec, now, timeout_us, rank, ctl)
+        return InferenceRequest(spec, arrays, samples, now, adm.deadline, priority, rank, client_id, klass=adm.klass,
+                                give_up_at=adm.give_up_at)
 
     def submit(self, req: InferenceRequest) -> None:
         """Hand a request to the controller; `req.on_finish` is called once it is answered (success,

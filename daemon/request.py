@@ -31,6 +31,14 @@ class RequestStatus(IntEnum):
         return self >= RequestStatus.SUCCEEDED
 
 
+class RequestClass(IntEnum):
+    """What a request's deadline means (daemon/controller/classes.py decides it at arrival)."""
+
+    HARD = 0  # a timeout that rejects: refused at arrival when infeasible, dropped when hopeless
+    TARGET = 1  # no timeout (or one that delays): late work moves to the best-effort lane, answered later
+    BEST_EFFORT = 2  # best-effort from the start (a best-effort priority level)
+
+
 _ids = itertools.count(1)
 
 
@@ -57,6 +65,14 @@ class InferenceRequest:
     compute_s: float = 0.0
     queue_seq: int = 0  # the sequence number of its live entry in its model's queue (0: none)
     failures: int = 0  # INFERs of it that failed on a device (it is retried elsewhere while it can)
+    klass: RequestClass = RequestClass.HARD
+    late: bool = False  # in the best-effort lane (it could not make its deadline, or never had one)
+    give_up_at: float = float("inf")  # best-effort: answered 504 if still not run by then
+    lane_bytes: int = 0  # the bytes it holds of the best-effort lane's budget while it lives
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.inputs)
 
     @property
     def ok(self) -> bool:

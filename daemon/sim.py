@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from daemon.controller.policy import Policy
 from daemon.controller.scheduler import Decision, Scheduler
 from daemon.datatypes import BY_NAME
 from daemon.repository import ModelSpec, TensorSpec
-from daemon.request import InferenceRequest, RequestStatus
+from daemon.request import InferenceRequest, RequestClass, RequestStatus
 from daemon.runtime.devices import Device
 from daemon.runtime.simdevice import SimExecutor, SimProfile, Slowdown
 
@@ -155,8 +156,11 @@ class Simulation:
 
     # ---------------------------------------------------------------- running
 
-    def run(self, times: np.ndarray, targets: np.ndarray, keys: Sequence[str], drain_s: float = 5.0) -> SimResult:
-        """Offer requests at `times` (seconds) for the models `keys[targets[i]]`; run until all are answered."""
+    def run(self, times: np.ndarray, targets: np.ndarray, keys: Sequence[str], drain_s: float = 5.0,
+            classes: np.ndarray | None = None, max_wait_s: float = 30.0) -> SimResult:
+        """Offer requests at `times` (seconds) for the models `keys[targets[i]]`; run until all are answered.
+        `classes[i]` (a RequestClass value; default all HARD) says what each one's deadline means; a
+        request that is not hard gives up after `max_wait_s`."""
         specs = [self.specs[k] for k in keys]
         n = len(times)
         deadlines = np.array([times[i] + specs[targets[i]].slo_s for i in range(n)])
@@ -170,7 +174,9 @@ class Simulation:
         def arrive(i: int) -> None:
             now = self.clock.now()
             spec = specs[targets[i]]
-            req = InferenceRequest(spec, (x,), 1, now, now + spec.slo_s)
+            klass = RequestClass(int(classes[i])) if classes is not None else RequestClass.HARD
+            req = InferenceRequest(spec, (x,), 1, now, now + spec.slo_s, klass=klass,
+                                   give_up_at=now + max_wait_s if klass != RequestClass.HARD else math.inf)
             index[req.id] = i
             try:
                 self._timed(lambda: (driver.submit(req, now), Decision())[1])

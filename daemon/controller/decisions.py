@@ -34,6 +34,7 @@ class Infer:
     coded: list[list[InferenceRequest]] | None = None
     encoder: str = ""
     replica_of: int = 0
+    best_effort: bool = False  # requests of the best-effort lane (taken from `ModelEntry.late`)
 
 
 @dataclass(slots=True)

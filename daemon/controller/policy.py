@@ -42,6 +42,11 @@ class Policy(Protocol):
         """An action's result came back (after the scheduler applied it)."""
         ...
 
+    def on_late(self, view: ControllerView, entry: ModelEntry, now: float) -> None:
+        """A request joined its model's best-effort lane (`entry.late`): to be served, oldest first, in
+        device time no on-time work needs, with `Infer(..., best_effort=True)`."""
+        ...
+
 
 def make_policy(settings: ControllerSettings) -> Policy:
     if settings.policy == "dynamic":

@@ -18,9 +18,11 @@ _seq = itertools.count(1)
 
 
 class ModelQueue:
-    __slots__ = ("_heap", "max_deadline", "max_rank", "requests", "samples")
+    __slots__ = ("_by_arrival", "_heap", "max_deadline", "max_rank", "requests", "samples")
 
-    def __init__(self) -> None:
+    def __init__(self, by_arrival: bool = False) -> None:
+        # the best-effort lane serves oldest first (by arrival, within a priority), not by deadline
+        self._by_arrival = by_arrival
         self._heap: list[tuple[int, float, int, InferenceRequest]] = []
         self.samples = 0  # queued samples of live (QUEUED) requests
         self.requests = 0
@@ -38,7 +40,7 @@ class ModelQueue:
 
     def push(self, req: InferenceRequest) -> None:
         req.queue_seq = seq = next(_seq)
-        heapq.heappush(self._heap, (req.rank, req.deadline, seq, req))
+        heapq.heappush(self._heap, (req.rank, req.arrival if self._by_arrival else req.deadline, seq, req))
         if not self.requests:
             self.max_rank, self.max_deadline = req.rank, req.deadline
         else:

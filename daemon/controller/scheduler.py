@@ -43,7 +43,7 @@ from daemon.controller.state import (
 from daemon.controller.telemetry import Telemetry
 from daemon.errors import DeadlineExceeded, EscapementError, InternalError, NotFound, Overloaded, Unavailable
 from daemon.repository import ModelSpec
-from daemon.request import InferenceRequest, RequestStatus
+from daemon.request import InferenceRequest, RequestClass, RequestStatus
 from daemon.runtime.devices import Device
 
 if TYPE_CHECKING:
@@ -81,6 +81,11 @@ class Scheduler:
         self.pending = 0  # requests accepted and not yet finished
         self.lost = 0  # devices lost (a sticky error or a hang): nothing is placed there any more
         self._expiry: list[tuple[float, int, InferenceRequest]] = []
+        # The best-effort lane: models with lane requests (pruned lazily), when lane requests give up,
+        # and the input bytes of requests that may wait there (every one not HARD), bounded.
+        self.late_keys: set[str] = set()
+        self._giveup: list[tuple[float, int, InferenceRequest]] = []
+        self.soft_bytes = 0
         self._overdue: list[tuple[float, int, Action]] = []  # INFERs by when their requests are overdue
         self._hung: list[tuple[float, int, Action]] = []  # every action by when it counts as hung
         self.hung: dict[str, str] = {}  # device -> what hangs there (it never comes back in this process)
@@ -156,9 +161,8 @@ class Scheduler:
         """Stop serving a model: fail its queued requests and unload it everywhere."""
         entry = self.models.pop(key, None)
         if entry is not None:
-            while entry.queue.head() is not None:
-                self._finish(entry.queue.pop(), RequestStatus.FAILED,
-                             Unavailable(f"model {entry.spec.name} version {entry.spec.version} was unloaded"), now)
+            self._fail_queued(entry, Unavailable(f"model {entry.spec.name} version {entry.spec.version} was unloaded"),
+                              now)
             for dev in self.devices.values():
                 if dev.memory.state(key) is not None and not dev.busy[key]:
                     self.issue_unload(entry.spec, dev, now)
@@ -186,7 +190,20 @@ class Scheduler:
             self.counters["refused_overload"] += 1
             raise refused(req, Overloaded(f"model {req.model.name} has {entry.queue.requests} requests queued, "
                                           "its limit (controller.max_pending_per_model)"), now)
+        soft = req.klass != RequestClass.HARD
+        if soft:
+            nbytes = req.nbytes
+            if self.soft_bytes + nbytes > self.settings.best_effort_bytes:
+                self.counters["refused_overload"] += 1
+                raise refused(req, Overloaded(
+                    f"the best-effort lane holds {self.soft_bytes} bytes of requests that may be answered late, "
+                    f"its limit (controller.best_effort_bytes = {self.settings.best_effort_bytes}); retry later"), now)
         best = self.best_case(req)
+        if soft and (req.klass == RequestClass.BEST_EFFORT or now + best > req.deadline):
+            # late from the start: no deadline to refuse it for, only the lane's bounds
+            self._admit(req, entry, now)
+            self._to_lane(req, entry, now)
+            return
         if now + best > req.deadline:
             self.counters["refused_deadline"] += 1
             raise refused(req, DeadlineExceeded(
@@ -197,7 +214,7 @@ class Scheduler:
             entry.backlog_ended()
         elif not entry.backlog_since:
             entry.backlog_since = now
-        if q.samples and q.max_rank <= req.rank and q.max_deadline <= req.deadline:
+        if q.samples and q.max_rank <= req.rank and q.max_deadline <= req.deadline and not soft:
             # Every queued request goes first, and what runs now. The queue runs in whole batches:
             # the request finishes with the one that holds its samples, at the rate the devices
             # holding the model get through it (their best, or what they really did while
@@ -215,15 +232,63 @@ class Scheduler:
                     f"model {req.model.name} is overloaded: with the {q.samples} sample(s) queued before it, this "
                     f"request cannot finish in under {done * 1e3:.1f} ms, and its deadline is "
                     f"{(req.deadline - now) * 1e3:.1f} ms away; retry later", retry_after_s=max(1.0, done)), now)
+        self._admit(req, entry, now)
+        entry.queue.push(req)
+        self._active.add(req.model.key)
+        heapq.heappush(self._expiry, (req.deadline - best, req.id, req))
+        self.policy.on_submit(self, req, now)
+
+    def _admit(self, req: InferenceRequest, entry: ModelEntry, now: float) -> None:
         req.cold_start = req.model.key not in self.ready_on
         self.counters["admitted"] += 1
         self.counters["cold_starts"] += req.cold_start
         req.status = RequestStatus.QUEUED
-        entry.queue.push(req)
-        self._active.add(req.model.key)
         self.pending += 1
-        heapq.heappush(self._expiry, (req.deadline - best, req.id, req))
-        self.policy.on_submit(self, req, now)
+        if req.klass != RequestClass.HARD:
+            req.lane_bytes = req.nbytes
+            self.soft_bytes += req.lane_bytes
+
+    def _to_lane(self, req: InferenceRequest, entry: ModelEntry, now: float) -> None:
+        """`req` cannot make its target (or never had one): it waits in its model's best-effort lane,
+        to be answered late, until `give_up_at`."""
+        if not req.late:
+            req.late = True
+            self.counters["best_effort" if req.klass == RequestClass.BEST_EFFORT else "moved_late"] += 1
+            heapq.heappush(self._giveup, (req.give_up_at, req.id, req))
+        req.status = RequestStatus.QUEUED
+        entry.late.push(req)
+        self.late_keys.add(entry.spec.key)
+        self.policy.on_late(self, entry, now)
+
+    def late_work(self) -> list[ModelEntry]:
+        """The models with requests in their best-effort lane."""
+        out = []
+        for key in list(self.late_keys):
+            entry = self.models.get(key)
+            if entry is None or not entry.late.requests:
+                self.late_keys.discard(key)
+            else:
+                out.append(entry)
+        return out
+
+    def _give_up(self, now: float) -> None:
+        """Lane requests that waited the longest a lane request may: 504, saying so."""
+        heap = self._giveup
+        while heap and heap[0][0] <= now:
+            _, _, req = heapq.heappop(heap)
+            if req.status != RequestStatus.QUEUED or not req.late:
+                continue
+            self._drop_queued(req)
+            self.counters["late_expired"] += 1
+            self._finish(req, RequestStatus.FAILED, DeadlineExceeded(
+                f"not served in {now - req.arrival:.1f} s: the devices had no time to spare for it beside on-time "
+                f"work (controller.best_effort_max_wait_s = {self.settings.best_effort_max_wait_s:g} s)"), now)
+
+    def _fail_queued(self, entry: ModelEntry, error: EscapementError, now: float) -> None:
+        """Finish every request waiting for a model (on time or in its lane) with `error`."""
+        for q in (entry.queue, entry.late):
+            while q.head() is not None:
+                self._finish(q.pop(), RequestStatus.FAILED, error, now)
 
     def _refuse_backing_off(self, entry: ModelEntry, now: float) -> None:
         """A model whose LOADs failed is refused while every device backs off from it."""
@@ -243,6 +308,8 @@ class Scheduler:
             req.status = RequestStatus.CANCELLED  # the result is dropped when it comes back
             req.finished_at = now
             self.pending -= 1
+            self.soft_bytes -= req.lane_bytes
+            req.lane_bytes = 0
             self.counters["cancelled"] += 1
             self.telemetry.request(req)
         return self._take()
@@ -344,6 +411,8 @@ class Scheduler:
             self._expire(now)
         if self._overdue and self._overdue[0][0] <= now:
             self._watch_overdue(now)
+        if self._giveup and self._giveup[0][0] <= now:
+            self._give_up(now)
         if self._hung and self._hung[0][0] <= now:
             self._watch_hung(now)
         self._run(self.policy.schedule(self, now), now)
@@ -370,16 +439,20 @@ class Scheduler:
             dev = self.devices[step.device]
             if step.coded is not None or step.replica_of:
                 return self._issue_extra(step, dev, now)
-            q = self.models[step.spec.key].queue
+            entry = self.models[step.spec.key]
+            q = entry.late if step.best_effort else entry.queue
             for r in step.requests:
                 q.take(r)
             return self.issue_infer(step.spec, dev, step.requests, step.batch_size, now, earliest=now,
-                                    latest=step.latest, expected=step.expected)
+                                    latest=step.latest, expected=step.expected, best_effort=step.best_effort)
         if t is Drop:
             assert isinstance(step, Drop)
             req = step.request
-            self.models[req.model.key].queue.take(req)
-            self._finish(req, RequestStatus.FAILED, step.error or self.deadline_error(req, now), now)
+            if step.error is None:  # it cannot make its deadline: a hard one fails, any other is late
+                self._hopeless(req, now)
+            else:
+                self._drop_queued(req)
+                self._finish(req, RequestStatus.FAILED, step.error, now)
             return None
         if t is Load:
             assert isinstance(step, Load)
@@ -399,8 +472,10 @@ class Scheduler:
 
     def next_wakeup(self, now: float) -> float | None:
         """When `schedule` next has something to do without new requests or results."""
-        while self._expiry and self._expiry[0][2].status != RequestStatus.QUEUED:
+        while self._expiry and (self._expiry[0][2].status != RequestStatus.QUEUED or self._expiry[0][2].late):
             heapq.heappop(self._expiry)
+        while self._giveup and (self._giveup[0][2].status != RequestStatus.QUEUED or not self._giveup[0][2].late):
+            heapq.heappop(self._giveup)
         while self._overdue and self._overdue[0][2].id not in self.inflight:
             heapq.heappop(self._overdue)
         while self._hung and self._hung[0][2].id not in self.inflight:
@@ -411,6 +486,8 @@ class Scheduler:
             best = self._overdue[0][0]
         if self._hung and self._hung[0][0] < best:
             best = self._hung[0][0]
+        if self._giveup and self._giveup[0][0] < best:
+            best = self._giveup[0][0]
         for t in (self.policy.next_wakeup(self, now), self.parm.next_time()):
             if t is not None and t < best:
                 best = t
@@ -420,15 +497,25 @@ class Scheduler:
         heap = self._expiry
         while heap and heap[0][0] <= now:
             _, _, req = heapq.heappop(heap)
-            if req.status != RequestStatus.QUEUED:
+            if req.status != RequestStatus.QUEUED or req.late:
                 continue
             best = self.best_case(req)
             if now + best <= req.deadline:  # still feasible (the estimate improved since it was queued)
                 # strictly later than now, or a request exactly at its boundary would spin here
                 heapq.heappush(heap, (max(req.deadline - best, now + 1e-6), req.id, req))
                 continue
+            self._hopeless(req, now)
+
+    def _hopeless(self, req: InferenceRequest, now: float) -> None:
+        """A queued request that can no longer make its deadline: a hard one is answered 504 now,
+        any other waits in the best-effort lane to be answered late."""
+        if req.klass == RequestClass.HARD:
             self._drop_queued(req)
             self._finish(req, RequestStatus.FAILED, self.deadline_error(req, now), now)
+        else:
+            entry = self.models[req.model.key]
+            entry.queue.take(req)  # (its inputs stay: it still runs)
+            self._to_lane(req, entry, now)
 
     def _watch_overdue(self, now: float) -> None:
         """Answer the requests of INFERs a device has not returned by their deadline (plus a grace):
@@ -442,8 +529,9 @@ class Scheduler:
             for r in action.requests:
                 if r.status != RequestStatus.RUNNING:
                     continue
-                if r.deadline + OVERDUE_GRACE > now:
-                    later.append(r.deadline)
+                due = r.deadline if r.klass == RequestClass.HARD else r.give_up_at  # a late answer is still one
+                if due + OVERDUE_GRACE > now:
+                    later.append(due)
                     continue
                 self.counters["overdue"] += 1
                 self._finish(r, RequestStatus.FAILED, DeadlineExceeded(
@@ -485,7 +573,8 @@ class Scheduler:
     def _drop_queued(self, req: InferenceRequest) -> None:
         """A queued request finished in place: its queue entry goes lazily, its tensors at once (a
         cancelled request's memory must not wait for its entry to reach the top of a heap)."""
-        self.models[req.model.key].queue.discard(req)
+        entry = self.models[req.model.key]
+        (entry.late if req.late else entry.queue).discard(req)
         req.inputs = ()
 
     def _finish(self, req: InferenceRequest, status: RequestStatus, error: EscapementError | None,
@@ -494,6 +583,9 @@ class Scheduler:
         req.error = error
         req.finished_at = now
         self.pending -= 1
+        if req.lane_bytes:
+            self.soft_bytes -= req.lane_bytes
+            req.lane_bytes = 0
         self._decision.finished.append(req)
         self.telemetry.request(req)
         if status == RequestStatus.SUCCEEDED:
@@ -526,7 +618,7 @@ class Scheduler:
         return action
 
     def issue_infer(self, spec: ModelSpec, dev: DeviceState, requests: list[InferenceRequest], batch_size: int,
-                    now: float, earliest: float, latest: float, expected: float) -> Action:
+                    now: float, earliest: float, latest: float, expected: float, best_effort: bool = False) -> Action:
         samples = 0
         due = math.inf
         running = RequestStatus.RUNNING
@@ -544,12 +636,12 @@ class Scheduler:
         counters["infer_samples"] += samples
         counters["infer_slots"] += batch_size
         action = self.issue(Action(ActionKind.INFER, spec, dev.name, earliest, latest, expected, batch_size,
-                                   requests, expected_start=earliest), now)
+                                   requests, expected_start=earliest, best_effort=best_effort), now)
         self.models[spec.key].running += samples
         self._running[action.id] = (spec.key, samples)
         if requests:
             heapq.heappush(self._overdue, (due + OVERDUE_GRACE, action.id, action))
-        if spec.parity is not None:
+        if spec.parity is not None and not best_effort:  # (ParM protects on-time work only)
             self._run(self.parm.issued(self, action, now), now)
         return action
 
@@ -687,16 +779,20 @@ class Scheduler:
             self.devices[action.device].failing[key] = now + FAILURE_COOLDOWN
             for r in live:
                 r.failures += 1
-                if r.failures > MAX_FAILURES or entry is None or now + self.best_case(r) > r.deadline:
+                if r.failures > MAX_FAILURES or entry is None or (
+                        r.klass == RequestClass.HARD and now + self.best_case(r) > r.deadline):
                     self._finish(r, RequestStatus.FAILED, InternalError(f"inference failed: {result.error}"), now)
             live = [r for r in live if r.status == RequestStatus.RUNNING]
         # Refused for its window, cancelled, given up on, or failed (retried elsewhere, a bounded number
-        # of times): back to the queue if there is still time.
+        # of times): back to the queue if there is still time; a request that is not hard goes to (or
+        # back to) the best-effort lane instead of failing.
         retry: list[InferenceRequest] = []
         for r in live:
-            if entry is not None and now + self.best_case(r) <= r.deadline:
+            if entry is not None and not r.late and now + self.best_case(r) <= r.deadline:
                 r.status = RequestStatus.QUEUED
                 retry.append(r)
+            elif entry is not None and r.klass != RequestClass.HARD and now < r.give_up_at:
+                self._to_lane(r, entry, now)
             else:
                 self._finish(r, RequestStatus.FAILED, self.deadline_error(r, now), now)
         if retry and entry is not None:
@@ -747,9 +843,8 @@ class Scheduler:
             entry.load_error = result.error
             if any(d.can_load(key, now) and d.memory.budget >= entry.weight_bytes for d in self.devices.values()):
                 return  # another device may load it: its requests wait for that
-            err = Unavailable(f"loading model {action.model.name} on {dev.name} failed: {result.error}")
-            while entry.queue.head() is not None:
-                self._finish(entry.queue.pop(), RequestStatus.FAILED, err, now)
+            self._fail_queued(entry, Unavailable(f"loading model {action.model.name} on {dev.name} failed: "
+                                                 f"{result.error}"), now)
 
     def _device_lost(self, dev: DeviceState, why: str, now: float) -> None:
         """Nothing is placed on a lost device again; what it held is gone. Requests running there
@@ -776,14 +871,12 @@ class Scheduler:
         if self.lost == len(self.devices):
             err = Unavailable("every device of this daemon has failed")
             for entry in self.models.values():
-                while entry.queue.head() is not None:
-                    self._finish(entry.queue.pop(), RequestStatus.FAILED, err, now)
+                self._fail_queued(entry, err, now)
 
     def abort_all(self, error: EscapementError, now: float) -> Decision:
         """Finish every queued and running request with `error` (late results are then dropped)."""
         for entry in self.models.values():
-            while entry.queue.head() is not None:
-                self._finish(entry.queue.pop(), RequestStatus.FAILED, error, now)
+            self._fail_queued(entry, error, now)
         for action in self.inflight.values():
             for r in action.requests:
                 if r.status == RequestStatus.RUNNING:

@@ -73,6 +73,9 @@ class ModelEntry:
     spec: ModelSpec
     weight_bytes: int
     queue: ModelQueue = field(default_factory=ModelQueue)
+    # Requests answered late rather than lost: they could not make their target, or never had one;
+    # served in device time no on-time work needs, oldest first.
+    late: ModelQueue = field(default_factory=lambda: ModelQueue(by_arrival=True))
     load_failures: int = 0  # LOADs that failed in a row (any device)
     load_error: str = ""  # the last one's error
     # Samples run while requests kept waiting (the devices saturated by it), per window: the

@@ -61,3 +61,7 @@ class ControllerView(Protocol):
     def active(self) -> list[ModelEntry]:
         """The models with queued requests."""
         ...
+
+    def late_work(self) -> list[ModelEntry]:
+        """The models with requests in their best-effort lane."""
+        ...

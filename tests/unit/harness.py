@@ -15,7 +15,7 @@ from daemon.controller.policy import Policy
 from daemon.controller.scheduler import Decision, Scheduler
 from daemon.datatypes import BY_NAME
 from daemon.repository import ModelSpec, TensorSpec
-from daemon.request import InferenceRequest
+from daemon.request import InferenceRequest, RequestClass
 from daemon.runtime.devices import Device
 
 MS = 1e-3
@@ -49,10 +49,11 @@ class Harness:
         return spec
 
     def request(self, spec: ModelSpec, samples: int = 1, timeout: float | None = None,
-                rank: int = 0) -> InferenceRequest:
+                rank: int = 0, klass: RequestClass = RequestClass.HARD, max_wait: float = 30.0) -> InferenceRequest:
         x = np.full((samples, 2), float(len(self.finished) + len(self.actions)), dtype=np.float32)
         deadline = self.now + (timeout if timeout is not None else spec.slo_s)
-        req = InferenceRequest(spec, (x,), samples, self.now, deadline, rank=rank)
+        give_up = self.now + max_wait if klass != RequestClass.HARD else float("inf")
+        req = InferenceRequest(spec, (x,), samples, self.now, deadline, rank=rank, klass=klass, give_up_at=give_up)
         self.sched.submit(req, self.now)
         return req
 

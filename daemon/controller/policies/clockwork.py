@@ -51,6 +51,8 @@ MAX_WAIT_OF_SLO = 0.1  # a batch never waits to fill longer than this share of t
 MIN_FILL = 8.0  # samples a wait must be expected to bring before a batch waits at all
 COLD_CHECKS = 4  # cold models a pass checks for heads no LOAD can save while every copy lane is busy
 UTIL_REFRESH = 0.05  # seconds a device's utilisation (rates x costs of the models on it) is reused
+LANE_SLICE = 0.005  # a best-effort batch is cut to run at most this long (one row at least): on-time
+# work that arrives meanwhile waits for it, since a device runs one batch at a time
 
 
 @dataclass(slots=True)
@@ -136,6 +138,7 @@ class ClockworkPolicy:
         # those whose horizon reaches their next free time now (`_dev_wake`).
         self._dirty: set[str] = set()
         self._dev_wake: dict[str, float] = {}
+        self._lane_cold: set[str] = set()  # models with best-effort work on no device
 
     # ---------------------------------------------------------------- hooks
 
@@ -171,6 +174,14 @@ class ClockworkPolicy:
         if len(placed) < len(view.devices):
             self._replica_check.add(key)
 
+    def on_late(self, view: ControllerView, entry: ModelEntry, now: float) -> None:
+        key = entry.spec.key
+        ready = view.ready_on.get(key)
+        if ready:
+            self._dirty.update(ready)
+        elif not view.placed_on.get(key):
+            self._lane_cold.add(key)
+
     def on_result(self, view: ControllerView, result: Result, now: float) -> None:
         action = result.action
         if action.kind == ActionKind.LOAD:
@@ -199,7 +210,7 @@ class ClockworkPolicy:
     # ---------------------------------------------------------------- the step
 
     def schedule(self, view: ControllerView, now: float) -> Steps | tuple[()]:
-        if not (self._dirty or self.cold or self._replica_check) and \
+        if not (self._dirty or self.cold or self._replica_check or self._lane_cold) and \
                 min(self._dev_wake.values(), default=math.inf) > now:
             return ()  # nothing changed since the last pass, and no device's time has come
         return self._pass(view, now)
@@ -208,7 +219,7 @@ class ClockworkPolicy:
         # Inference first: a model whose LOAD just finished gets its batch (and is then busy)
         # before any other LOAD may look for room.
         yield from self._plan_inference(view, now)
-        if (self.cold or self._replica_check) and (yield from self._plan_memory(view, now)):
+        if (self.cold or self._replica_check or self._lane_cold) and (yield from self._plan_memory(view, now)):
             yield from self._plan_inference(view, now)
 
     # ---------------------------------------------------------------- estimates
@@ -236,6 +247,8 @@ class ClockworkPolicy:
                 del self._dev_wake[name]
         order = sorted((devices[n].timeline.exec.free_at(now), n)
                        for n in dirty if n in work_of and work_of[n].live)
+        # devices with no on-time work that are idle now: time for the best-effort lane
+        idle = [n for n in dirty if not (n in work_of and work_of[n].live)]
         dirty.clear()
         for start, name in order:
             dev = view.devices[name]
@@ -249,6 +262,47 @@ class ClockworkPolicy:
                 yield from self._drop_late(view, dev, start, now)
                 if work.live:
                     self._dev_wake[name] = start - self.horizon
+            elif not work.live:
+                idle.append(name)
+        lane: list[ModelEntry] | None = None
+        for name in idle:
+            dev = devices[name]
+            if dev.failed or dev.timeline.exec.free_at(now) > now:
+                continue  # busy: its result makes it dirty again
+            if lane is None:
+                lane = view.late_work()
+            if not lane:
+                break
+            yield from self._dispatch_lane(view, dev, lane, now)
+
+    def _dispatch_lane(self, view: ControllerView, dev: DeviceState, lane: list[ModelEntry], now: float) -> Steps:
+        """One best-effort batch on an idle device with no on-time work: the model ready here whose
+        oldest lane request is the oldest, as many of its oldest as run within LANE_SLICE."""
+        best: tuple[int, float] | None = None
+        chosen: ModelEntry | None = None
+        for entry in lane:
+            key = entry.spec.key
+            head = entry.late.head()
+            if head is None or not dev.memory.is_ready(key) or not dev.healthy_for(key, now):
+                continue
+            if best is None or (head.rank, head.arrival) < best:
+                best, chosen = (head.rank, head.arrival), entry
+        if chosen is None:
+            return False
+        spec = chosen.spec
+        taken: list[InferenceRequest] = []
+        rows = 0
+        for r in chosen.late.first(spec.max_batch_size):
+            if rows + r.samples > spec.max_batch_size or (
+                    taken and self._est(view, spec.key, rows + r.samples, dev) > LANE_SLICE):
+                break
+            taken.append(r)
+            rows += r.samples
+        if not taken:
+            return False
+        yield Infer(spec, dev.name, taken, spec.batch_size_for(rows), math.inf, self._est(view, spec.key, rows, dev),
+                    best_effort=True)
+        return True
 
     def _choose_batch(self, view: ControllerView, entry: ModelEntry, dev: DeviceState, start: float
                       ) -> list[InferenceRequest]:
@@ -476,7 +530,7 @@ class ClockworkPolicy:
             if self._needs_replica(view, entry, [view.devices[n] for n in placed], now):
                 wanted.append((head.deadline, 0.0, entry))
         self._replica_check.clear()
-        if not wanted and not self.cold:
+        if not wanted and not self.cold and not self._lane_cold:
             return False  # (most passes: a model gained work and needs no replica)
         wanted.sort(key=lambda w: w[:2])
         limit = now + self.horizon
@@ -515,7 +569,28 @@ class ClockworkPolicy:
                 break  # the rest are less urgent: looked at as lanes drain and loads land
         for key, deadline, minus_backlog in later:
             self.cold.push(key, deadline, minus_backlog)
+        if self._lane_cold and not self.cold and lanes_free:
+            placed_any = (yield from self._place_lane(view, now)) or placed_any
         return placed_any
+
+    def _place_lane(self, view: ControllerView, now: float) -> Steps:
+        """A LOAD for best-effort work, once no on-time model waits for one: the model whose oldest
+        lane request is the oldest."""
+        oldest: tuple[float, ModelEntry] | None = None
+        for key in list(self._lane_cold):
+            entry = view.models.get(key)
+            head = entry.late.head() if entry is not None else None
+            if head is None or view.placed_on.get(key):
+                self._lane_cold.discard(key)
+                continue
+            if oldest is None or head.arrival < oldest[0]:
+                oldest = (head.arrival, entry)
+        if oldest is None:
+            return False
+        placed = yield from self._place(view, oldest[1], now)
+        if placed:
+            self._lane_cold.discard(oldest[1].spec.key)
+        return placed
 
     def _drop_unloadable(self, view: ControllerView, entry: ModelEntry, now: float) -> Steps:
         """Answer at once the queued requests of a cold model that no LOAD could serve in time."""

@@ -39,15 +39,23 @@ class DynamicBatchingPolicy:
     def on_queued(self, view: ControllerView, entry: ModelEntry, now: float) -> None:
         pass
 
+    def on_late(self, view: ControllerView, entry: ModelEntry, now: float) -> None:
+        pass
+
     def schedule(self, view: ControllerView, now: float) -> Steps:
         self._wake = None
-        for entry in view.active():
+        lane = view.late_work()
+        for entry in view.active() + [e for e in lane if not e.queue.requests]:
             if not any(d.memory.state(entry.spec.key) is not None for d in view.devices.values()):
                 yield from self._place(view, entry, now)
         for dev in view.devices.values():
             while dev.infer_inflight == 0:
                 entry = self._pick(view, dev, now)
-                if entry is None or not (yield from self._dispatch(view, dev, entry, now)):
+                if entry is None:
+                    # nothing on time to run here: the best-effort lane, oldest first
+                    yield from self._dispatch_lane(view, dev, lane)
+                    break
+                if not (yield from self._dispatch(view, dev, entry, now)):
                     break
 
     # ---------------------------------------------------------------- batches
@@ -100,6 +108,24 @@ class DynamicBatchingPolicy:
         latest = max(min(r.deadline for r in taken) - est, now + LATEST_GRACE)
         yield Infer(spec, dev.name, taken, b, latest, est)
         return True
+
+    @staticmethod
+    def _dispatch_lane(view: ControllerView, dev: DeviceState, lane: list[ModelEntry]) -> Steps:
+        ready = [e for e in lane if e.late.requests and dev.memory.is_ready(e.spec.key)]
+        if not ready:
+            return
+        entry = min(ready, key=lambda e: (h.rank, h.arrival) if (h := e.late.head()) is not None else (0, 0.0))
+        spec = entry.spec
+        taken: list[InferenceRequest] = []
+        rows = 0
+        for r in entry.late.first(spec.max_batch_size):
+            if rows + r.samples > spec.max_batch_size:
+                break
+            taken.append(r)
+            rows += r.samples
+        if taken:
+            yield Infer(spec, dev.name, taken, spec.batch_size_for(rows), float("inf"),
+                        view.estimate(spec.key, rows, dev), best_effort=True)
 
     # ---------------------------------------------------------------- loads
 

@@ -1,0 +1,137 @@
+"""Request classes and the best-effort lane: late rather than lost, on the fake clock and in
+virtual time (the real scheduler and policies over simulated devices)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from daemon.config import ControllerSettings
+from daemon.controller.classes import classify
+from daemon.controller.policies.clockwork import ClockworkPolicy
+from daemon.controller.policies.dynamic import DynamicBatchingPolicy
+from daemon.controller.policy import Policy
+from daemon.errors import DeadlineExceeded, Overloaded
+from daemon.request import RequestClass, RequestStatus
+from daemon.sim import CLOCKWORK_V100, Simulation, sim_spec
+from tests.unit.harness import MS, Harness, make_spec
+
+
+def burst(policy: Policy, klass: RequestClass, seconds: float = 0.5, factor: float = 2.0,
+          seed: int = 0) -> np.ndarray:
+    """Statuses of a Poisson burst at `factor` times one device's batched capacity of a ResNet-50."""
+    spec = sim_spec("r50", 16)
+    prof = CLOCKWORK_V100["resnet50"]
+    rate = factor * 16 / prof.infer(16)
+    rng = np.random.default_rng(seed)
+    times = np.cumsum(rng.exponential(1 / rate, int(rate * seconds)))
+    sim = Simulation([(spec, prof)], 1, policy, ControllerSettings(max_pending=10**6, max_pending_per_model=10**6),
+                     seed=seed)
+    sim.place(spec.key, ["sim:0"])
+    res = sim.run(times, np.zeros(len(times), dtype=int), [spec.key], drain_s=10.0,
+                  classes=np.full(len(times), int(klass)))
+    assert not np.isnan(res.records.finish).any()  # every request was answered, one way or another
+    return res.records.status, res.records.finish > res.records.deadline
+
+
+@pytest.mark.parametrize("policy", [ClockworkPolicy, DynamicBatchingPolicy])
+def test_a_burst_without_client_timeouts_is_answered_late_not_lost(policy: type) -> None:
+    status, late = burst(policy(), RequestClass.TARGET)
+    assert (status == 200).all()  # no 504, no 503: the lane holds what the devices cannot do in time
+    assert late.sum() > len(status) // 4  # twice the capacity: many answered late (and counted so)
+
+
+def test_the_same_burst_with_hard_deadlines_refuses_and_drops_as_before() -> None:
+    status, _ = burst(ClockworkPolicy(), RequestClass.HARD)
+    assert (status == 200).mean() < 0.8 and set(np.unique(status)) <= {200, 503, 504}
+
+
+def test_a_best_effort_flood_leaves_the_hard_stream_s_attainment_unchanged() -> None:
+    """Hard requests of one model at 70% of a device, beside a flood of best-effort requests of
+    another on the same device: the lane runs only in time no on-time work needs."""
+    hard, flood = sim_spec("hard", 16), sim_spec("flood", 16)
+    ph, pf = CLOCKWORK_V100["resnet18"], CLOCKWORK_V100["resnet50"]
+    rng = np.random.default_rng(3)
+    rate = 0.7 * 16 / ph.infer(16)
+    t_hard = np.cumsum(rng.exponential(1 / rate, int(rate * 1.0)))
+    t_flood = np.sort(rng.uniform(0, 1.0, 3000))
+
+    def run(with_flood: bool) -> tuple[float, int, int]:
+        sim = Simulation([(hard, ph), (flood, pf)], 1, ClockworkPolicy(),
+                         ControllerSettings(max_pending=10**6, max_pending_per_model=10**6), seed=3)
+        sim.place(hard.key, ["sim:0"])
+        sim.place(flood.key, ["sim:0"])
+        times = np.concatenate([t_hard, t_flood]) if with_flood else t_hard
+        targets = np.concatenate([np.zeros(len(t_hard), int), np.ones(len(t_flood), int)]) if with_flood \
+            else np.zeros(len(t_hard), int)
+        classes = np.concatenate([np.zeros(len(t_hard), int), np.full(len(t_flood), 2)]) if with_flood \
+            else np.zeros(len(t_hard), int)
+        order = np.argsort(times, kind="stable")
+        res = sim.run(times[order], targets[order], [hard.key, flood.key], drain_s=60.0, classes=classes[order])
+        rec = res.records
+        is_hard = (targets[order] == 0)
+        served_flood = int(((rec.status == 200) & ~is_hard).sum())
+        return float(rec.met[is_hard].mean()), served_flood, int(((rec.status != 200) & ~is_hard).sum())
+
+    alone, _, _ = run(False)
+    mixed, served, lost = run(True)
+    assert alone > 0.99
+    assert abs(mixed - alone) <= 0.001, (alone, mixed)  # within 0.1 point
+    assert served == 3000 and lost == 0  # the whole flood is answered, in the gaps
+
+
+def test_a_lane_request_that_waits_past_its_maximum_gets_504_saying_why() -> None:
+    h = Harness(policy=ClockworkPolicy())
+    spec = h.add(make_spec(), b1=1 * MS)
+    h.preload(spec, 1)
+    blocker = h.request(spec, timeout=10 * MS)
+    (infer,) = h.step()
+    assert blocker in infer.requests
+    waiting = h.request(spec, klass=RequestClass.BEST_EFFORT, max_wait=50 * MS)
+    assert h.step() == []  # the device is busy: nothing for the lane
+    assert waiting.late and waiting.status == RequestStatus.QUEUED
+    h.clock.set(h.now + 51 * MS)  # the blocking INFER never returns
+    h.step()
+    assert waiting.status == RequestStatus.FAILED and isinstance(waiting.error, DeadlineExceeded)
+    assert "best_effort_max_wait_s" in str(waiting.error)
+    assert h.sched.pending == 0 and h.sched.soft_bytes == 0
+
+
+def test_the_lane_is_bounded_in_bytes_and_refuses_at_arrival_with_503() -> None:
+    h = Harness(policy=ClockworkPolicy(), best_effort_bytes=3 * 8)  # three 1-sample requests of 2 floats
+    spec = h.add(make_spec())
+    kept = [h.request(spec, klass=RequestClass.BEST_EFFORT) for _ in range(3)]
+    with pytest.raises(Overloaded, match="best_effort_bytes"):
+        h.request(spec, klass=RequestClass.TARGET)
+    h.request(spec, timeout=1.0)  # a hard request does not wait there: admitted
+    for r in kept:
+        h.run_until(r)
+        assert r.ok
+    assert h.sched.soft_bytes == 0
+
+
+def test_a_target_request_is_scheduled_like_a_hard_one_while_it_can_make_it() -> None:
+    h = Harness(policy=ClockworkPolicy())
+    spec = h.add(make_spec())
+    h.preload(spec, 1)
+    r = h.request(spec, klass=RequestClass.TARGET)
+    (infer,) = h.step()
+    assert not infer.best_effort and not r.late and infer.latest < float("inf")
+    h.result(infer)
+    assert r.ok and h.sched.counters["met_deadline"] == 1 and h.sched.counters["moved_late"] == 0
+
+
+def test_the_queue_policy_decides_the_class() -> None:
+    spec = make_spec(slo=0.1)
+    default = ControllerSettings()
+    a = classify(spec, 5.0, None, 10, default)
+    assert a.klass == RequestClass.TARGET and a.deadline == pytest.approx(5.1) and a.give_up_at == 35.0
+    assert classify(spec, 5.0, 20_000, 10, default).klass == RequestClass.HARD
+    delay = ControllerSettings(timeout_action="delay")
+    assert classify(spec, 5.0, 20_000, 10, delay).klass == RequestClass.TARGET
+    pinned = ControllerSettings(default_timeout_ms=50.0, allow_timeout_override=False)
+    b = classify(spec, 5.0, 1_000_000, 10, pinned)
+    assert b.klass == RequestClass.HARD and b.deadline == pytest.approx(5.05)  # the client's 1 s is ignored
+    low = ControllerSettings(best_effort_priority=20)
+    assert classify(spec, 5.0, 20_000, 25, low).klass == RequestClass.BEST_EFFORT
+    assert classify(spec, 5.0, 20_000, 19, low).klass == RequestClass.HARD
