@@ -262,4 +262,7 @@ def model_stats_json(sched: Scheduler, spec: ModelSpec, epoch: float) -> dict[st
         ],
         "memory_usage": [{"type": "GPU" if d.kind == "cuda" else "CPU", "id": d.device.index, "byte_size": weights}
                          for d in sched.devices.values() if d.memory.is_ready(spec.key)],
+        # escapement's own: requests by class and outcome (docs/controller.md, "Request classes")
+        "escapement_classes": {klass: {what: n for (k, what), n in sorted(m.classes.items()) if k == klass}
+                               for klass in sorted({k for k, _ in m.classes})},
     }

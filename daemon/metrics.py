@@ -173,17 +173,23 @@ class EscapementCollector:
                                       "Weights unloaded (evictions, and unloads of removed models)", labels=per_device)
         resident = GaugeMetricFamily("escapement_model_resident", "1 where a model's weights are ready on a device",
                                      labels=per_device)
+        classes = CounterMetricFamily("escapement_requests_by_class",
+                                      "Requests by class (hard: a timeout that rejects; target: no timeout, answered "
+                                      "late rather than dropped; best_effort) and outcome (on_time, late, refused, "
+                                      "dropped, expired, failed, cancelled)", labels=[*MODEL, "class", "outcome"])
         for m in records:
             values = _values(m)
             met.add_metric(values, m.slo_met)
             missed.add_metric(values, m.slo_missed)
+            for (klass, what), n in sorted(m.classes.items()):
+                classes.add_metric([*values, klass, what], n)
             for family, by_device in ((loads, m.loads), (load_failures, m.load_failures), (unloads, m.unloads)):
                 for device, n in sorted(by_device.items()):
                     family.add_metric([*values, device], n)
             for name, dev in sorted(sched.devices.items()):
                 if dev.memory.is_ready(m.spec.key):
                     resident.add_metric([*values, name], 1)
-        yield from (met, missed, loads, load_failures, unloads, resident)
+        yield from (met, missed, classes, loads, load_failures, unloads, resident)
 
     # ---------------------------------------------------------------- per device
 

@@ -15,6 +15,14 @@
     shape = [-1, 10]
     [metadata]                   # free-form facts reported with the model (accuracy, ...)
     test_accuracy = 0.97
+    [queue_policy]               # Triton's queue policy (optional; the daemon's [controller] defaults)
+    default_timeout_ms = 0       # a request without a timeout gets this one; 0: the SLO is a target
+    timeout_action = "delay"     # "reject" or "delay": what a timeout does to a request that cannot make it
+    allow_timeout_override = true
+    max_queue_size = 0           # queued requests of this model at most (0: controller.max_pending_per_model)
+    max_wait_s = 30              # the longest a late or best-effort request waits (then 504)
+    [queue_policy.levels.20]     # one priority level's own policy (Triton's priority_queue_policy)
+    best_effort = true           # requests of this level start in the best-effort lane
 
 Scanning never raises for one bad entry: each broken model is reported with its reason and
 the rest are served. The scan never opens what is not a regular file (a FIFO would block it
@@ -42,7 +50,8 @@ ModelFormat = Literal["pt2", "ts"]
 MODEL_FILES: dict[str, ModelFormat] = {"model.pt2": "pt2", "model.ts": "ts"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _KNOWN_KEYS = {"name", "description", "max_batch_size", "slo_ms", "inputs", "outputs", "metadata", "parity",
-               "preload_replicas"}
+               "preload_replicas", "queue_policy"}
+_QUEUE_KEYS = {"default_timeout_ms", "timeout_action", "allow_timeout_override", "max_queue_size", "max_wait_s"}
 _PARITY_KEYS = {"k", "encoder", "file", "enabled", "flush_ms", "accuracy"}
 MAX_BATCH_SIZE = 4096
 MAX_CONFIG_BYTES = 1 << 20  # a config.toml is a few hundred bytes; this only stops a runaway file
@@ -123,6 +132,33 @@ class TensorSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class QueueLevel:
+    """A queue policy, for a model or one of its priority levels: each key None leaves the one
+    above it in force (the level's model policy, then the daemon's [controller] defaults)."""
+
+    default_timeout_ms: float | None = None
+    timeout_action: str | None = None  # "reject" or "delay"
+    allow_timeout_override: bool | None = None
+    max_queue_size: int | None = None  # 0: the daemon's max_pending_per_model
+    max_wait_s: float | None = None
+    best_effort: bool = False  # (levels only) its requests start in the best-effort lane
+
+
+@dataclass(frozen=True, slots=True)
+class QueuePolicy:
+    """Triton's queue policy of a model: its default policy and one per priority level."""
+
+    model: QueueLevel = QueueLevel()
+    levels: tuple[tuple[int, QueueLevel], ...] = ()  # (priority level, its policy), ascending
+
+    def for_level(self, rank: int) -> QueueLevel | None:
+        for level, policy in self.levels:
+            if level == rank:
+                return policy
+        return None
+
+
+@dataclass(frozen=True, slots=True)
 class ParitySpec:
     """ParM coded resilience for a model: k data batches per coding group, one parity batch."""
 
@@ -148,6 +184,7 @@ class ModelSpec:
     metadata: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     parity: ParitySpec | None = None
     preload_replicas: int = 0  # devices to load it onto at start-up (its parity model onto another)
+    queue_policy: QueuePolicy | None = None  # None: the daemon's defaults for everything
     key: str = field(init=False, compare=False)  # "name:version", used on every hot path
     # Powers of two up to max_batch_size, plus max_batch_size itself if it is not one; and, per
     # sample count, the smallest of them that holds it (the scheduler asks per batch it plans).
@@ -240,6 +277,55 @@ def _parity(raw: Any, name: str, slo_ms: float) -> ParitySpec | None:
     return ParitySpec(k, enc, file, float(flush))
 
 
+def _queue_level(raw: Any, where: str, level: bool) -> QueueLevel:
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{where} must be a table")
+    known = _QUEUE_KEYS | ({"best_effort"} if level else set())
+    unknown = set(raw) - known
+    if unknown:
+        raise ModelConfigError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+
+    def number(key: str, lo: float, hi: float) -> float | None:
+        v = raw.get(key)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
+            raise ModelConfigError(f"{where}: {key} = {v!r}: expected a number in [{lo:g}, {hi:g}]")
+        return float(v)
+
+    action = raw.get("timeout_action")
+    if action is not None and action not in ("reject", "delay"):
+        raise ModelConfigError(f"{where}: timeout_action = {action!r}: expected 'reject' or 'delay'")
+    for key in ("allow_timeout_override", "best_effort"):
+        if key in raw and not isinstance(raw[key], bool):
+            raise ModelConfigError(f"{where}: {key} = {raw[key]!r}: expected true or false")
+    size = raw.get("max_queue_size")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= 10**7):
+        raise ModelConfigError(f"{where}: max_queue_size = {size!r}: expected an integer in 0..10000000")
+    wait = number("max_wait_s", 0.0, 3600.0)
+    if wait == 0.0:
+        raise ModelConfigError(f"{where}: max_wait_s = 0: expected a number in (0, 3600]")
+    return QueueLevel(number("default_timeout_ms", 0.0, 3.6e6), action, raw.get("allow_timeout_override"), size,
+                      wait, bool(raw.get("best_effort", False)))
+
+
+def _queue_policy(raw: Any, name: str) -> QueuePolicy | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{name}: [queue_policy] must be a table")
+    raw = dict(raw)
+    levels_raw = raw.pop("levels", {})
+    if not isinstance(levels_raw, dict):
+        raise ModelConfigError(f"{name}: [queue_policy.levels] must hold one table per priority level")
+    levels = []
+    for key, value in levels_raw.items():
+        if not key.isdigit() or not 1 <= int(key) <= 10**6:
+            raise ModelConfigError(f"{name}: [queue_policy.levels.{key}]: a level is a priority, an integer >= 1")
+        levels.append((int(key), _queue_level(value, f"{name}: [queue_policy.levels.{key}]", True)))
+    return QueuePolicy(_queue_level(raw, f"{name}: [queue_policy]", False), tuple(sorted(levels)))
+
+
 def parse_model_config(model_dir: Path, default_slo_ms: float) -> dict[str, Any]:
     """The validated contents of `<model_dir>/config.toml` (everything but versions)."""
     name = model_dir.name
@@ -288,6 +374,7 @@ def parse_model_config(model_dir: Path, default_slo_ms: float) -> dict[str, Any]
         "metadata": meta,
         "parity": parity,
         "preload_replicas": preload,
+        "queue_policy": _queue_policy(raw.get("queue_policy"), name),
     }
 
 

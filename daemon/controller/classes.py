@@ -15,6 +15,7 @@ transformer, a batch job) are served late rather than lost, as Triton, TorchServ
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from daemon.config import ControllerSettings
 from daemon.repository import ModelSpec
@@ -31,16 +32,38 @@ class Admission:
 def classify(spec: ModelSpec, now: float, timeout_us: int | None, rank: int,
              settings: ControllerSettings) -> Admission:
     """The class and deadline of a request arriving `now` with the client's `timeout_us` (None: it
-    gave none) and priority `rank`, under the daemon's queue policy."""
+    gave none) and priority `rank`, under the queue policy: its priority level's, then its model's
+    (config.toml [queue_policy]), then the daemon's ([controller])."""
+    level = model = None
+    if spec.queue_policy is not None:
+        model = spec.queue_policy.model
+        level = spec.queue_policy.for_level(rank)
+
+    def pick(key: str) -> Any:
+        for policy in (level, model):
+            value = getattr(policy, key) if policy is not None else None
+            if value is not None:
+                return value
+        return getattr(settings, "best_effort_max_wait_s" if key == "max_wait_s" else key)
+
     timeout_s: float | None = None
-    if timeout_us is not None and settings.allow_timeout_override:
+    default_ms = pick("default_timeout_ms")
+    if timeout_us is not None and pick("allow_timeout_override"):
         timeout_s = timeout_us * 1e-6
-    elif settings.default_timeout_ms > 0:
-        timeout_s = settings.default_timeout_ms / 1000.0
+    elif default_ms > 0:
+        timeout_s = default_ms / 1000.0
     deadline = now + (spec.slo_s if timeout_s is None else timeout_s)
-    give_up = now + settings.best_effort_max_wait_s
-    if settings.best_effort_priority and rank >= settings.best_effort_priority:
+    give_up = now + pick("max_wait_s")
+    if (level is not None and level.best_effort) or (
+            settings.best_effort_priority and rank >= settings.best_effort_priority):
         return Admission(deadline, RequestClass.BEST_EFFORT, give_up)
-    if timeout_s is not None and settings.timeout_action == "reject":
+    if timeout_s is not None and pick("timeout_action") == "reject":
         return Admission(deadline, RequestClass.HARD, float("inf"))
     return Admission(deadline, RequestClass.TARGET, give_up)
+
+
+def max_queue(spec: ModelSpec, settings: ControllerSettings) -> tuple[int, str]:
+    """The most requests one model may hold queued (on time and in its lane), and the key that says so."""
+    if spec.queue_policy is not None and spec.queue_policy.model.max_queue_size:
+        return spec.queue_policy.model.max_queue_size, f"queue_policy.max_queue_size of model {spec.name}"
+    return settings.max_pending_per_model, "controller.max_pending_per_model"

@@ -25,6 +25,7 @@ import numpy as np
 
 from daemon.actions import LOAD_FLOOR_BPS, Action, ActionKind, Failure, Result, ResultStatus
 from daemon.config import ControllerSettings
+from daemon.controller.classes import max_queue
 from daemon.controller.coding import Coding
 from daemon.controller.decisions import Drop, Infer, Load, Release, Save, Step, Steps, Unload
 from daemon.controller.estimates import EXACT_ROW_KINDS, Estimator
@@ -186,10 +187,11 @@ class Scheduler:
             self.counters["refused_overload"] += 1
             raise refused(req, Overloaded(f"the daemon holds {self.pending} requests, its limit "
                                           "(controller.max_pending)"), now)
-        if entry.queue.requests >= self.settings.max_pending_per_model:
+        limit, key = max_queue(entry.spec, self.settings)
+        if entry.queue.requests + entry.late.requests >= limit:
             self.counters["refused_overload"] += 1
-            raise refused(req, Overloaded(f"model {req.model.name} has {entry.queue.requests} requests queued, "
-                                          "its limit (controller.max_pending_per_model)"), now)
+            raise refused(req, Overloaded(f"model {req.model.name} has {entry.queue.requests + entry.late.requests} "
+                                          f"requests queued, its limit ({key})"), now)
         soft = req.klass != RequestClass.HARD
         if soft:
             nbytes = req.nbytes

@@ -33,7 +33,7 @@ import orjson
 from daemon.actions import ActionKind, Result, ResultStatus
 from daemon.errors import Cancelled, DeadlineExceeded, EscapementError, InternalError, Overloaded, Unavailable
 from daemon.repository import ModelSpec
-from daemon.request import InferenceRequest, RequestStatus
+from daemon.request import InferenceRequest, RequestClass, RequestStatus
 
 log = logging.getLogger("escapement.controller")
 
@@ -212,7 +212,8 @@ class ModelStats:
     admission. Requests refused earlier (malformed, unknown model, event loop overloaded) do not.
     """
 
-    __slots__ = ("batches", "compute_infer", "compute_input", "compute_output", "compute_time", "execution_count",
+    __slots__ = ("batches", "classes", "compute_infer", "compute_input", "compute_output", "compute_time",
+                 "execution_count",
                  "fail", "failures", "inference_count", "last_inference", "latency", "load_failures", "loads",
                  "queue", "queue_time", "slo_met", "slo_missed", "spec", "success", "unloads")
 
@@ -238,6 +239,24 @@ class ModelStats:
         self.loads: Counter[str] = Counter()  # device -> completed LOADs
         self.load_failures: Counter[str] = Counter()
         self.unloads: Counter[str] = Counter()
+        # (request class, outcome) -> requests: on_time, late (answered after its deadline), refused
+        # (at arrival), dropped (504: it could not make its hard deadline), expired (504: it waited
+        # the longest a best-effort request may), failed, cancelled
+        self.classes: Counter[tuple[str, str]] = Counter()
+
+
+_CLASS_NAMES = {k: k.name.lower() for k in RequestClass}
+
+
+def outcome(req: InferenceRequest) -> str:
+    """What became of a finished request, for the per-class counts."""
+    if req.status == RequestStatus.SUCCEEDED:
+        return "on_time" if req.finished_at <= req.deadline else "late"
+    if req.status == RequestStatus.CANCELLED:
+        return "cancelled"
+    if isinstance(req.error, DeadlineExceeded):
+        return "expired" if req.late else "dropped"
+    return "failed"
 
 
 class DeviceStats:
@@ -351,6 +370,7 @@ class Telemetry:
         """A request finished (answered, failed or cancelled)."""
         m = self.model(req.model)
         m.last_inference = req.finished_at
+        m.classes[(_CLASS_NAMES[req.klass], outcome(req))] += 1
         took = req.finished_at - req.arrival
         if req.status == RequestStatus.CANCELLED:
             m.fail.add(took)
@@ -386,6 +406,7 @@ class Telemetry:
         model, as Triton counts a request its scheduler rejects. Returns `error`, for `raise`."""
         m = self.model(req.model)
         m.last_inference = now
+        m.classes[(_CLASS_NAMES[req.klass], "refused")] += 1
         m.fail.add(now - req.arrival)
         m.failures[failure_reason(error)] += 1
         m.slo_missed += 1

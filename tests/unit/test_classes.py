@@ -3,17 +3,21 @@ virtual time (the real scheduler and policies over simulated devices)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from daemon.config import ControllerSettings
-from daemon.controller.classes import classify
+from daemon.controller.classes import classify, max_queue
 from daemon.controller.policies.clockwork import ClockworkPolicy
 from daemon.controller.policies.dynamic import DynamicBatchingPolicy
 from daemon.controller.policy import Policy
 from daemon.errors import DeadlineExceeded, Overloaded
+from daemon.repository import ModelConfigError, ModelSpec, parse_model_config
 from daemon.request import RequestClass, RequestStatus
 from daemon.sim import CLOCKWORK_V100, Simulation, sim_spec
+from tests.support import tiny_config
 from tests.unit.harness import MS, Harness, make_spec
 
 
@@ -135,3 +139,68 @@ def test_the_queue_policy_decides_the_class() -> None:
     low = ControllerSettings(best_effort_priority=20)
     assert classify(spec, 5.0, 20_000, 25, low).klass == RequestClass.BEST_EFFORT
     assert classify(spec, 5.0, 20_000, 19, low).klass == RequestClass.HARD
+
+
+def _model_with_policy(tmp_path: Path, policy: str) -> ModelSpec:
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.toml").write_text(tiny_config() + "\n" + policy)
+    cfg = parse_model_config(d, 100.0)
+    return ModelSpec(version=1, path=d / "1" / "model.pt2", format="pt2", **cfg)
+
+
+def test_a_model_s_queue_policy_and_its_levels_override_the_daemon_s(tmp_path: Path) -> None:
+    spec = _model_with_policy(tmp_path, """
+[queue_policy]
+default_timeout_ms = 250
+timeout_action = "delay"
+max_wait_s = 5
+max_queue_size = 7
+[queue_policy.levels.3]
+timeout_action = "reject"
+allow_timeout_override = false
+[queue_policy.levels.30]
+best_effort = true
+""")
+    daemon = ControllerSettings()  # reject, no default timeout, override allowed
+    a = classify(spec, 0.0, None, 10, daemon)
+    assert a.klass == RequestClass.TARGET and a.deadline == pytest.approx(0.25) and a.give_up_at == 5.0
+    b = classify(spec, 0.0, 20_000, 3, daemon)  # level 3 rejects and ignores the client's timeout
+    assert b.klass == RequestClass.HARD and b.deadline == pytest.approx(0.25)
+    assert classify(spec, 0.0, None, 30, daemon).klass == RequestClass.BEST_EFFORT
+    assert max_queue(spec, daemon) == (7, "queue_policy.max_queue_size of model m")
+    h = Harness()
+    h.add(spec)
+    for _ in range(7):
+        h.request(spec, timeout=1.0)
+    with pytest.raises(Overloaded, match=r"queue_policy\.max_queue_size of model m"):
+        h.request(spec, timeout=1.0)
+
+
+@pytest.mark.parametrize(("policy", "needle"), [
+    ("[queue_policy]\ntimeout_action = \"drop\"\n", "timeout_action = 'drop'"),
+    ("[queue_policy]\ncolour = 1\n", "unknown keys ['colour']"),
+    ("[queue_policy]\nmax_wait_s = 0\n", "max_wait_s = 0"),
+    ("[queue_policy]\nbest_effort = true\n", "unknown keys ['best_effort']"),  # a level's key only
+    ("[queue_policy.levels.x]\nbest_effort = true\n", "[queue_policy.levels.x]"),
+    ("[queue_policy]\nallow_timeout_override = 1\n", "allow_timeout_override = 1"),
+])
+def test_a_bad_queue_policy_names_its_key(tmp_path: Path, policy: str, needle: str) -> None:
+    with pytest.raises(ModelConfigError) as exc:
+        _model_with_policy(tmp_path, policy)
+    assert needle in str(exc.value)
+
+
+def test_requests_are_counted_by_class_and_outcome() -> None:
+    h = Harness(policy=ClockworkPolicy())
+    spec = h.add(make_spec(), b1=1 * MS)
+    h.preload(spec, 1)
+    on_time = h.request(spec, klass=RequestClass.TARGET)
+    h.run_until(on_time)
+    with pytest.raises(DeadlineExceeded):
+        h.request(spec, timeout=0.1 * MS)  # hard, infeasible: refused
+    late = h.request(spec, timeout=0.1 * MS, klass=RequestClass.TARGET)  # infeasible target: late, answered
+    h.run_until(late)
+    assert late.ok and late.late
+    classes = h.sched.telemetry.models[spec.key].classes
+    assert classes == {("target", "on_time"): 1, ("hard", "refused"): 1, ("target", "late"): 1}
