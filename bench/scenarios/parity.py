@@ -259,6 +259,17 @@ def codec_cost(quick: bool) -> list[dict[str, Any]]:
     return out
 
 
+def codec_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: per input shape and batch, a plain fill and each code's parity fill, in µs."""
+    keys = [f"fill_coded_{name}_k{k}_us" for k in (2, 4) for name in codes.ENCODERS]
+    lines = ["| input | batch | fill | " + " | ".join(k.removeprefix("fill_coded_").removesuffix("_us") for k in keys)
+             + " | decode k=4 (1,000 logits) |", "|" + "---|" * (len(keys) + 4)]
+    for r in rows:
+        lines.append(f"| {'x'.join(map(str, r['shape']))} | {r['batch']} | {r['fill_us']:.0f} | "
+                     + " | ".join(f"{r[k]:.0f}" for k in keys) + f" | {r['decode_k4_1000_logits_us']:.0f} |")
+    return "\n".join(lines)
+
+
 def _pair(rows: list[dict[str, Any]], setting: str, k: int) -> dict[str, Any]:
     coded = next(r for r in rows if r["setting"] == setting and r["label"] == f"parity-k{k}")
     equal = next(r for r in rows if r["setting"] == setting and r["label"] == "equal-resources" and r["k"] == k)
@@ -322,8 +333,13 @@ def run(quick: bool = False, json_out: str | None = None, seconds: float | None 
     result = results.write("parity", config, rows, summary, json_out, notes,
                            columns=["label", "setting", "k", "devices", "offered_rps", "p50_ms", "p99_ms", "p999_ms",
                                     "slo_attainment", "reconstructions", "reconstructed"])
-    if not skip_accuracy:  # the zoo table, readable (the summary line above holds it on one line)
-        md = (Path(json_out) if json_out else results.RESULTS / "parity.json").with_suffix(".md")
+    md = (Path(json_out) if json_out else results.RESULTS / "parity.json").with_suffix(".md")
+    if not skip_latency:  # the tables, readable (the summary lines above hold them on one line)
+        md.write_text(md.read_text() + "\n## Encode / decode cost (µs, one thread)\n\n"
+                      "`fill`: a plain batch's input buffer filled from its requests; `sum_k2` ...: a parity "
+                      "batch's, from k members' requests, encoded (`IOBuffers.fill_coded`); decode: one member "
+                      "rebuilt from the parity output and 3 others.\n\n" + codec_table(summary["codec_us"]) + "\n")
+    if not skip_accuracy:
         md.write_text(md.read_text() + "\n## Accuracy: the zoo on digits, held-out test split\n\n"
                       + summary["accuracy_table"] + "\n")
     return result

@@ -12,8 +12,8 @@ output is missing, `decode` gives F_P(P) - Σ of the other k-1 outputs (on logit
   reference/parm.md).
 
 `default_encoder` picks `concat` where it applies and `sum` elsewhere: on the zoo's image models
-at k = 4 the degraded-mode drop went from 21 to 7 points (residual CNN) and from 20 to 12
-(transformer) with concat, and at k = 2 both codes stay within 3.5 points
+the degraded-mode drop with concat against sum was 6.9 against 21.1 points (residual CNN) and
+6.0 against 20.3 (transformer) at k = 4, 0.7 against 3.5 and 1.8 against 2.2 at k = 2
 (bench/results/parity-accuracy.md).
 
 Members of a group may fill different numbers of rows; rows a member lacks count as zeros.
@@ -28,14 +28,19 @@ import torch
 ENCODERS = ("sum", "concat")
 
 
-def encode_sum(xs: Sequence[torch.Tensor]) -> torch.Tensor:
-    out = xs[0].clone()
+def encode_sum(xs: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ xs, into `out` when given (the executor passes its input buffer: no copy of the result)."""
+    if out is None:
+        out = xs[0].clone()
+    else:
+        out.copy_(xs[0])
     for x in xs[1:]:
         out += x
     return out
 
 
-def encode_concat(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+def encode_concat(xs: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The k images tiled, each area-averaged to fit; into `out` when given."""
     k = len(xs)
     x0 = xs[0]
     if x0.dim() != 4:
@@ -48,7 +53,7 @@ def encode_concat(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     # Area averaging as strided adds written straight into the tiles: avg_pool2d and torch.cat took
     # 10x longer (1.65 ms against 0.16 ms for 32 images of 3x32x32 at k = 4, one thread), and the
     # executor encodes every parity batch.
-    out = torch.empty_like(x0)
+    out = torch.empty_like(x0) if out is None else out
     h2, w2 = h // 2, w // 2
     if k == 2:
         for i, x in enumerate(xs):
@@ -62,7 +67,10 @@ def encode_concat(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     return out.mul_(0.25)
 
 
-def encoder(name: str) -> Callable[[Sequence[torch.Tensor]], torch.Tensor]:
+Encoder = Callable[..., torch.Tensor]  # (members, out=None) -> the parity input
+
+
+def encoder(name: str) -> Encoder:
     if name == "sum":
         return encode_sum
     if name == "concat":

@@ -101,7 +101,9 @@ def test_the_served_parity_batch_is_the_training_encoding(name: str) -> None:
     buf.filled = 8  # a previous batch filled every row
 
     def req(n: int) -> InferenceRequest:
-        return InferenceRequest(spec, (rng.standard_normal((n, 1, 4, 4), dtype=np.float32),), n, 0.0, 1.0)
+        x = rng.standard_normal((n, 1, 4, 4), dtype=np.float32)
+        x.setflags(write=False)  # as a frontend's view of its receive buffer
+        return InferenceRequest(spec, (x,), n, 0.0, 1.0)
 
     members = [[req(2), req(1)], [req(3)], [req(1)], [req(2)]]  # 3, 3, 1 and 2 rows
     rows = buf.fill_coded(members, name)
