@@ -255,8 +255,8 @@ class ControllerSettings:
                                     "start (served in device time no on-time work needs); 0: none.", 0)
     best_effort_max_wait_s: float = doc("Longest a best-effort or late request waits before it is answered 504.",
                                         30.0)
-    best_effort_bytes: int = doc("Input bytes the best-effort lane may hold (all models); more are refused with "
-                                 "503.", 256 * 2**20)
+    best_effort_bytes: int = doc("Input bytes of the requests that may be answered late (all models; bytes or "
+                                 "'256MiB'); more are refused with 503.", 256 * 2**20)
 
     def __post_init__(self) -> None:
         _need(self.max_queue_delay_ms >= 0, "controller.max_queue_delay_ms", self.max_queue_delay_ms,
@@ -333,7 +333,8 @@ def parse_hostport(value: str, key: str) -> tuple[str, int]:
 _SIZE_FIELDS = {("server", "max_body_bytes"), ("server", "request_memory_bytes"),
                 ("server", "connection_memory_bytes"), ("server", "max_json_bytes"),
                 ("runtime", "weight_budget"), ("runtime", "device_workspace"),
-                ("runtime", "host_pinned_budget"), ("runtime.emucuda", "capacity")}
+                ("runtime", "host_pinned_budget"), ("runtime.emucuda", "capacity"),
+                ("controller", "best_effort_bytes")}
 
 
 def _convert(value: Any, tp: Any, key: str) -> Any:

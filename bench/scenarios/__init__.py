@@ -21,6 +21,7 @@ SCENARIOS = {
     "scale": "bench.scenarios.scale",
     "soak": "bench.scenarios.soak",
     "hostile": "bench.scenarios.hostile",
+    "classes": "bench.scenarios.classes",
 }
 
 

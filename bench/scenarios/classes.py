@@ -1,0 +1,165 @@
+"""`classes`: late rather than lost. Requests without a client timeout are answered late instead of
+dropped; hard deadlines behave as before; a best-effort flood does not hurt on-time work.
+
+1. **Burst** (a real daemon; `model`, by default cnn_heavy, whose device and not its event loop is
+   the bottleneck, over the socket, open loop Poisson). Its capacity at SLO is measured first in
+   the same run (bench/scenarios/common.search_capacity) unless `capacity_rps` is given; then
+   `factor` x that is offered for `burst_s` seconds, once with no client timeouts (Triton's
+   default: every request is a TARGET, the SLO a target) and once with client timeouts equal to the
+   SLO (HARD, the behaviour before this scenario's issue). Per run: requests accepted (not refused
+   at arrival), answered, 504s, 503s and what they said, and the late answers the daemon counted
+   (`escapement_requests_by_class`). `reps` bursts of each; the summary takes medians.
+2. **Mixed** (virtual time: the real scheduler and clockwork policy over simulated devices with
+   Clockwork's V100 profiles): a hard stream of one model at 70% of one device's batched capacity,
+   alone and beside a best-effort flood of another model on the same device; the hard stream's SLO
+   attainment with the flood minus without, in points, and how much of the flood was answered.
+
+Summary keys: `burst_answered_fraction` (accepted requests answered, no client timeouts),
+`burst_504` (count), `hard_attainment_delta_points`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from bench import loadgen, results
+from bench.scenarios.common import command, demo_repo, passes, search_capacity, spec_of
+from bench.scenarios.soak import LoggedEscapement, overload_frame, play
+from daemon.config import ControllerSettings
+from daemon.controller.policies.clockwork import ClockworkPolicy
+from daemon.request import RequestClass
+from daemon.sim import CLOCKWORK_V100, Simulation, sim_spec
+
+
+def _by_class(port: int, klass: str, outcome: str) -> float:
+    """The daemon's count of requests of `klass` that ended `outcome` (every model)."""
+    from bench.scenarios.soak import http_get
+
+    _, body = http_get(port, "/metrics")
+    total = 0.0
+    for line in body.decode().splitlines():
+        if line.startswith("escapement_requests_by_class_total{") and f'class="{klass}"' in line \
+                and f'outcome="{outcome}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def burst_rows(model: str, factor: float, burst_s: float, reps: int, capacity_rps: float | None,
+               seed: int) -> tuple[list[dict[str, Any]], float]:
+    repo = demo_repo()
+    spec = spec_of(repo, model)
+    slo_s = spec.slo_s
+    server = LoggedEscapement(repo)
+    server.start()
+    rows: list[dict[str, Any]] = []
+    try:
+        hard = overload_frame(repo, model, int(slo_s * 1e6))
+        soft = overload_frame(repo, model, None)
+
+        def point(rate: float) -> dict[str, Any]:
+            run, cores = play(loadgen.poisson(rate, 3.0, seed=len(rows) + seed), server, hard, model, 0.75,
+                              max(2.0, 3 * slo_s), 2)
+            r = results.row(run, "capacity ramp", slo_s, **cores)
+            rows.append(r)
+            return r
+
+        point(50.0)  # warm-up: first runs, estimates; not reported
+        rows.clear()
+        if capacity_rps is None:
+            search_capacity(point, [100.0, 200.0], refine=2)
+            capacity = max((r["offered_rps"] for r in rows if passes(r)), default=0.0)
+        else:
+            capacity = float(capacity_rps)
+        if capacity <= 0:
+            raise RuntimeError(f"no load passed the SLO in the capacity ramp: {rows}")
+        out: list[dict[str, Any]] = []
+        for rep in range(reps):
+            for label, frame in (("no client timeout", soft), ("client timeout = SLO", hard)):
+                late0 = _by_class(server.port, "target", "late")
+                run, cores = play(loadgen.poisson(factor * capacity, burst_s, seed=seed + 100 + rep), server, frame,
+                                  model, 0.0, 60.0, 2)
+                time.sleep(0.5)  # (the last answers are counted before the metric is read)
+                st = run.records.status
+                accepted = int((st != 503).sum())  # (a 503 says which budget was full: see `errors`)
+                row = results.row(run, label, slo_s, **cores)
+                row.update({"rep": rep, "capacity_rps": capacity, "factor": factor,
+                            "accepted": accepted, "answered": int((st == 200).sum()),
+                            "answered_fraction": float((st == 200).sum()) / max(accepted, 1),
+                            "status_504": int((st == 504).sum()), "status_503": int((st == 503).sum()),
+                            "no_answer": int((st == loadgen.NO_ANSWER).sum()),
+                            "late_answered": _by_class(server.port, "target", "late") - late0})
+                out.append(row)
+        return out, capacity
+    finally:
+        server.stop()
+
+
+def mixed(seconds: float, flood: int, seed: int) -> dict[str, Any]:
+    hard, other = sim_spec("hard", 16), sim_spec("flood", 16)
+    ph, pf = CLOCKWORK_V100["resnet18"], CLOCKWORK_V100["resnet50"]
+    rng = np.random.default_rng(seed)
+    rate = 0.7 * 16 / ph.infer(16)
+    t_hard = np.cumsum(rng.exponential(1 / rate, int(rate * seconds * 1.2)))
+    t_hard = t_hard[t_hard < seconds]
+    t_flood = np.sort(rng.uniform(0, seconds, flood))
+
+    def run(with_flood: bool) -> tuple[float, int, int]:
+        sim = Simulation([(hard, ph), (other, pf)], 1, ClockworkPolicy(),
+                         ControllerSettings(max_pending=10**7, max_pending_per_model=10**7), seed=seed)
+        sim.place(hard.key, ["sim:0"])
+        sim.place(other.key, ["sim:0"])
+        n_f = len(t_flood) if with_flood else 0
+        times = np.concatenate([t_hard, t_flood[:n_f]])
+        targets = np.concatenate([np.zeros(len(t_hard), int), np.ones(n_f, int)])
+        classes = np.concatenate([np.full(len(t_hard), int(RequestClass.HARD)),
+                                  np.full(n_f, int(RequestClass.BEST_EFFORT))])
+        order = np.argsort(times, kind="stable")
+        res = sim.run(times[order], targets[order], [hard.key, other.key], drain_s=120.0, classes=classes[order],
+                      max_wait_s=120.0)
+        rec, is_hard = res.records, targets[order] == 0
+        return (float(rec.met[is_hard].mean()), int(((rec.status == 200) & ~is_hard).sum()),
+                int(((rec.status != 200) & ~is_hard).sum()))
+
+    alone, _, _ = run(False)
+    with_flood, answered, lost = run(True)
+    return {"label": "mixed (virtual time)", "hard_rps": rate, "hard_requests": len(t_hard), "flood_requests": flood,
+            "hard_attainment_alone": alone, "hard_attainment_with_flood": with_flood,
+            "hard_attainment_delta_points": (with_flood - alone) * 100, "flood_answered": answered,
+            "flood_not_answered": lost}
+
+
+def run(quick: bool = False, json_out: str | None = None, model: str = "cnn_heavy", factor: float = 2.0,
+        burst_s: float | None = None, reps: int | None = None, capacity_rps: float | None = None,
+        seed: int = 0) -> dict[str, Any]:
+    burst_s = burst_s or (2.0 if quick else 5.0)
+    reps = reps or (1 if quick else 3)
+    rows, capacity = burst_rows(model, factor, burst_s, reps, capacity_rps, seed)
+    mix = mixed(1.0 if quick else 4.0, 2000 if quick else 8000, seed)
+    soft = [r for r in rows if r["label"] == "no client timeout"]
+    hard = [r for r in rows if r["label"] != "no client timeout"]
+    summary = {
+        "capacity_rps": capacity,
+        "burst_answered_fraction": statistics.median(r["answered_fraction"] for r in soft),
+        "burst_504": statistics.median(r["status_504"] for r in soft),
+        "burst_503": statistics.median(r["status_503"] for r in soft),
+        "burst_late_answered": statistics.median(r["late_answered"] for r in soft),
+        "burst_hard_answered_fraction": statistics.median(r["answered_fraction"] for r in hard),
+        "burst_hard_504": statistics.median(r["status_504"] for r in hard),
+        "hard_attainment_delta_points": mix["hard_attainment_delta_points"],
+        "flood_answered_fraction": mix["flood_answered"] / max(mix["flood_requests"], 1),
+    }
+    config = {"command": command("classes", quick), "model": model, "factor": factor, "burst_s": burst_s,
+              "reps": reps, "transport": "socket, open loop (Poisson)", "mixed": "1 simulated V100 device (virtual "
+              "time): resnet18 hard at 70% of its batched capacity + a best-effort flood of resnet50"}
+    notes = ["answered_fraction: answered (200) over accepted (every request not refused with 503); "
+             "late_answered: the daemon's own count (escapement_requests_by_class).",
+             f"mixed: {mix}"]
+    return results.write("classes", config, [*rows, mix], summary, json_out, notes,
+                         columns=["label", "rep", "offered_rps", "accepted", "answered", "answered_fraction",
+                                  "status_504", "status_503", "late_answered", "p50_ms", "p99_ms",
+                                  "hard_attainment_alone", "hard_attainment_with_flood",
+                                  "hard_attainment_delta_points", "flood_answered"])
