@@ -28,7 +28,7 @@ from daemon.api.budget import RequestMemory
 from daemon.api.throttle import RenderBudget
 from daemon.clock import Clock, MonotonicClock
 from daemon.config import Settings
-from daemon.controller.classes import classify
+from daemon.controller.classes import classify, priority_rank
 from daemon.controller.telemetry import ModelStats, Span
 from daemon.errors import NotFound, Overloaded, Unavailable
 from daemon.overload import LagTracker
@@ -107,9 +107,7 @@ class Gateway:
         now = self.clock.now()
         priority = priority or 0
         ctl = self.settings.controller
-        rank = priority or ctl.default_priority
-        if not ctl.client_priorities:  # a client may lower its own priority, not jump everyone else's
-            rank = max(rank, ctl.default_priority)
+        rank = priority_rank(spec, priority, ctl)
         adm = classify(spec, now, timeout_us, rank, ctl)
         return InferenceRequest(spec, arrays, samples, now, adm.deadline, priority, rank, client_id, klass=adm.klass,
                                 give_up_at=adm.give_up_at)

@@ -21,6 +21,8 @@
     allow_timeout_override = true
     max_queue_size = 0           # queued requests of this model at most (0: controller.max_pending_per_model)
     max_wait_s = 30              # the longest a late or best-effort request waits (then 504)
+    priority_levels = 0          # Triton's: priorities 1..N; 0 or above N gets the default level (0: no limit)
+    default_priority_level = 0   # the level of a request that gives none (0: controller.default_priority)
     [queue_policy.levels.20]     # one priority level's own policy (Triton's priority_queue_policy)
     best_effort = true           # requests of this level start in the best-effort lane
 
@@ -150,6 +152,8 @@ class QueuePolicy:
 
     model: QueueLevel = QueueLevel()
     levels: tuple[tuple[int, QueueLevel], ...] = ()  # (priority level, its policy), ascending
+    priority_levels: int = 0  # Triton's: valid priorities are 1..N (0: any)
+    default_priority_level: int = 0  # a request with no valid priority gets this one (0: the daemon's default)
 
     def for_level(self, rank: int) -> QueueLevel | None:
         for level, policy in self.levels:
@@ -315,6 +319,16 @@ def _queue_policy(raw: Any, name: str) -> QueuePolicy | None:
     if not isinstance(raw, dict):
         raise ModelConfigError(f"{name}: [queue_policy] must be a table")
     raw = dict(raw)
+    counts = []
+    for key in ("priority_levels", "default_priority_level"):
+        v = raw.pop(key, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 10**6:
+            raise ModelConfigError(f"{name}: [queue_policy] {key} = {v!r}: expected an integer in 0..1000000")
+        counts.append(v)
+    levels_n, default_level = counts
+    if levels_n and default_level > levels_n:
+        raise ModelConfigError(f"{name}: [queue_policy] default_priority_level = {default_level} is above "
+                               f"priority_levels = {levels_n}")
     levels_raw = raw.pop("levels", {})
     if not isinstance(levels_raw, dict):
         raise ModelConfigError(f"{name}: [queue_policy.levels] must hold one table per priority level")
@@ -323,7 +337,8 @@ def _queue_policy(raw: Any, name: str) -> QueuePolicy | None:
         if not key.isdigit() or not 1 <= int(key) <= 10**6:
             raise ModelConfigError(f"{name}: [queue_policy.levels.{key}]: a level is a priority, an integer >= 1")
         levels.append((int(key), _queue_level(value, f"{name}: [queue_policy.levels.{key}]", True)))
-    return QueuePolicy(_queue_level(raw, f"{name}: [queue_policy]", False), tuple(sorted(levels)))
+    return QueuePolicy(_queue_level(raw, f"{name}: [queue_policy]", False), tuple(sorted(levels)), levels_n,
+                       default_level)
 
 
 def parse_model_config(model_dir: Path, default_slo_ms: float) -> dict[str, Any]:

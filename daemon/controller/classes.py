@@ -62,6 +62,19 @@ def classify(spec: ModelSpec, now: float, timeout_us: int | None, rank: int,
     return Admission(deadline, RequestClass.TARGET, give_up)
 
 
+def priority_rank(spec: ModelSpec, priority: int, settings: ControllerSettings) -> int:
+    """The level a request's `priority` (0: none given) is queued at, as Triton maps it: the model's
+    default level for none, or for one beyond its `priority_levels`; without client_priorities a
+    client may lower its own priority, never jump above the default."""
+    qp = spec.queue_policy
+    default = (qp.default_priority_level if qp is not None and qp.default_priority_level else
+               settings.default_priority)
+    if priority and qp is not None and qp.priority_levels and priority > qp.priority_levels:
+        priority = 0
+    rank = priority or default
+    return rank if settings.client_priorities else max(rank, default)
+
+
 def max_queue(spec: ModelSpec, settings: ControllerSettings) -> tuple[int, str]:
     """The most requests one model may hold queued (on time and in its lane), and the key that says so."""
     if spec.queue_policy is not None and spec.queue_policy.model.max_queue_size:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from daemon.config import ControllerSettings
-from daemon.controller.classes import classify, max_queue
+from daemon.controller.classes import classify, max_queue, priority_rank
 from daemon.controller.policies.clockwork import ClockworkPolicy
 from daemon.controller.policies.dynamic import DynamicBatchingPolicy
 from daemon.controller.policy import Policy
@@ -143,7 +143,7 @@ def test_the_queue_policy_decides_the_class() -> None:
 
 def _model_with_policy(tmp_path: Path, policy: str) -> ModelSpec:
     d = tmp_path / "m"
-    d.mkdir()
+    d.mkdir(parents=True)
     (d / "config.toml").write_text(tiny_config() + "\n" + policy)
     cfg = parse_model_config(d, 100.0)
     return ModelSpec(version=1, path=d / "1" / "model.pt2", format="pt2", **cfg)
@@ -204,3 +204,17 @@ def test_requests_are_counted_by_class_and_outcome() -> None:
     assert late.ok and late.late
     classes = h.sched.telemetry.models[spec.key].classes
     assert classes == {("target", "on_time"): 1, ("hard", "refused"): 1, ("target", "late"): 1}
+
+
+def test_priority_levels_map_as_triton_s(tmp_path: Path) -> None:
+    spec = _model_with_policy(tmp_path, "[queue_policy]\npriority_levels = 3\ndefault_priority_level = 2\n")
+    open_ = ControllerSettings(client_priorities=True)
+    assert priority_rank(spec, 0, open_) == 2  # none given: the model's default level
+    assert priority_rank(spec, 1, open_) == 1
+    assert priority_rank(spec, 7, open_) == 2  # beyond its levels: the default, as Triton does
+    closed = ControllerSettings()  # a client may lower its priority, never raise it above the default
+    assert priority_rank(spec, 1, closed) == 2 and priority_rank(spec, 3, closed) == 3
+    plain = make_spec()
+    assert priority_rank(plain, 0, closed) == closed.default_priority
+    with pytest.raises(ModelConfigError, match="default_priority_level = 4 is above priority_levels = 3"):
+        _model_with_policy(tmp_path / "x", "[queue_policy]\npriority_levels = 3\ndefault_priority_level = 4\n")
