@@ -147,7 +147,8 @@ class EscapementCollector:
             for reason in FAILURE_REASONS:
                 failure.add_sample(failure.name, {**_labels(m), "reason": reason}, m.failures[reason])
             entry = sched.models.get(m.spec.key)
-            pending.add_metric(_values(m), entry.queue.requests if entry is not None else 0)
+            # (on time and in the best-effort lane: every request the model owes an answer not yet running)
+            pending.add_metric(_values(m), entry.queue.requests + entry.late.requests if entry is not None else 0)
             batch.add_metric(_values(m), *_batch_buckets(m))
         yield from (failure, pending, batch)
         for name, doc, get in MODEL_HISTOGRAMS:

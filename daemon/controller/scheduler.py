@@ -897,6 +897,8 @@ class Scheduler:
             "pending": self.pending,
             "inflight_actions": len(self.inflight),
             "queued": {k: e.queue.requests for k, e in self.models.items() if e.queue.requests},
+            "queued_late": {k: e.late.requests for k, e in self.models.items() if e.late.requests},
+            "best_effort_bytes": self.soft_bytes,
             "devices": {n: {"used": d.memory.used + d.device.workspace, "budget": d.device.weight_budget,
                             "workspace": d.device.workspace, "models": d.memory.models(),
                             **({"failed": d.failed} if d.failed else {})}
