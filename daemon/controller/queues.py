@@ -83,15 +83,23 @@ class ModelQueue:
         self.requests -= 1
 
     def first(self, n: int) -> list[InferenceRequest]:
-        """Up to `n` live requests, most urgent first, without removing them."""
-        self._skip_dead()
+        """Up to `n` live requests, most urgent first, without removing them: a best-first walk of
+        the heap from its root (O(n log n) in what it returns, not in the queue's length, which a
+        flood of best-effort requests can make long)."""
+        heap = self._heap
         out: list[InferenceRequest] = []
-        k = n
-        while len(out) < n and k <= 4 * len(self._heap) + n:
-            out = [e[3] for e in heapq.nsmallest(k, self._heap) if self._live(e)][:n]
-            if k >= len(self._heap):
-                break
-            k *= 2
+        if not heap or n <= 0:
+            return out
+        frontier = [(heap[0], 0)]
+        live = self._live
+        size = len(heap)
+        while frontier and len(out) < n:
+            entry, i = heapq.heappop(frontier)
+            if live(entry):
+                out.append(entry[3])
+            for c in (2 * i + 1, 2 * i + 2):
+                if c < size:
+                    heapq.heappush(frontier, (heap[c], c))
         return out
 
     def __iter__(self) -> Iterator[InferenceRequest]:
