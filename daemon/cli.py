@@ -107,7 +107,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_train_parity(args: argparse.Namespace) -> int:
-    from daemon.coding import trainer
+    from daemon.coding import codes, trainer
     from daemon.repository import scan
     from daemon.runtime.program import ProgramError, load_program
 
@@ -134,6 +134,8 @@ def cmd_train_parity(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"escapement: {e}", file=sys.stderr)
         return 2
+    # "auto": ParM's concatenation code for images it can tile (k = 2 or 4), else sum (codes.default_encoder)
+    encoder = codes.default_encoder(args.k, spec.inputs[0].sample_shape) if args.encoder == "auto" else args.encoder
     seen = [0]
 
     def progress(row: dict[str, float]) -> None:
@@ -145,7 +147,7 @@ def cmd_train_parity(args: argparse.Namespace) -> int:
                   f"val reconstruction {row['reconstruction_accuracy']:.4f}{deg}", flush=True)
 
     try:
-        parity, report = trainer.train(spec, program.host_runner, data, args.k, args.encoder, progress=progress,
+        parity, report = trainer.train(spec, program.host_runner, data, args.k, encoder, progress=progress,
                                        config=config)
     except ValueError as e:
         print(f"escapement: {e}", file=sys.stderr)
@@ -153,7 +155,7 @@ def cmd_train_parity(args: argparse.Namespace) -> int:
     file = f"parity-k{args.k}.pt2"
     trainer.export(parity, spec, spec.path.parent / file)
     trainer.set_parity_section(spec.path.parent.parent / "config.toml",
-                               trainer.parity_section(args.k, args.encoder, file, report))
+                               trainer.parity_section(args.k, encoder, file, report))
     avail = f"{report.available_accuracy:.4f}" if report.available_accuracy is not None else "-"
     deg = f"{report.degraded_accuracy:.4f}" if report.degraded_accuracy is not None else "-"
     overall = "  ".join(f"f={f:g}: {v:.4f}" for f in trainer.FREQUENCIES
@@ -161,7 +163,7 @@ def cmd_train_parity(args: argparse.Namespace) -> int:
     print(f"stopped after {report.steps} steps ({report.stopped}, {report.seconds:.1f} s); checkpoint of step "
           f"{report.best_step} (epoch {report.best_epoch}) chosen on validation (reconstruction "
           f"{report.val_reconstruction_accuracy:.4f})")
-    print(f"{spec.key}: parity model k={args.k} ({args.encoder}) written to {spec.path.parent / file}; held-out "
+    print(f"{spec.key}: parity model k={args.k} ({encoder}) written to {spec.path.parent / file}; held-out "
           f"test: reconstruction {report.reconstruction_accuracy:.4f}, degraded-mode {deg} "
           f"(available {avail}); [parity] set in config.toml")
     if overall:
@@ -307,7 +309,8 @@ def parser() -> argparse.ArgumentParser:
     _add_server_flags(p)
     p.add_argument("model")
     p.add_argument("--k", type=int, default=2, help="data batches per coding group (default 2)")
-    p.add_argument("--encoder", choices=["sum", "concat"], default="sum")
+    p.add_argument("--encoder", choices=["auto", "sum", "concat"], default="auto",
+                   help="the code: auto picks concat for images it can tile at k = 2 or 4, else sum")
     p.add_argument("--data", metavar="FILE.npz", help="inputs: x [and y] (split 80/20) or x_train/x_test "
                    "[y_train/y_test]; default: the demo digits")
     p.add_argument("--epochs", type=int, help="at most this many epochs (default: a step budget scaled to the "
