@@ -22,6 +22,7 @@ SCENARIOS = {
     "soak": "bench.scenarios.soak",
     "hostile": "bench.scenarios.hostile",
     "classes": "bench.scenarios.classes",
+    "routing": "bench.scenarios.routing",
 }
 
 
