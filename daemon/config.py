@@ -90,6 +90,10 @@ class ServerSettings:
                                     "(any local user could then load, unload and inject faults).", False)
     allow_faults: bool = doc("Offer fault injection at run time (POST /v2/admin/faults): tests and demos only.",
                              False)
+    open_repository_sync: bool = doc("Let the repository's load and unload be called without a token when they only "
+                                     "make the daemon follow its model repository: a load of what a model's "
+                                     "directory holds, an unload of a model whose directory is gone (what KServe's "
+                                     "model agent calls, which cannot send a token).", False)
     max_request_id_bytes: int = doc("Longest request `id` accepted (it is kept and echoed in the answer).", 256)
     max_inflight_per_connection: int = doc("Most requests one socket connection may have in flight; its next "
                                            "frames wait unread (HTTP connections answer one at a time).", 256)

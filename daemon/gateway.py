@@ -55,7 +55,7 @@ class RepositoryControl(Protocol):
 
     def load_model(self, name: str) -> Awaitable[dict[str, Any]]: ...
 
-    def unload_model(self, name: str) -> Awaitable[dict[str, Any]]: ...
+    def unload_model(self, name: str, *, only_if_gone: bool = False) -> Awaitable[dict[str, Any]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,8 +163,10 @@ class Gateway:
     async def load_model(self, name: str) -> dict[str, Any]:
         return await self._repository().load_model(name)
 
-    async def unload_model(self, name: str) -> dict[str, Any]:
-        return await self._repository().unload_model(name)
+    async def unload_model(self, name: str, *, only_if_gone: bool = False) -> dict[str, Any]:
+        """Stop serving a model; with `only_if_gone`, only once its directory has left the repository
+        (Forbidden before: a caller without the admin token may only follow the files)."""
+        return await self._repository().unload_model(name, only_if_gone=only_if_gone)
 
     def _repository(self) -> RepositoryControl:
         if self._models is None:

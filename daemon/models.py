@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
@@ -23,7 +24,7 @@ from daemon.coding import codes
 from daemon.config import Settings
 from daemon.controller.scheduler import Scheduler
 from daemon.controller.service import ControllerService
-from daemon.errors import BadRequest, ConfigError, NotFound, Unavailable
+from daemon.errors import BadRequest, ConfigError, Forbidden, NotFound, Unavailable
 from daemon.lifecycle import State
 from daemon.notify import Notifier
 from daemon.registry import ModelRegistry, ModelState
@@ -89,7 +90,7 @@ class _NotServed(Exception):
 
 
 def _stamp(spec: ModelSpec) -> Stamp:
-    files = [spec.path.parent.parent / "config.toml", spec.path]
+    files = [spec.config_file, spec.path]
     if spec.parity is not None:
         files.append(spec.path.parent / spec.parity.file)
     out: list[tuple[int, int]] = []
@@ -236,13 +237,17 @@ class ModelManager:
             raise BadRequest(f"failed to load model {name}: " + "; ".join(problems))
         return changes.as_json()
 
-    async def unload_model(self, name: str) -> dict[str, Any]:
+    async def unload_model(self, name: str, *, only_if_gone: bool = False) -> dict[str, Any]:
         """Stop serving every version of a model (the repository extension's unload): new requests
         are refused at once, accepted ones answered, then its weights unloaded. It stays listed as
-        UNAVAILABLE ("unloaded"), and reloads leave it so until `load_model`. NotFound if unknown."""
+        UNAVAILABLE ("unloaded"), and reloads leave it so until `load_model`. NotFound if unknown;
+        with `only_if_gone` (a caller without the token), Forbidden while its directory is there."""
         self._check_running()
         if name not in self.registry.names():
             raise NotFound(f"unknown model {name!r}")
+        if only_if_gone and await asyncio.to_thread(os.path.lexists, Path(self.settings.models.repository) / name):
+            raise Forbidden(f"model {name}: without the admin token, a model is unloaded only once its directory "
+                            "is gone from the model repository (as KServe's model agent does)")
         async with self.lock:
             self._unloaded.add(name)
             keys = sorted(k for k, v in self._served.items() if v.spec.name == name and not v.retiring)
@@ -369,6 +374,11 @@ class ModelManager:
         if need > largest:
             raise _NotServed(f"it needs {need} bytes on a device (weights and IO buffers), more than any device's "
                              f"budget leaves for models ({largest} bytes; runtime.weight_budget)")
+        if spec.memory_bytes is not None and need > spec.memory_bytes:
+            # KServe admits TrainedModels by the memory they declare: one that needs more than it
+            # declares would let KServe place more models on this server than fit.
+            raise _NotServed(f"it needs {need} bytes (weights and IO buffers), more than the {spec.memory_bytes} "
+                             "its KServe TrainedModel declares (spec.model.memory); declare at least that much")
         notes: list[str] = []
         try:
             model_seeds = await self._profile(spec, program, notes)

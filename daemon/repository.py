@@ -26,6 +26,12 @@
     [queue_policy.levels.20]     # one priority level's own policy (Triton's priority_queue_policy)
     best_effort = true           # requests of this level start in the best-effort lane
 
+A model directory may instead hold its file bare, as a storage URI (KServe's storage initializer
+or model agent) delivers it: `<repo>/<model>/model.pt2` (or model.ts) is served as version 1, with
+a config.toml beside it or, for model.pt2 without one, the config its exported program implies
+(daemon/signature.py). A `SUCCESS.<sha256>` file that KServe's model agent left in a model
+directory declares the TrainedModel's memory (daemon/kserve.py), which the model must fit in.
+
 Scanning never raises for one bad entry: each broken model is reported with its reason and
 the rest are served. The scan never opens what is not a regular file (a FIFO would block it
 forever), reads at most `MAX_CONFIG_BYTES` of a config, and takes as versions only directories
@@ -44,11 +50,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from daemon import kserve
 from daemon.datatypes import KNOWN_UNSUPPORTED, WIRE_ONLY, DataType, lookup
+from daemon.signature import SignatureError, inferred_config
 
 log = logging.getLogger("escapement.repository")
 
 ModelFormat = Literal["pt2", "ts"]
+Layout = Literal["versions", "bare"]  # <model>/<version>/model.pt2, or <model>/model.pt2 (version 1)
 MODEL_FILES: dict[str, ModelFormat] = {"model.pt2": "pt2", "model.ts": "ts"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _KNOWN_KEYS = {"name", "description", "max_batch_size", "slo_ms", "inputs", "outputs", "metadata", "parity",
@@ -189,6 +198,8 @@ class ModelSpec:
     parity: ParitySpec | None = None
     preload_replicas: int = 0  # devices to load it onto at start-up (its parity model onto another)
     queue_policy: QueuePolicy | None = None  # None: the daemon's defaults for everything
+    layout: Layout = "versions"
+    memory_bytes: int | None = None  # what its KServe TrainedModel declares (spec.model.memory), if any
     key: str = field(init=False, compare=False)  # "name:version", used on every hot path
     # Powers of two up to max_batch_size, plus max_batch_size itself if it is not one; and, per
     # sample count, the smallest of them that holds it (the scheduler asks per batch it plans).
@@ -211,6 +222,11 @@ class ModelSpec:
         if samples <= 0:
             return self.batch_sizes[0]
         raise ValueError(f"{samples} samples exceed max_batch_size {self.max_batch_size}")
+
+    @property
+    def config_file(self) -> Path:
+        """Where its config.toml is (or would be: an inferred config has none)."""
+        return self.path.parent / "config.toml" if self.layout == "bare" else self.path.parent.parent / "config.toml"
 
     @property
     def platform(self) -> str:
@@ -357,6 +373,11 @@ def parse_model_config(model_dir: Path, default_slo_ms: float) -> dict[str, Any]
     # limit; RecursionError: arrays nested thousands deep.
     except (ValueError, RecursionError) as e:
         raise ModelConfigError(f"{name}: config.toml is not valid TOML: {e}") from None
+    return check_model_config(raw, name, default_slo_ms)
+
+
+def check_model_config(raw: dict[str, Any], name: str, default_slo_ms: float) -> dict[str, Any]:
+    """A model's config table (from its config.toml, or inferred) validated; ModelConfigError says why not."""
     unknown = set(raw) - _KNOWN_KEYS
     if unknown:
         raise ModelConfigError(f"{name}: unknown keys in config.toml: {sorted(unknown)}")
@@ -423,9 +444,11 @@ def file_problem(path: Path) -> str | None:
     return None
 
 
-def _version_file(d: Path) -> tuple[Path, ModelFormat] | None:
+def _version_file(d: Path, what: str = "") -> tuple[Path, ModelFormat] | None:
     """The model file of a version directory (None: it holds none); _SkippedVersion when it
-    cannot be served (a FIFO, a socket, a directory, a broken link, unreadable, or both files)."""
+    cannot be served (a FIFO, a socket, a directory, a broken link, unreadable, or both files).
+    `what` names the directory in messages ("version 3" by default)."""
+    what = what or f"version {d.name}"
     found: list[tuple[Path, ModelFormat]] = []
     for f, fmt in MODEL_FILES.items():
         path = d / f
@@ -434,13 +457,13 @@ def _version_file(d: Path) -> tuple[Path, ModelFormat] | None:
         except FileNotFoundError:
             continue
         except OSError as e:  # a version directory we may not search
-            raise _SkippedVersion(f"version {d.name} is skipped: {e.strerror or e}") from None
+            raise _SkippedVersion(f"{what} is skipped: {e.strerror or e}") from None
         problem = file_problem(path)
         if problem is not None:
-            raise _SkippedVersion(f"version {d.name} is skipped: {problem}")
+            raise _SkippedVersion(f"{what} is skipped: {problem}")
         found.append((path, fmt))
     if len(found) > 1:  # which one is meant cannot be told
-        raise _SkippedVersion(f"version {d.name} is skipped: it holds both model.pt2 and model.ts")
+        raise _SkippedVersion(f"{what} is skipped: it holds both model.pt2 and model.ts")
     return found[0] if found else None
 
 
@@ -478,14 +501,15 @@ def _version_dirs(model_dir: Path, skipped: list[str]) -> dict[int, Path]:
     return dirs
 
 
-def _versions(model_dir: Path) -> list[tuple[int, Path, ModelFormat]]:
-    """The servable versions of a model. A version that cannot be served is skipped with one
-    WARNING while another one can be; with none left the model is broken, and its reason says
-    what was skipped."""
+def _versions(model_dir: Path) -> tuple[Layout, list[tuple[int, Path, ModelFormat]]]:
+    """The layout and servable versions of a model. A version that cannot be served is skipped
+    with one WARNING while another one can be; with none left the model is broken, and its reason
+    says what was skipped. With no version directory at all, a bare model file is version 1."""
     model = model_dir.name
     skipped: list[str] = []
     found: dict[int, tuple[Path, ModelFormat]] = {}
-    for version, d in sorted(_version_dirs(model_dir, skipped).items()):
+    dirs = _version_dirs(model_dir, skipped)
+    for version, d in sorted(dirs.items()):
         try:
             file = _version_file(d)
         except _SkippedVersion as e:
@@ -493,12 +517,24 @@ def _versions(model_dir: Path) -> list[tuple[int, Path, ModelFormat]]:
             continue
         if file is not None:
             found[version] = file
+    try:
+        bare = _version_file(model_dir, "its model file")
+    except _SkippedVersion as e:
+        bare = None
+        if not found:
+            skipped.append(str(e))
+    if not found and not dirs and bare is not None:
+        return "bare", [(1, *bare)]
+    if bare is not None:  # both layouts: which one is meant cannot be told, so the versions win
+        log.warning("model %s: %s beside version directories is not served (a bare model file is served only "
+                    "in a directory with no version directories)", model, bare[0].name)
     if not found:
         why = f" ({'; '.join(skipped)})" if skipped else ""
-        raise ModelConfigError(f"{model}: no version directory with model.pt2 or model.ts{why}")
+        raise ModelConfigError(f"{model}: no version directory with model.pt2 or model.ts, nor a bare model.pt2 "
+                               f"or model.ts{why}")
     for why in skipped:
         log.warning("model %s: %s", model, why)
-    return [(v, *found[v]) for v in sorted(found)]
+    return "versions", [(v, *found[v]) for v in sorted(found)]
 
 
 def _model_dirs(root: Path, broken: dict[str, str]) -> list[Path]:
@@ -527,15 +563,35 @@ def _model_versions(model_dir: Path, default_slo_ms: float) -> list[ModelSpec]:
     name = model_dir.name
     if not _NAME_RE.fullmatch(name):
         raise ModelConfigError(f"{name!r}: model names must be letters, digits, '_', '.', '-'")
-    cfg = parse_model_config(model_dir, default_slo_ms)
+    try:
+        layout, versions = _versions(model_dir)
+    except ModelConfigError:
+        if os.path.lexists(model_dir / "config.toml"):
+            parse_model_config(model_dir, default_slo_ms)  # a broken config is the first thing to fix
+        raise
+    if layout == "bare" and not os.path.lexists(model_dir / "config.toml"):
+        path, fmt = versions[0][1:]
+        if fmt == "ts":
+            raise ModelConfigError(f"{name}: a bare model.ts needs a config.toml beside it (a TorchScript file "
+                                   "records no input or output shapes)")
+        try:
+            cfg = check_model_config(inferred_config(path), name, default_slo_ms)
+        except SignatureError as e:
+            raise ModelConfigError(f"{name}: no config.toml, and {e}") from None
+    else:
+        cfg = parse_model_config(model_dir, default_slo_ms)
+    try:
+        memory = kserve.declared_memory(model_dir)
+    except kserve.AgentFileError as e:
+        raise ModelConfigError(f"{name}: KServe's agent file {e}") from None
     specs: list[ModelSpec] = []
-    for version, path, fmt in _versions(model_dir):
-        cfg_v = cfg
+    for version, path, fmt in versions:
+        cfg_v = {**cfg, "layout": layout, "memory_bytes": memory}
         if cfg["parity"] is not None:
             problem = file_problem(path.parent / cfg["parity"].file)
             if problem is not None:
                 log.warning("%s:%d: parity file %s: served without parity", name, version, problem)
-                cfg_v = {**cfg, "parity": None}
+                cfg_v = {**cfg_v, "parity": None}
         specs.append(ModelSpec(version=version, path=path, format=fmt, **cfg_v))
     return specs
 

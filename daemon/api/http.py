@@ -189,7 +189,7 @@ class HttpFrontend:
 
     async def repository_load(self, request: Request) -> Response:
         """(Re)read a model's entry from the repository and serve it; 200 once it is ready."""
-        self._authorize(request)
+        self._authorize(request, repository_sync=True)  # a load serves only what the repository holds
         params = _parameters(request, self.settings.max_json_bytes)
         if "config" in params or any(k.startswith("file:") for k in params):
             raise NotImplementedByServer("a load request carrying a config or model files is not supported; put "
@@ -198,13 +198,13 @@ class HttpFrontend:
 
     async def repository_unload(self, request: Request) -> Response:
         """Stop serving a model; 200 once its accepted requests are answered and it is unloaded."""
-        self._authorize(request)
+        full = self._authorize(request, repository_sync=True)
         params = _parameters(request, self.settings.max_json_bytes)
         dependents = params.get("unload_dependents", False)
         if not isinstance(dependents, bool):
             raise BadRequest(f"parameters.unload_dependents must be a boolean, got {dependents!r}")
         # A model's only dependent is its parity model, which always goes with it.
-        return json_response(await self.gateway.unload_model(request.params["model"]))
+        return json_response(await self.gateway.unload_model(request.params["model"], only_if_gone=not full))
 
     async def controller_stats(self, request: Request) -> Response:
         return json_response(self.gateway.statistics())
@@ -215,19 +215,29 @@ class HttpFrontend:
     # from a web page: a foreign Origin, a Host that is not this listener (DNS rebinding) or a
     # body typed as a form would type it (not JSON) is refused before anything else.
 
-    def _authorize(self, request: Request, faults: bool = False) -> None:
+    def _authorize(self, request: Request, faults: bool = False, repository_sync: bool = False) -> bool:
+        """Raises Forbidden unless the caller may call this endpoint. True: it may do anything the
+        endpoint does; False (a repository call without a token, server.open_repository_sync): it may
+        only make the daemon follow the repository's files."""
         s = self.settings
         self._same_site(request)
         if faults and not s.allow_faults:
             raise Forbidden("fault injection is off: set server.allow_faults to use it (tests and demos only)")
+        sync = repository_sync and s.open_repository_sync
         token = self.gateway.admin_token
         if token:
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, f"Bearer {token}".encode()):  # no timing hints about the token
-                raise Forbidden("a management endpoint: Authorization: Bearer <the admin token> is required")
-        elif not (s.admin_open_loopback and is_loopback(s.http)):
-            raise Forbidden("management endpoints need a token (server.admin_token_file, or a systemd credential "
-                            "named admin-token), or server.admin_open_loopback on a loopback listener")
+            given = request.headers.get("authorization", "")
+            if hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):  # no timing hints about the token
+                return True
+            if sync and not given:
+                return False
+            raise Forbidden("a management endpoint: Authorization: Bearer <the admin token> is required")
+        if s.admin_open_loopback and is_loopback(s.http):
+            return True
+        if sync:
+            return False
+        raise Forbidden("management endpoints need a token (server.admin_token_file, or a systemd credential "
+                        "named admin-token), or server.admin_open_loopback on a loopback listener")
 
     def _same_site(self, request: Request) -> None:
         hosts = self._hosts
