@@ -85,6 +85,9 @@ class Estimator:
         self._versions: dict[str, int] = {}  # per model: changes whenever one of its estimates may have
         self._infer: dict[tuple[str, int, str], SlidingWindow] = {}
         self._load: dict[tuple[str, str], SlidingWindow] = {}
+        # LOADs that found part of the model's blocks on the device already (their time is mostly
+        # the fixed cost of binding, not copying): kept apart from full LOADs
+        self._partial_load: dict[tuple[str, str], SlidingWindow] = {}
         self._seeds: dict[tuple[str, int, str], float] = {}
 
     @property
@@ -135,10 +138,12 @@ class Estimator:
         w.add(seconds, self._now)
         self._invalidate(model, key)  # only this window changed
 
-    def observe_load(self, model: str, kind: str, seconds: float) -> None:
-        w = self._load.get((model, kind))
+    def observe_load(self, model: str, kind: str, seconds: float, share: float = 1.0) -> None:
+        """A LOAD that copied `share` of the model's bytes (the rest was on the device already)."""
+        windows = self._load if share >= 1.0 else self._partial_load
+        w = windows.get((model, kind))
         if w is None:
-            w = self._load[(model, kind)] = SlidingWindow(self.window)
+            w = windows[(model, kind)] = SlidingWindow(self.window)
         w.add(seconds)
 
     def infer(self, model: str, batch: int, kind: str, device: str | None = None) -> float | None:
@@ -168,14 +173,25 @@ class Estimator:
             return w.percentile(self.percentile), math.inf
         return self._seeds.get((model, batch, kind)), math.inf
 
-    def load(self, model: str, kind: str) -> float | None:
+    def load(self, model: str, kind: str, share: float = 1.0) -> float | None:
+        """A LOAD copying `share` of the model's bytes: a full LOAD's time scaled to the share (the
+        copy scales with the bytes), but never under what such partial LOADs took (binding)."""
         w = self._load.get((model, kind))
-        return w.percentile(self.percentile) if w is not None and len(w) else None
+        full = w.percentile(self.percentile) if w is not None and len(w) else None
+        if share >= 1.0:
+            return full
+        p = self._partial_load.get((model, kind))
+        part = p.percentile(self.percentile) if p is not None and len(p) else None
+        scaled = full * share if full is not None else None
+        if scaled is None or part is None:
+            return scaled if part is None else part
+        return max(scaled, part)
 
     def forget(self, model: str) -> None:
         self._invalidate(model)
         for d in (self._infer, self._seeds):
             for k in [k for k in d if k[0] == model]:
                 del d[k]
-        for k in [k for k in self._load if k[0] == model]:
-            del self._load[k]
+        for loads in (self._load, self._partial_load):
+            for k in [k for k in loads if k[0] == model]:
+                del loads[k]

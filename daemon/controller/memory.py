@@ -3,13 +3,21 @@
 Bytes are reserved when a LOAD is issued and released when an UNLOAD is issued, so the
 controller never plans past a budget; executors check the same budget and refuse a LOAD that
 would exceed it.
+
+A model may name its weights as content-addressed blocks (`Blocks`: one per distinct tensor,
+runtime/objstore.py). On a device that shares blocks, a block held by several models is
+counted once: a LOAD charges only the blocks the device lacks, and an UNLOAD or eviction frees
+only the blocks no other placed model holds. Bytes of a model outside its blocks (IO buffers)
+are its own. A model placed without blocks is one private block, as before sharing.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from enum import IntEnum
+
+Blocks = tuple[tuple[str, int], ...]  # a model's distinct weight blocks: (content id, bytes)
 
 
 class Residency(IntEnum):
@@ -18,9 +26,15 @@ class Residency(IntEnum):
 
 
 class DeviceMemory:
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, shares: bool = True) -> None:
         self.budget = budget
         self.used = 0
+        # Whether this device's backend keeps a block shared by several models once (the CPU
+        # backend does; the CUDA arena holds one extent per model, so there blocks are ignored).
+        self.shares = shares
+        self._blocks_of: dict[str, Blocks] = {}  # placed models that have shared blocks
+        self._private: dict[str, int] = {}  # their bytes outside blocks
+        self._refs: dict[str, int] = {}  # block -> placed models holding it
         self._models: OrderedDict[str, tuple[Residency, int]] = OrderedDict()  # LRU first
         # Ready models by size class (bit length of their bytes), each in LRU order, and when each
         # was last used: the least recently used model that frees enough alone is found by looking
@@ -47,13 +61,34 @@ class DeviceMemory:
     def ready_models(self) -> list[str]:
         return [k for k, (s, _) in self._models.items() if s == Residency.READY]
 
-    def reserve(self, key: str, nbytes: int) -> None:
+    def missing(self, nbytes: int, blocks: Blocks = ()) -> int:
+        """Bytes a model of `nbytes` with `blocks` would add here now: what the device lacks."""
+        if not blocks or not self.shares:
+            return nbytes
+        refs = self._refs
+        return nbytes - sum(n for b, n in blocks if b in refs)
+
+    def present(self, blocks: Blocks) -> frozenset[str]:
+        """Those of `blocks` the device holds now (a LOAD of their model reuses them)."""
+        if not blocks or not self.shares:
+            return frozenset()
+        return frozenset(b for b, _ in blocks if b in self._refs)
+
+    def reserve(self, key: str, nbytes: int, blocks: Blocks = ()) -> int:
+        """Place `key` (LOADING); returns the bytes charged (only the blocks the device lacked)."""
         if key in self._models:
             raise ValueError(f"{key} is already placed")
-        if nbytes > self.free:
-            raise ValueError(f"{key} needs {nbytes} bytes, {self.free} free")
+        charge = self.missing(nbytes, blocks)
+        if charge > self.free:
+            raise ValueError(f"{key} needs {charge} bytes, {self.free} free")
         self._models[key] = (Residency.LOADING, nbytes)
-        self.used += nbytes
+        if blocks and self.shares:
+            self._blocks_of[key] = blocks
+            self._private[key] = nbytes - sum(n for _, n in blocks)
+            for b, _ in blocks:
+                self._refs[b] = self._refs.get(b, 0) + 1
+        self.used += charge
+        return charge
 
     def loaded(self, key: str) -> None:
         _, nbytes = self._models[key]
@@ -66,20 +101,44 @@ class DeviceMemory:
         self._clock += 1
         self._used_at[key] = self._clock
 
+    def own(self, key: str) -> int:
+        """Bytes an UNLOAD of `key` alone would free: its blocks no other placed model holds."""
+        blocks = self._blocks_of.get(key)
+        if blocks is None:
+            return self._models[key][1]
+        refs = self._refs
+        return self._private[key] + sum(n for b, n in blocks if refs[b] == 1)
+
     def release(self, key: str) -> int:
+        """Unplace `key`; returns the bytes freed."""
         state, nbytes = self._models.pop(key)
-        self.used -= nbytes
+        blocks = self._blocks_of.pop(key, None)
+        if blocks is not None:
+            freed = self._private.pop(key)
+            refs = self._refs
+            for b, n in blocks:
+                if refs[b] == 1:
+                    del refs[b]
+                    freed += n
+                else:
+                    refs[b] -= 1
+        else:
+            freed = nbytes
+        self.used -= freed
         if state == Residency.READY:
             cls = self._by_size[nbytes.bit_length()]
             del cls[key]
             if not cls:
                 del self._by_size[nbytes.bit_length()]
             del self._used_at[key]
-        return nbytes
+        return freed
 
     def retire(self) -> None:
         """The device is lost: it holds nothing and has room for nothing from now on."""
         self._models.clear()
+        self._blocks_of.clear()
+        self._private.clear()
+        self._refs.clear()
         self._by_size.clear()
         self._used_at.clear()
         self.used = 0
@@ -94,22 +153,26 @@ class DeviceMemory:
                 self._used(key)
 
     def victims(self, nbytes: int, evictable: Callable[[str], bool],
-                wanted: Callable[[str], bool]) -> list[str] | None:
+                wanted: Callable[[str], bool], keep: Collection[str] = ()) -> list[str] | None:
         """Ready models to unload so that `nbytes` fit, or None if they cannot fit.
 
         Least recently used among those nobody wants (nothing queued) first, then least recently
         used among the rest. When one model nobody wants frees enough on its own, the least
         recently used such model goes alone, rather than many small models as collateral.
+        A victim frees only its blocks no other placed model holds, nor any in `keep` (the
+        blocks the model to be loaded reuses: `nbytes` counts them as present).
         """
         if nbytes > self.budget:
             return None
         need = nbytes - self.free
         if need <= 0:
             return []
-        alone = self._alone(need, evictable, wanted)
+        alone = self._alone(need, evictable, wanted, keep)
         if alone is not None:
             return [alone]
         # Else the least recently used idle models until enough is free, then those in demand.
+        # A block shared only among the chosen is freed once the last of its holders is chosen.
+        dropped: dict[str, int] = {}
         chosen: list[str] = []
         in_demand: list[str] = []
         for k, (s, n) in self._models.items():
@@ -119,25 +182,40 @@ class DeviceMemory:
                 in_demand.append(k)
                 continue
             chosen.append(k)
-            need -= n
+            need -= n if k not in self._blocks_of else self._frees_with(k, dropped, keep)
             if need <= 0:
                 return chosen
         for k in in_demand:
             chosen.append(k)
-            need -= self._models[k][1]
+            need -= self._models[k][1] if k not in self._blocks_of else self._frees_with(k, dropped, keep)
             if need <= 0:
                 return chosen
         return None
 
-    def _alone(self, need: int, evictable: Callable[[str], bool], wanted: Callable[[str], bool]) -> str | None:
+    def _frees_with(self, key: str, dropped: dict[str, int], keep: Collection[str]) -> int:
+        """Bytes unloading `key` frees beside the models already counted in `dropped` (block ->
+        its holders chosen so far, updated)."""
+        freed = self._private[key]
+        refs = self._refs
+        for b, n in self._blocks_of[key]:
+            c = dropped.get(b, 0) + 1
+            dropped[b] = c
+            if c == refs[b] and b not in keep:
+                freed += n
+        return freed
+
+    def _alone(self, need: int, evictable: Callable[[str], bool], wanted: Callable[[str], bool],
+               keep: Collection[str]) -> str | None:
         """The least recently used ready model nobody wants that frees `need` bytes on its own."""
         best: str | None = None
         best_at = 0
+        shared = self._blocks_of
         for bits, cls in self._by_size.items():
             if (1 << bits) <= need:
-                continue  # every model of this class is smaller than 2**bits
+                continue  # every model of this class is smaller than 2**bits (and frees at most that)
             for k in cls:  # least recently used first: its first fit is the class's answer
-                if self._models[k][1] >= need and evictable(k) and not wanted(k):
+                frees = self._models[k][1] if k not in shared else self._frees_with(k, {}, keep)
+                if frees >= need and evictable(k) and not wanted(k):
                     at = self._used_at[k]
                     if best is None or at < best_at:
                         best, best_at = k, at

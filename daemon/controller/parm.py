@@ -160,8 +160,9 @@ class ParityWorkflow:
         for dev in sorted(view.devices.values(), key=lambda d: (d.name in avoid, -d.memory.free)):
             if dev.memory.state(pspec.key) is not None or not dev.can_load(pspec.key, now):
                 continue
-            victims = dev.memory.victims(entry.weight_bytes, evictable=lambda k, d=dev: d.busy[k] == 0,
-                                         wanted=wanted)
+            victims = dev.memory.victims(dev.memory.missing(entry.weight_bytes, entry.blocks),
+                                         evictable=lambda k, d=dev: d.busy[k] == 0, wanted=wanted,
+                                         keep=dev.memory.present(entry.blocks))
             if victims is None:
                 continue
             for k in victims:

@@ -29,7 +29,7 @@ from daemon.controller.classes import max_queue
 from daemon.controller.coding import Coding
 from daemon.controller.decisions import Drop, Infer, Load, Release, Save, Step, Steps, Unload
 from daemon.controller.estimates import EXACT_ROW_KINDS, Estimator
-from daemon.controller.memory import DeviceMemory
+from daemon.controller.memory import Blocks, DeviceMemory
 from daemon.controller.parm import ParityWorkflow, Role
 from daemon.controller.state import (
     FAILURE_COOLDOWN,
@@ -68,7 +68,8 @@ class Scheduler:
         self.telemetry = telemetry or Telemetry()
         self.counters: Counter[str] = Counter()  # monotonic event counts, read by stats and benchmarks
         self.parm = ParityWorkflow(self.counters)
-        self.devices: dict[str, DeviceState] = {d.name: DeviceState(d, DeviceMemory(d.model_budget))
+        self.devices: dict[str, DeviceState] = {d.name: DeviceState(d, DeviceMemory(d.model_budget,
+                                                                                      d.shares_weights))
                                                 for d in devices}
         self.kinds = sorted({d.kind for d in devices})
         self.models: dict[str, ModelEntry] = {}
@@ -91,6 +92,7 @@ class Scheduler:
         self._hung: list[tuple[float, int, Action]] = []  # every action by when it counts as hung
         self.hung: dict[str, str] = {}  # device -> what hangs there (it never comes back in this process)
         self._decision = Decision()
+        self._load_share: dict[int, float] = {}  # LOAD id -> the share of its model's bytes it copies
 
     @property
     def coding(self) -> Coding:
@@ -100,8 +102,9 @@ class Scheduler:
     # ---------------------------------------------------------------- models
 
     def add_model(self, spec: ModelSpec, weight_bytes: int, seeds: dict[int, float] | None = None,
-                  seed_kind: str = "cpu") -> None:
-        self.models[spec.key] = ModelEntry(spec, weight_bytes)
+                  seed_kind: str = "cpu", blocks: Blocks = ()) -> None:
+        """`blocks`: the model's weights by content; devices that share blocks hold each once."""
+        self.models[spec.key] = ModelEntry(spec, weight_bytes, blocks)
         if seeds:
             self.estimator.seed_infer(spec.key, seed_kind, seeds, spec.batch_sizes)
 
@@ -114,7 +117,8 @@ class Scheduler:
         for dev in devs:
             if len(chosen) >= replicas:
                 break
-            if dev.memory.state(key) is not None or dev.memory.free < entry.weight_bytes or dev.failed:
+            if dev.memory.state(key) is not None or dev.failed or \
+                    dev.memory.free < dev.memory.missing(entry.weight_bytes, entry.blocks):
                 continue
             self.issue_load(entry.spec, dev, now)
             chosen.append(dev.name)
@@ -661,15 +665,19 @@ class Scheduler:
 
     def issue_load(self, spec: ModelSpec, dev: DeviceState, now: float, expected: float | None = None) -> Action:
         entry = self.models[spec.key]
-        dev.memory.reserve(spec.key, entry.weight_bytes)
+        charged = dev.memory.reserve(spec.key, entry.weight_bytes, entry.blocks)
+        share = charged / entry.weight_bytes if entry.weight_bytes else 1.0
         self.placed_on.setdefault(spec.key, set()).add(dev.name)
         self.counters["loads"] += 1
         dev.load_inflight += 1
         dev.busy[spec.key] += 1
         if expected is None:
-            expected = self.estimator.load(spec.key, dev.kind) or 0.0
-        return self.issue(Action(ActionKind.LOAD, spec, dev.name, now, float("inf"), expected,
-                                 expected_start=now), now)
+            expected = self.estimator.load(spec.key, dev.kind, share) or 0.0
+        action = self.issue(Action(ActionKind.LOAD, spec, dev.name, now, float("inf"), expected,
+                                   expected_start=now), now)
+        if share < 1.0:
+            self._load_share[action.id] = share
+        return action
 
     def issue_unload(self, spec: ModelSpec, dev: DeviceState, now: float) -> Action:
         dev.memory.release(spec.key)
@@ -807,8 +815,9 @@ class Scheduler:
         key = action.model.key
         dev.busy[key] -= 1
         entry = self.models.get(key)
+        share = self._load_share.pop(action.id, 1.0)
         if result.ok and not dev.failed:
-            self.estimator.observe_load(key, dev.kind, result.end - result.begin)
+            self.estimator.observe_load(key, dev.kind, result.end - result.begin, share)
             dev.memory.loaded(key)
             self.ready_on.setdefault(key, set()).add(dev.name)
             dev.load_failures.pop(key, None)

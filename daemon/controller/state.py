@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from daemon.actions import Action
-from daemon.controller.memory import DeviceMemory
+from daemon.controller.memory import Blocks, DeviceMemory
 from daemon.controller.queues import ModelQueue
 from daemon.controller.timeline import DeviceTimeline
 from daemon.repository import ModelSpec
@@ -71,7 +71,8 @@ class Decision:
 @dataclass(slots=True)
 class ModelEntry:
     spec: ModelSpec
-    weight_bytes: int
+    weight_bytes: int  # device bytes of a LOAD onto a device holding none of its blocks
+    blocks: Blocks = ()  # its weights by content (shared with other models on devices that share)
     queue: ModelQueue = field(default_factory=ModelQueue)
     # Requests answered late rather than lost: they could not make their target, or never had one;
     # served in device time no on-time work needs, oldest first.

@@ -56,6 +56,12 @@ class Device:
         return self.name
 
     @property
+    def shares_weights(self) -> bool:
+        """Whether a weight block several models hold is kept here once (runtime/objstore.py):
+        the CPU backend does; the CUDA arena holds one extent per model (docs/models.md)."""
+        return self.kind == "cpu"
+
+    @property
     def model_budget(self) -> int:
         """What resident models may hold: the budget less the workspace reserve."""
         return self.weight_budget - self.workspace

@@ -232,9 +232,13 @@ class ClockworkPolicy:
                                     view.models[key].spec.batch_size_for(samples), where.kind, where.name)
         return est if est is not None else view.estimate(key, samples, where)
 
-    def _load_est(self, view: ControllerView, entry: ModelEntry, kind: str) -> float:
-        est = view.estimator.load(entry.spec.key, kind)
-        return est if est is not None else entry.weight_bytes / LOAD_BANDWIDTH_GUESS
+    def _load_est(self, view: ControllerView, entry: ModelEntry, kind: str, dev: DeviceState | None = None) -> float:
+        """A LOAD of `entry` (onto `dev`: only the bytes of the blocks it lacks are copied)."""
+        nbytes = entry.weight_bytes
+        if dev is not None and entry.blocks and nbytes:
+            nbytes = dev.memory.missing(nbytes, entry.blocks)
+        est = view.estimator.load(entry.spec.key, kind, nbytes / entry.weight_bytes if entry.weight_bytes else 1.0)
+        return est if est is not None else nbytes / LOAD_BANDWIDTH_GUESS
 
     # ---------------------------------------------------------------- inference
 
@@ -600,7 +604,7 @@ class ClockworkPolicy:
             if dev.memory.budget < entry.weight_bytes:
                 continue
             tl = dev.timeline
-            ready = max(tl.copy.free_at(now) + self._load_est(view, entry, dev.kind), tl.exec.free_at(now))
+            ready = max(tl.copy.free_at(now) + self._load_est(view, entry, dev.kind, dev), tl.exec.free_at(now))
             best = min(best, ready + self._est(view, spec.key, 1, dev))
         while (h := entry.queue.head()) is not None and best > h.deadline:
             yield Drop(h)
@@ -706,8 +710,9 @@ class ClockworkPolicy:
             meter = self.copy_busy.get(dev.name)
             # Under copy pressure a load evicts no model in more demand, unless its head request
             # must load now or never: waiting for pressure to ease would starve it to its deadline.
+            load_s = self._load_est(view, entry, dev.kind, dev)
             urgent = head is not None and head.deadline - (
-                tl.copy.free_at(now) + self._load_est(view, entry, dev.kind) + self._est(view, key, b1, dev)
+                tl.copy.free_at(now) + load_s + self._est(view, key, b1, dev)
             ) <= self.horizon
             pressed = meter is not None and meter.value(now) > COPY_PRESSURE and not urgent
 
@@ -718,10 +723,12 @@ class ClockworkPolicy:
                     return demand(k) < mine
                 return not p or demand(k) <= mine
 
-            victims = dev.memory.victims(nbytes, evictable=evictable, wanted=wanted)
+            # shared blocks already there are neither copied again nor freed to make room
+            victims = dev.memory.victims(dev.memory.missing(nbytes, entry.blocks), evictable=evictable,
+                                         wanted=wanted, keep=dev.memory.present(entry.blocks))
             if victims is None:
                 continue
-            ready = max(tl.copy.free_at(now) + self._load_est(view, entry, dev.kind), tl.exec.free_at(now))
+            ready = max(tl.copy.free_at(now) + load_s, tl.exec.free_at(now))
             finish = ready + self._est(view, key, b1, dev)
             # Spread demand: the device with the least work per second already on it (in steps of
             # 10% of a device), then the one that can serve this model soonest.
@@ -742,7 +749,7 @@ class ClockworkPolicy:
             victim = view.models.get(k)
             if victim is not None:
                 yield Unload(victim.spec, dev.name)
-        yield Load(entry.spec, dev.name, self._load_est(view, entry, dev.kind))
+        yield Load(entry.spec, dev.name, self._load_est(view, entry, dev.kind, dev))
         self._moved(view, dev, entry, victims, now)
         if any(d.memory.state(key) is not None for d in view.devices.values() if d is not dev):
             self.replicated_at[key] = now

@@ -140,7 +140,7 @@ class DynamicBatchingPolicy:
                 yield Drop(r, err)
             return
         fits = [d for d in fits if d.can_load(entry.spec.key, now)]
-        free = [d for d in fits if d.memory.free >= nbytes]
+        free = [d for d in fits if d.memory.free >= d.memory.missing(nbytes, entry.blocks)]
         if free:
             dev = min(free, key=lambda d: (d.infer_inflight + d.load_inflight, -d.memory.free))
             yield Load(entry.spec, dev.name)
@@ -152,7 +152,8 @@ class DynamicBatchingPolicy:
 
         options = []
         for d in fits:
-            victims = d.memory.victims(nbytes, evictable=lambda k, d=d: d.busy[k] == 0, wanted=wanted)
+            victims = d.memory.victims(d.memory.missing(nbytes, entry.blocks), evictable=lambda k, d=d: d.busy[k] == 0,
+                                       wanted=wanted, keep=d.memory.present(entry.blocks))
             if victims is not None:
                 options.append((sum(wanted(k) for k in victims), len(victims), d.name, d, victims))
         if not options:
