@@ -103,6 +103,12 @@ class ServerSettings:
                                  "(its requests are cancelled).", 30.0)
     request_timeout_s: float = doc("HTTP: a request whose headers and body have not arrived whole this long after "
                                    "its first byte is answered 408 and its connection closed (slow clients).", 60.0)
+    frontend_workers: int = doc("Frontend worker processes that own the HTTP and socket listeners and do the "
+                                "protocol work, handing tensors to this process through shared memory; 0 keeps "
+                                "everything in one process; -1 chooses from the cores (0 on 2 cores).", -1)
+    frontend_slots: int = doc("Per frontend worker: shared-memory slots of 16 KiB for requests' tensors (plus a "
+                              "sixteenth as many of 1 MiB and a 128th as many of max_body_bytes); a request "
+                              "finding none free gets 503.", 256)
 
     def __post_init__(self) -> None:
         if self.http:
@@ -126,6 +132,9 @@ class ServerSettings:
         _need(self.idle_timeout_s > 0 and self.write_timeout_s > 0, "server.idle_timeout_s / write_timeout_s",
               (self.idle_timeout_s, self.write_timeout_s), "must be > 0")
         _need(self.request_timeout_s > 0, "server.request_timeout_s", self.request_timeout_s, "must be > 0")
+        _need(-1 <= self.frontend_workers <= 64, "server.frontend_workers", self.frontend_workers,
+              "must be -1 (auto), 0 (none) or up to 64")
+        _need(1 <= self.frontend_slots <= 65536, "server.frontend_slots", self.frontend_slots, "must be in 1..65536")
 
     @property
     def connection_share(self) -> int:

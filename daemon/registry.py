@@ -30,8 +30,10 @@ class ModelRegistry:
     def __init__(self) -> None:
         self._models: dict[str, dict[int, VersionEntry]] = {}
         self._broken: dict[str, str] = {}  # model name -> why its config cannot be read
+        self.generation = 0  # bumped on every change: frontend workers' replicas follow it
 
     def add(self, spec: ModelSpec, state: ModelState = ModelState.LOADING) -> VersionEntry:
+        self.generation += 1
         entry = VersionEntry(spec, state)
         self._models.setdefault(spec.name, {})[spec.version] = entry
         self._broken.pop(spec.name, None)
@@ -40,12 +42,15 @@ class ModelRegistry:
     def set_state(self, spec: ModelSpec, state: ModelState, reason: str = "") -> None:
         entry = self._models[spec.name][spec.version]
         entry.state, entry.reason = state, reason
+        self.generation += 1
 
     def set_broken(self, name: str, reason: str) -> None:
         self._broken[name] = reason
+        self.generation += 1
 
     def remove(self, name: str, version: int | None = None) -> None:
         """Forget a version (gone from the repository), or with no version the name's broken entry."""
+        self.generation += 1
         if version is None:
             self._broken.pop(name, None)
             return
@@ -53,6 +58,10 @@ class ModelRegistry:
         versions.pop(version, None)
         if not versions:
             self._models.pop(name, None)
+
+    def broken(self) -> dict[str, str]:
+        """Names whose config cannot be read, and why."""
+        return dict(self._broken)
 
     def names(self) -> list[str]:
         return sorted(set(self._models) | set(self._broken))

@@ -39,6 +39,7 @@ from daemon.controller.scheduler import Scheduler
 from daemon.controller.service import ControllerService
 from daemon.controller.telemetry import Telemetry, TraceWriter
 from daemon.errors import ConfigError
+from daemon.frontends import FrontendWorkers, default_workers
 from daemon.gateway import Gateway, Health
 from daemon.lifecycle import State
 from daemon.models import ModelManager
@@ -96,6 +97,8 @@ class Daemon:
         self.http_port: int | None = None
         self.grpc: GrpcFrontend | None = None
         self.grpc_port: int | None = None
+        self.frontends: FrontendWorkers | None = None  # worker processes own HTTP and the socket
+        self._all_cores: set[int] = set()
         self._controller: ControllerService | None = None
         self._models: ModelManager | None = None
         self._gateway: Gateway | None = None
@@ -178,7 +181,8 @@ class Daemon:
         scheduler = Scheduler(self.devices, make_policy(s.controller), s.controller,
                               telemetry=Telemetry(self._trace), hung_after_s=s.runtime.hung_action_s)
         self._controller = ControllerService(scheduler, self.executors, self.clock, loop)
-        plan, rest = plan_cores(self.devices, os.sched_getaffinity(0), s.runtime.pin_threads)
+        self._all_cores = os.sched_getaffinity(0)
+        plan, rest = plan_cores(self.devices, self._all_cores, s.runtime.pin_threads)
         self._cores = plan
         if rest is not None:
             # The loop thread (and threads it starts later, such as the load lanes) keep off the
@@ -216,7 +220,20 @@ class Daemon:
         gc.collect()
         gc.freeze()
         self.notifier.status("starting: listeners")
-        if s.server.http:
+        workers = s.server.frontend_workers
+        if workers < 0:
+            workers = default_workers(len(self._all_cores))
+        if workers and (s.server.http or s.server.socket):
+            self.frontends = FrontendWorkers(s, self.gateway, workers, on_fatal=self._frontends_failed,
+                                             cores=self._all_cores)
+            await self.frontends.start()
+            self.http_port = self.frontends.http_port if s.server.http else None
+            if self.http_port:
+                log.info("HTTP listening on %s:%d", self.frontends.http_host, self.http_port)
+            log.info("%d frontend worker process(es) own the listeners (HTTP %s, socket %s)", workers,
+                     f"{self.frontends.http_host}:{self.http_port}" if s.server.http else "off",
+                     s.server.socket or "off")
+        elif s.server.http:
             host, port = parse_hostport(s.server.http, "server.http")
             self.http = HttpFrontend(self.gateway)
             self.http_port = await self.http.start(host, port)
@@ -226,7 +243,7 @@ class Daemon:
             self.grpc = GrpcFrontend(self.gateway)
             self.grpc_port = await self.grpc.start(host, port)
             log.info("gRPC listening on %s:%d", host, self.grpc_port)
-        if s.server.socket:
+        if s.server.socket and self.frontends is None:
             self.socket = SocketFrontend(self.gateway)
             await self.socket.start(s.server.socket)
             log.info("socket listening on %s", s.server.socket)
@@ -250,9 +267,9 @@ class Daemon:
 
     def _status_line(self) -> str:
         s = self.settings.server
-        where = [f"HTTP {parse_hostport(s.http, 'server.http')[0]}:{self.http_port}" if self.http is not None else "",
+        where = [f"HTTP {parse_hostport(s.http, 'server.http')[0]}:{self.http_port}" if self.http_port else "",
                  f"gRPC {parse_hostport(s.grpc, 'server.grpc')[0]}:{self.grpc_port}" if self.grpc is not None else "",
-                 f"socket {s.socket}" if self.socket else ""]
+                 f"socket {s.socket}" if self.socket or (self.frontends and s.socket) else ""]
         return "; ".join([f"ready: {self.models.serving()} model version(s) serving", *filter(None, where)])
 
     def request_reload(self) -> None:
@@ -294,6 +311,11 @@ class Daemon:
         log.info("[shutdown] %s received", sig.name)
         self.request_stop()
 
+    def _frontends_failed(self) -> None:
+        """A frontend worker cannot start: stop with status 1 (systemd restarts the service)."""
+        self.exit_code = 1
+        self.request_stop()
+
     def _on_sighup(self) -> None:
         log.info("SIGHUP received: reloading the model repository")
         self.request_reload()
@@ -306,7 +328,7 @@ class Daemon:
         # A reload or unload half done must not load models into a daemon that is draining.
         await self._cancel([t for t in self._tasks if t is not self._watchdog])
         log.info("[shutdown] closing listeners")
-        for fe in (self.http, self.socket):
+        for fe in (self.http, self.socket, self.frontends):
             if fe is not None:
                 await fe.stop_listening()
         if self.grpc is not None:  # RPCs running are answered by the drain (or cancelled at close)
@@ -323,7 +345,7 @@ class Daemon:
             self._controller.close()
         if self._trace is not None:
             await asyncio.to_thread(self._trace.close)
-        for fe in (self.http, self.grpc, self.socket):
+        for fe in (self.http, self.grpc, self.socket, self.frontends):
             if fe is not None:
                 await fe.close()
         # Last: systemd keeps watching the loop until everything above is done.

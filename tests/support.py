@@ -113,8 +113,9 @@ def short_tmpdir() -> Path:
 def settings(repo: Path, sock_dir: Path, **sections: dict[str, Any]) -> Settings:
     data: dict[str, Any] = {
         # tests call management endpoints on their loopback listener, and inject faults
+        # one process unless a test asks for frontend workers (the default depends on the cores)
         "server": {"http": "127.0.0.1:0", "socket": str(sock_dir / "d.sock"), "log_level": "warning",
-                   "admin_open_loopback": True, "allow_faults": True},
+                   "admin_open_loopback": True, "allow_faults": True, "frontend_workers": 0},
         "models": {"repository": str(repo)},
         "runtime": {"devices": ["cpu:0"]},
     }

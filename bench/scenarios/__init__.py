@@ -23,6 +23,7 @@ SCENARIOS = {
     "hostile": "bench.scenarios.hostile",
     "classes": "bench.scenarios.classes",
     "routing": "bench.scenarios.routing",
+    "ingest": "bench.scenarios.ingest",
 }
 
 

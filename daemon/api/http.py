@@ -121,16 +121,29 @@ class HttpFrontend:
 
     # ---------------------------------------------------------------- lifecycle
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
         s = self.settings
         self.server = HttpServer(self.router, answer_error, max_body=s.max_body_bytes,
                                  max_connections=s.max_connections, keepalive_s=s.idle_timeout_s,
                                  write_timeout_s=s.write_timeout_s, request_timeout_s=s.request_timeout_s,
                                  memory=self.gateway.request_memory)
-        port = await self.server.start(host, port)
-        if is_loopback(s.http):  # other listeners have names we cannot know: the token guards them
-            self._hosts = frozenset(f"{h}:{port}" for h in (host.lower(), "localhost", "127.0.0.1", "[::1]"))
+        port = await self.server.start(host, port, reuse_port)
+        self.name_listener(host, port)
         return port
+
+    def name_listener(self, host: str, port: int) -> None:
+        """The Host values management requests may carry (the controller process answers those for
+        frontend workers, which own the listener)."""
+        if is_loopback(self.settings.http):  # other listeners have names we cannot know: the token guards them
+            self._hosts = frozenset(f"{h}:{port}" for h in (host.lower(), "localhost", "127.0.0.1", "[::1]"))
+
+    async def answer(self, request: Request) -> Response:
+        """Route and answer a request read elsewhere (by a frontend worker), errors included."""
+        try:
+            handler, request.params = self.router.resolve(request.method, request.path)
+            return await handler(request)
+        except Exception as e:
+            return answer_error(request, e)
 
     async def stop_listening(self) -> None:
         if self.server is not None:

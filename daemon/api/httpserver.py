@@ -531,9 +531,11 @@ class HttpServer:
         self._date_s = -1
         self._date = ""
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Listen; `reuse_port` for frontend workers, which each bind the same port (SO_REUSEPORT: the
+        kernel spreads new connections over them)."""
         self._server = await self.loop.create_server(lambda: HttpConnection(self), host, port, backlog=1024,
-                                                     reuse_address=True)
+                                                     reuse_address=True, reuse_port=reuse_port or None)
         self._sweeper = self.loop.create_task(self._sweep(), name="http-sweeper")
         sockets = self._server.sockets or []
         return int(sockets[0].getsockname()[1]) if sockets else port

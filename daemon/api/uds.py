@@ -344,7 +344,7 @@ class SocketConnection(asyncio.Protocol):
             if op == "infer":
                 self._infer(req_id, msg, lease)
                 return
-            self.send({"id": req_id, "status": 200, **self._control(op, msg)})
+            self._control_op(req_id, op, msg)
         except EscapementError as e:
             self.send(error_frame(req_id, e))
         except Exception as e:  # never let one frame kill the connection's other requests
@@ -352,28 +352,9 @@ class SocketConnection(asyncio.Protocol):
             self.send(error_frame(req_id, e))
         lease.release()
 
-    def _control(self, op: Any, msg: dict[str, Any]) -> dict[str, Any]:
-        gw = self.gateway
-        if op == "live":
-            return {"live": True}
-        if op == "ready":
-            return {"ready": gw.health().ready}
-        if op == "index":
-            return {"models": gw.index(bool(msg.get("ready", False)))}
-        if op == "stats":
-            return {"controller": gw.statistics()}
-        name = msg.get("model")
-        if op in ("metadata", "model_ready", "config"):
-            if not isinstance(name, str):
-                raise BadRequest(f"op {op} needs a model name")
-            entry = gw.model(name, _version(msg))
-            spec = entry.spec
-            if op == "model_ready":
-                return {"ready": entry.state == ModelState.READY, "state": entry.state.value}
-            if op == "config":
-                return {"config": model_config_json(spec)}
-            return model_metadata_json(spec, gw.versions(spec.name))
-        raise BadRequest(f"unknown op {op!r}; ops are infer, live, ready, index, stats, metadata, model_ready, config")
+    def _control_op(self, req_id: Any, op: Any, msg: dict[str, Any]) -> None:
+        """Answer a control op (a frontend worker forwards some to the controller process instead)."""
+        self.send({"id": req_id, "status": 200, **control_answer(self.gateway, op, msg)})
 
     # ---------------------------------------------------------------- inference
 
@@ -444,6 +425,30 @@ class SocketConnection(asyncio.Protocol):
                    "outputs": outputs, "reconstructed": req.reconstructed})
 
 
+def control_answer(gw: Gateway, op: Any, msg: dict[str, Any]) -> dict[str, Any]:
+    """The answer to a control op (every op but infer), from the gateway."""
+    if op == "live":
+        return {"live": True}
+    if op == "ready":
+        return {"ready": gw.health().ready}
+    if op == "index":
+        return {"models": gw.index(bool(msg.get("ready", False)))}
+    if op == "stats":
+        return {"controller": gw.statistics()}
+    name = msg.get("model")
+    if op in ("metadata", "model_ready", "config"):
+        if not isinstance(name, str):
+            raise BadRequest(f"op {op} needs a model name")
+        entry = gw.model(name, _version(msg))
+        spec = entry.spec
+        if op == "model_ready":
+            return {"ready": entry.state == ModelState.READY, "state": entry.state.value}
+        if op == "config":
+            return {"config": model_config_json(spec)}
+        return model_metadata_json(spec, gw.versions(spec.name))
+    raise BadRequest(f"unknown op {op!r}; ops are infer, live, ready, index, stats, metadata, model_ready, config")
+
+
 def _version(msg: dict[str, Any]) -> str | int | None:
     v = msg.get("version")
     if v is not None and (isinstance(v, bool) or not isinstance(v, int | str)):
@@ -452,8 +457,9 @@ def _version(msg: dict[str, Any]) -> str | int | None:
 
 
 class SocketFrontend:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, connection: type[SocketConnection] = SocketConnection) -> None:
         self.gateway = gateway
+        self._connection = connection  # a frontend worker's forwards some control ops
         self.settings = gateway.settings.server
         self.server: asyncio.AbstractServer | None = None
         self.connections: set[SocketConnection] = set()
@@ -464,10 +470,27 @@ class SocketFrontend:
     async def start(self, path: str) -> None:
         await asyncio.to_thread(self._prepare, path)
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_unix_server(lambda: SocketConnection(self), path, backlog=1024)
+        self.server = await loop.create_unix_server(lambda: self._connection(self), path, backlog=1024)
         os.chmod(path, int(self.settings.socket_mode, 8))
         self.path = Path(path)
         self._sweeper = loop.create_task(self._sweep(), name="socket-sweeper")
+
+    async def start_on(self, sock: socket.socket) -> None:
+        """Accept on a socket already listening (a frontend worker: the controller process made it,
+        and keeps its path)."""
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_unix_server(lambda: self._connection(self), sock=sock, backlog=1024)
+        self._sweeper = loop.create_task(self._sweep(), name="socket-sweeper")
+
+    @staticmethod
+    def listen(path: str, mode: str) -> socket.socket:
+        """A listening unix socket at `path` (a stale one replaced), for frontend workers to accept on."""
+        SocketFrontend._prepare(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        os.chmod(path, int(mode, 8))
+        sock.listen(1024)
+        return sock
 
     async def _sweep(self) -> None:
         """Close connections idle past server.idle_timeout_s (nothing in flight, no bytes), drop

@@ -1,0 +1,148 @@
+"""`ingest`: requests/s and controller-loop CPU per request against the number of frontend workers.
+
+A near-null model (`null_784`: one 784 -> 10 linear layer, ~5 µs a sample, built here) keeps the
+device out of the way, so what is measured is the frontend: parsing, decoding, validation,
+answer encoding, and the controller's own per-request work. Closed loop: `clients` connections
+each keep one batch-1 request in flight (HTTP binary, or msgpack frames on the unix socket) for
+`seconds`; the generator runs on the same machine (on 2 cores it takes a share of them: compare
+ratios between worker counts, not absolute figures with other machines).
+
+`loop_us_per_request`: CPU of the controller process's main thread (its event loop: the one that
+decides) per request answered, from /proc/PID/task/PID/stat. With 0 workers that thread also
+does every frontend's protocol work; with N > 0 only the link records and the controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvloop
+from torch import nn
+
+from bench import results
+from bench.scenarios.common import command, http_binary, socket_frame, spec_of
+from bench.servers import Escapement, cpu_seconds
+from daemon.demo import save_model
+
+MODEL = "null_784"
+
+
+def _build_repo(root: Path) -> Path:
+    model = nn.Linear(784, 10).eval()
+    save_model(model, "ts", torch.zeros(2, 784), 32, root / MODEL / "1" / "model.ts")
+    (root / MODEL / "config.toml").write_text(
+        'max_batch_size = 32\nslo_ms = 100.0\n[[inputs]]\nname = "INPUT__0"\ndatatype = "FP32"\nshape = [-1, 784]\n'
+        '[[outputs]]\nname = "OUTPUT__0"\ndatatype = "FP32"\nshape = [-1, 10]\n', encoding="utf-8")
+    return root
+
+
+def _thread_cpu(pid: int, tid: int) -> float:
+    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _http_client(port: int, request: bytes, stop: float, counts: list[int]) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        while time.monotonic() < stop:
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+            await reader.readexactly(length)
+            if head.startswith(b"HTTP/1.1 200"):
+                counts[0] += 1
+            else:
+                counts[1] += 1
+    finally:
+        writer.close()
+
+
+async def _socket_client(path: str, frame: Any, stop: float, counts: list[int]) -> None:
+    reader, writer = await asyncio.open_unix_connection(path)
+    i = 0
+    try:
+        while time.monotonic() < stop:
+            i += 1
+            writer.write(frame.with_id(i))
+            n = int.from_bytes(await reader.readexactly(4), "big")
+            answer = await reader.readexactly(n)
+            counts[0 if b"\xa6status\xcc\xc8" in answer else 1] += 1
+    finally:
+        writer.close()
+
+
+def _closed_loop(protocol: str, server: Escapement, clients: int, seconds: float, warmup: float,
+                 spec: Any) -> dict[str, float]:
+    request = http_binary(spec).raw
+    frame = socket_frame(spec)
+
+    async def go(duration: float) -> list[int]:
+        counts = [0, 0]
+        stop = time.monotonic() + duration
+        if protocol == "http":
+            await asyncio.gather(*(_http_client(server.port, request, stop, counts) for _ in range(clients)))
+        else:
+            await asyncio.gather(*(_socket_client(server.socket, frame, stop, counts) for _ in range(clients)))
+        return counts
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(go(warmup))
+        loop0, all0, t0 = _thread_cpu(server.pid, server.pid), cpu_seconds(server.pid), time.monotonic()
+        ok, failed = runner.run(go(seconds))
+        wall = time.monotonic() - t0
+        loop_s, all_s = _thread_cpu(server.pid, server.pid) - loop0, cpu_seconds(server.pid) - all0
+    return {"requests_per_s": ok / wall, "failed": failed, "loop_us_per_request": loop_s / max(ok, 1) * 1e6,
+            "controller_process_cores": all_s / wall}
+
+
+def run(quick: bool = False, json_out: str | None = None, workers: list[int] | None = None, reps: int = 3,
+        clients: int = 16, seconds: float | None = None) -> dict[str, Any]:
+    counts = workers if workers is not None else [0, 1, 2]
+    seconds = seconds or (3.0 if quick else 8.0)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="ingest-") as tmp:
+        repo = _build_repo(Path(tmp) / "repo")
+        spec = spec_of(repo, MODEL)
+        for rep in range(reps):
+            for n in counts:  # interleaved: the machine's noise falls on every count alike
+                with Escapement(repo, server={"frontend_workers": n}) as server:
+                    for protocol in ("http", "socket"):
+                        m = _closed_loop(protocol, server, clients, seconds, min(1.0, seconds / 3), spec)
+                        rows.append({"label": f"{protocol} workers={n}", "protocol": protocol, "workers": n,
+                                     "rep": rep, **m})
+    summary: dict[str, Any] = {"model": MODEL, "clients": clients, "reps": reps}
+    loop_us: dict[str, dict[str, float]] = {}
+    rps: dict[str, dict[str, float]] = {}
+    for protocol in ("http", "socket"):
+        loop_us[protocol] = {}
+        rps[protocol] = {}
+        for n in counts:
+            mine = [r for r in rows if r["protocol"] == protocol and r["workers"] == n]
+            loop_us[protocol][str(n)] = statistics.median(r["loop_us_per_request"] for r in mine)
+            rps[protocol][str(n)] = statistics.median(r["requests_per_s"] for r in mine)
+    summary["loop_us_per_request"] = loop_us
+    summary["requests_per_s_by_workers"] = rps["http"]
+    summary["socket_requests_per_s_by_workers"] = rps["socket"]
+    base = counts[0]
+    summary["http_ratio_to_workers_" + str(base)] = {str(n): rps["http"][str(n)] / rps["http"][str(base)]
+                                                     for n in counts}
+    summary["socket_ratio_to_workers_" + str(base)] = {str(n): rps["socket"][str(n)] / rps["socket"][str(base)]
+                                                       for n in counts}
+    summary["failed_requests"] = sum(r["failed"] for r in rows)
+    notes = [f"command: {command('ingest', quick)}",
+             f"{clients} closed-loop clients, batch 1, {seconds:g} s per point after a warm-up, {reps} reps "
+             "interleaved; medians. The generator shares the machine's cores with the daemon.",
+             "loop_us_per_request: CPU of the controller process's main (event-loop) thread per answered request."]
+    config = {"command": command("ingest", quick), "workers": counts, "clients": clients, "seconds": seconds,
+              "reps": reps}
+    return results.write("ingest", config,
+                         rows, summary, json_out, notes=notes,
+                         columns=["label", "rep", "requests_per_s", "loop_us_per_request",
+                                  "controller_process_cores", "failed"])

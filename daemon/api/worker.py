@@ -1,0 +1,219 @@
+"""A frontend worker process: it owns listeners and does the protocol work for the controller process.
+
+Started by the controller process (daemon/frontends.py) as
+`python -m daemon.api.worker LINK_FD POOL_FD SOCKET_FD MAX_RECORD`: its end of the link (a
+socketpair), its shared-memory region (a memfd), the unix socket listening in the controller
+process (-1: none) and the largest record the link takes. It parses HTTP and msgpack frames,
+inflates, decodes JSON, validates against the model's metadata and encodes answers; the
+controller process only sees small SUBMIT records whose tensors lie in the region.
+
+What a worker answers itself: inference (HTTP and the socket), liveness, and the socket's model
+ops from its registry replica. Everything else over HTTP (readiness, metadata, statistics,
+metrics, management) and the socket's `stats` are forwarded whole to the controller process,
+which answers them with its own handlers: one implementation, and nothing there is hot.
+
+The worker exits when the link closes (the controller process is gone: it never outlives it),
+on STOP, or on SIGTERM (the controller restarts it); SIGINT is ignored: the controller process
+orders a shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import pickle
+import signal
+import socket
+import sys
+from typing import Any
+
+import uvloop
+
+from daemon import log as daemon_log
+from daemon.api.http import HttpFrontend
+from daemon.api.httpserver import Request, Response, Router
+from daemon.api.link import DONE, DRAIN, HELLO, MODELS, READY, REPLY, STATE, STOP, Link
+from daemon.api.remote import RemoteController, RemoteGateway, error_from, registry_from
+from daemon.api.slots import SlotPool, pool_bytes, pool_classes
+from daemon.api.uds import SocketConnection, SocketFrontend, error_frame
+from daemon.config import Settings
+from daemon.errors import EscapementError, PayloadTooLarge
+from daemon.gateway import Health
+from daemon.overload import LoopMonitor
+from daemon.registry import ModelRegistry
+
+log = logging.getLogger("escapement.workers")
+
+CALL_HTTP, CALL_SOCKET = 0, 1
+STOP_ANSWER_S = 2.0  # on STOP, how long answers already sent by the controller may take to be written
+
+
+class WorkerSocketConnection(SocketConnection):
+    """The socket's `stats` op is the controller's to answer: forwarded, answered when it returns."""
+
+    def _control_op(self, req_id: Any, op: Any, msg: dict[str, Any]) -> None:
+        if op != "stats":
+            super()._control_op(req_id, op, msg)
+            return
+        gw = self.gateway
+        assert isinstance(gw, RemoteGateway)
+        task = asyncio.get_running_loop().create_task(self._forwarded(gw.remote, req_id, op))
+        gw.background.add(task)
+        task.add_done_callback(gw.background.discard)
+
+    async def _forwarded(self, remote: RemoteController, req_id: Any, op: str) -> None:
+        try:
+            status, body, retry = await remote.call(CALL_SOCKET, [op, {}])
+        except EscapementError as e:
+            self.send(error_frame(req_id, e))
+            return
+        if status == 200:
+            self.send({"id": req_id, "status": 200, **body})
+        else:
+            self.send(error_frame(req_id, error_from(status, body, retry)))
+
+
+class Worker:
+    def __init__(self, link_fd: int, pool_fd: int, socket_fd: int, max_record: int) -> None:
+        self.link_fd = link_fd
+        self.pool_fd = pool_fd
+        self.socket_fd = socket_fd
+        self.max_record = max_record
+        self.link: Link | None = None
+        self.gateway: RemoteGateway | None = None
+        self.remote: RemoteController | None = None
+        self.http: HttpFrontend | None = None
+        self.socket: SocketFrontend | None = None
+        self._hello: asyncio.Future[list[Any]] | None = None
+        self._stop = asyncio.Event()
+        self._early: list[list[Any]] = []  # records before the gateway exists (MODELS, STATE)
+        self._idle = asyncio.Event()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self._hello = loop.create_future()
+        sock = socket.socket(fileno=self.link_fd)
+        _, self.link = await loop.connect_accepted_socket(
+            lambda: Link(self._on_record, self._on_lost, max_record=self.max_record), sock=sock)
+        stopped = loop.create_task(self._stop.wait())
+        await asyncio.wait({self._hello, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not self._hello.done():
+            return 1
+        _, blob, index, workers, host, port = self._hello.result()
+        settings: Settings = pickle.loads(blob)  # our own controller process, over a private socketpair
+        daemon_log.setup(settings.server.log_level)
+        s = settings.server
+        classes = pool_classes(s.frontend_slots, s.max_body_bytes)
+        region = mmap.mmap(self.pool_fd, pool_bytes(classes))
+        self.remote = RemoteController(self.link, SlotPool(classes), memoryview(region))
+        self.gateway = gw = RemoteGateway(settings, ModelRegistry(), self.remote, workers)
+        for record in self._early:
+            self._on_record(record)
+        self._early.clear()
+        if host:
+            self.http = HttpFrontend(gw)
+            self.http.router = worker_router(self.http, self._forward_http)
+            await self.http.start(host, port, reuse_port=True)
+        if self.socket_fd >= 0:
+            self.socket = SocketFrontend(gw, WorkerSocketConnection)
+            await self.socket.start_on(socket.socket(fileno=self.socket_fd))
+        monitor = LoopMonitor(gw.overload)
+        monitor.start()
+        self.link.send([READY])
+        log.debug("frontend worker %d ready", index)
+        await self._stop.wait()
+        monitor.stop()
+        await self._close()
+        return 0
+
+    async def _forward_http(self, request: Request) -> Response:
+        assert self.remote is not None and self.gateway is not None
+        limit = self.gateway.settings.server.max_json_bytes
+        if len(request.body) > limit:  # what is forwarded is small (management, metadata): JSON at most
+            raise PayloadTooLarge(f"a body of {len(request.body)} bytes is over the limit of {limit} for this "
+                                  "endpoint (server.max_json_bytes)")
+        status, ctype, headers, body = await self.remote.call(
+            CALL_HTTP, [request.method, request.path, request.query, request.headers, bytes(request.body)])
+        return Response(body, status, ctype, headers or None)
+
+    # ---------------------------------------------------------------- the link
+
+    def _on_record(self, record: list[Any]) -> None:
+        op = record[0]
+        if op == DONE:
+            assert self.remote is not None
+            self.remote.done(*record[1:])
+            if self._stopping and not self.remote.inflight:
+                self._idle.set()
+        elif op == REPLY:
+            assert self.remote is not None
+            self.remote.reply(record[1], record[2])
+        elif op == HELLO:
+            assert self._hello is not None
+            self._hello.set_result(record)
+        elif self.gateway is None:
+            self._early.append(record)
+        elif op == MODELS:
+            self.gateway.registry = registry_from(record[1])
+        elif op == STATE:
+            _, overloaded, lag_s, ready, lost = record
+            self.gateway.controller_overloaded, self.gateway.controller_lag_s = overloaded, lag_s
+            self.gateway.health_state = Health(ready, lost)
+        elif op == DRAIN:
+            asyncio.get_running_loop().create_task(self._stop_listening())
+        elif op == STOP:
+            self._stop.set()
+
+    _stopping = False
+
+    def _on_lost(self) -> None:
+        if self.remote is not None:
+            self.remote.controller_lost()
+        self._stop.set()  # the controller process is gone: so is this worker
+
+    async def _stop_listening(self) -> None:
+        for fe in (self.http, self.socket):
+            if fe is not None:
+                await fe.stop_listening()
+
+    async def _close(self) -> None:
+        """Let answers the controller already sent reach their clients, then close every connection."""
+        self._stopping = True
+        if self.remote is not None and self.remote.inflight and not self.remote.lost:
+            self._idle.clear()
+            try:
+                await asyncio.wait_for(self._idle.wait(), STOP_ANSWER_S)
+            except TimeoutError:
+                log.warning("[shutdown] frontend worker: %d request(s) still unanswered", len(self.remote.inflight))
+        for _ in range(5):  # the handlers woken by the last answers write them in the next turns
+            await asyncio.sleep(0)
+        await self._stop_listening()
+        for fe in (self.http, self.socket):
+            if fe is not None:
+                await fe.close()
+        if self.link is not None:
+            self.link.close()
+
+
+def worker_router(fe: HttpFrontend, forward: Any) -> Router:
+    """Inference and liveness here; every other route forwarded to the controller process."""
+    r = Router()
+    for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version:[0-9]+}"):
+        r.add("POST", base + "/infer", fe.infer)
+    r.add("GET", "/v2/health/live", fe.live)
+    for method in ("GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"):
+        r.add(method, "/{path:.*}", forward)
+    return r
+
+
+def main(argv: list[str]) -> int:
+    link_fd, pool_fd, socket_fd, max_record = (int(a) for a in argv)
+    return uvloop.run(Worker(link_fd, pool_fd, socket_fd, max_record).run())
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,376 @@
+"""Frontend worker processes, from the controller process's side: start, link, restart, stop.
+
+With `server.frontend_workers = N` (> 0) the HTTP and socket listeners live in N worker processes
+(daemon/api/worker.py), which do the protocol work and hand requests over as small records on a
+socketpair, their tensors in a shared-memory region per worker (daemon/api/slots.py). Here each
+SUBMIT becomes an `InferenceRequest` whose inputs are numpy views of that region and goes to the
+local `Gateway.submit`: the controller sees one submission path whatever the process layout.
+Its answer goes back as a DONE record, which also frees the slot in the worker.
+
+- Listeners: this process reserves the HTTP port (a socket bound with SO_REUSEPORT, never
+  listening: `:0` resolves once, a second daemon on the port fails here, and the port stays
+  ours while a worker restarts); each worker binds it with SO_REUSEPORT. The unix socket is
+  created and listened on here and accepted on in every worker.
+- This process never waits on a worker: link writes are buffered and a worker whose link
+  backs up past its bound is killed. A worker that dies (its link closes) has its requests
+  cancelled here and is started again (backoff 0.1 s doubling to 5 s); one that dies five times
+  in a row before it is ready stops the daemon.
+- Shutdown (daemon/server.py): `stop_listening` (DRAIN: the workers close their listeners, the
+  socket path goes) -> the controller drains -> `close` (STOP: the workers write the answers
+  they got and exit, SIGKILL after WORKER_EXIT_S).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import mmap
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from daemon.api.codec import tensor_bytes
+from daemon.api.http import HttpFrontend
+from daemon.api.httpserver import Request
+from daemon.api.link import CALL, CANCEL, DONE, DRAIN, HELLO, MODELS, READY, REPLY, STATE, STOP, SUBMIT, Link
+from daemon.api.slots import pool_bytes, pool_classes
+from daemon.api.uds import SocketFrontend, control_answer
+from daemon.api.worker import CALL_HTTP
+from daemon.config import Settings, parse_hostport
+from daemon.errors import Cancelled, EscapementError, InternalError, message_of, retry_after_of, status_of
+from daemon.gateway import Gateway
+from daemon.request import InferenceRequest, RequestClass, RequestStatus
+
+log = logging.getLogger("escapement.workers")
+
+STATE_TICK_S = 0.005  # how often overload, health and the registry are compared with what workers have
+READY_TIMEOUT_S = 60.0
+WORKER_EXIT_S = 5.0
+MAX_EARLY_DEATHS = 5
+BACKOFF_S = (0.1, 5.0)
+
+
+def default_workers(cores: int) -> int:
+    """`server.frontend_workers = -1`: none on a small machine, where a worker competes with the loop
+    and the INFER thread for two cores (bench/results/ingest.md), else a quarter of the cores."""
+    return 0 if cores <= 2 else max(1, cores // 4)
+
+
+def registry_snapshot(gateway: Gateway) -> bytes:
+    reg = gateway.registry
+    entries = [(e.spec, e.state.value, e.reason) for n in reg.names() for e in reg.versions(n).values()]
+    return pickle.dumps((entries, reg.broken()), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class WorkerHandle:
+    """One worker process, its link and its region; replaced whole when the worker is restarted."""
+
+    def __init__(self, index: int, proc: subprocess.Popen[bytes], region: mmap.mmap) -> None:
+        self.index = index
+        self.proc = proc
+        self.region = region  # numpy views of it keep it mapped while a request still reads it
+        self.view = memoryview(region)
+        self.link: Link | None = None
+        self.requests: dict[int, InferenceRequest] = {}  # the worker's request id -> ours
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.started = time.monotonic()
+
+
+class FrontendWorkers:
+    def __init__(self, settings: Settings, gateway: Gateway, count: int, on_fatal: Callable[[], None],
+                 cores: set[int] | None = None) -> None:
+        self.settings = settings
+        self.cores = cores  # the workers may run on every core (the loop thread is pinned off the devices')
+        self.gateway = gateway
+        self.count = count
+        self.on_fatal = on_fatal
+        s = settings.server
+        self.classes = pool_classes(s.frontend_slots, s.max_body_bytes)
+        self.max_record = max(s.max_body_bytes, pool_bytes(self.classes)) + (1 << 20)
+        self.workers: list[WorkerHandle | None] = [None] * count
+        self.http_host = ""
+        self.http_port = 0
+        self._reserved: socket.socket | None = None
+        self._unix: socket.socket | None = None
+        self._shadow: HttpFrontend | None = None  # answers what workers forward (never listens)
+        self._stopping = False
+        self._early_deaths = [0] * count
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tick: asyncio.TimerHandle | None = None
+        self._sent: tuple[Any, ...] = ()
+        self._generation = -1
+        self.restarts = 0
+
+    # ---------------------------------------------------------------- start-up
+
+    async def start(self) -> None:
+        s = self.settings.server
+        if s.http:
+            host, port = parse_hostport(s.http, "server.http")
+            self._reserved = _reserve_port(host, port)
+            self.http_host, self.http_port = host, self._reserved.getsockname()[1]
+            self._shadow = HttpFrontend(self.gateway)
+            self._shadow.name_listener(host, self.http_port)
+        if s.socket:
+            self._unix = await asyncio.to_thread(SocketFrontend.listen, s.socket, s.socket_mode)
+        for i in range(self.count):
+            await self._start_worker(i)
+        self._schedule_tick()
+        handles = [w for w in self.workers if w is not None]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(w.ready for w in handles)), READY_TIMEOUT_S)
+        except TimeoutError:
+            raise RuntimeError(f"frontend workers not ready within {READY_TIMEOUT_S:g} s") from None
+
+    async def _start_worker(self, index: int) -> None:
+        size = pool_bytes(self.classes)
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        memfd = os.memfd_create(f"escapement-frontend-{index}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(memfd, size)
+            region = mmap.mmap(memfd, size)
+            fds = [theirs.fileno(), memfd] + ([self._unix.fileno()] if self._unix is not None else [])
+            argv = [sys.executable, "-m", "daemon.api.worker", str(theirs.fileno()), str(memfd),
+                    str(self._unix.fileno() if self._unix is not None else -1), str(self.max_record)]
+            # A session of its own: a terminal's ^C reaches this process only, which orders the
+            # shutdown. Started from a thread: fork and exec of a large process take milliseconds.
+            proc = await asyncio.to_thread(subprocess.Popen, argv, pass_fds=fds, start_new_session=True)
+            if self.cores:
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(proc.pid, self.cores)
+        finally:
+            theirs.close()
+            os.close(memfd)
+        w = WorkerHandle(index, proc, region)
+        self.workers[index] = w
+        loop = asyncio.get_running_loop()
+        _, w.link = await loop.connect_accepted_socket(
+            lambda: Link(lambda r: self._on_record(w, r), lambda: self._on_lost(w), max_record=self.max_record,
+                         on_wedged=lambda: self._wedged(w)), sock=mine)
+        w.link.send([HELLO, pickle.dumps(self.settings, protocol=pickle.HIGHEST_PROTOCOL), index, self.count,
+                     self.http_host, self.http_port])
+        w.link.send([MODELS, registry_snapshot(self.gateway)])
+        w.link.send(self._state())
+        log.info("frontend worker %d started (pid %d)", index, proc.pid)
+
+    # ---------------------------------------------------------------- what workers send
+
+    def _on_record(self, w: WorkerHandle, record: list[Any]) -> None:
+        op = record[0]
+        if op == SUBMIT:
+            self._submit(w, record)
+        elif op == CANCEL:
+            req = w.requests.get(record[1])
+            # A running request finishes on its device anyway (its answer is dropped by the worker);
+            # its DONE frees its slot only once nothing reads its inputs any more.
+            if req is not None and req.status == RequestStatus.QUEUED:
+                self.gateway.cancel(req)
+        elif op == CALL:
+            self._call(w, record[1], record[2], record[3])
+        elif op == READY:
+            if not w.ready.done():
+                w.ready.set_result(None)
+            self._early_deaths[w.index] = 0
+
+    def _submit(self, w: WorkerHandle, record: list[Any]) -> None:
+        (_, rid, name, version, samples, arrival, deadline, priority, rank, klass, give_up_at, client_id,
+         refs) = record
+        assert w.link is not None
+        try:
+            spec = self.gateway.registry.resolve(name, version)
+            if len(refs) != len(spec.inputs):
+                raise InternalError(f"a frontend worker sent {len(refs)} inputs for {spec.name}")
+            try:
+                arrays = tuple(np.frombuffer(w.view, s.datatype.numpy, math.prod(shape), off).reshape(shape)
+                               for s, (off, shape) in zip(spec.inputs, refs, strict=True))
+            except ValueError as e:  # a worker is trusted with its own region, never beyond it
+                raise InternalError(f"a frontend worker named tensors outside its region: {e}") from None
+            if spec.parity is not None:
+                # A coding group encodes its members' inputs after they may have been answered (and
+                # their slots reused): a parity model's requests keep a copy of their own.
+                arrays = tuple(a.copy() for a in arrays)
+            req = InferenceRequest(spec, arrays, samples, arrival, deadline, priority, rank, client_id,
+                                   klass=RequestClass(klass), give_up_at=give_up_at)
+            req.context = rid
+            req.on_finish = lambda r: self._finished(w, r)
+            w.requests[rid] = req
+            self.gateway.submit(req)
+        except EscapementError as e:
+            w.requests.pop(rid, None)
+            if e.status == 500:
+                log.error("frontend worker %d: %s", w.index, e.message)
+            w.link.send([DONE, rid, e.status, e.message, retry_after_of(e), False, []])
+
+    def _finished(self, w: WorkerHandle, req: InferenceRequest) -> None:
+        rid = req.context
+        if w.requests.pop(rid, None) is None or w.link is None:
+            return  # its worker died meanwhile
+        if req.ok:
+            assert req.outputs is not None
+            w.link.send([DONE, rid, 200, "", None, req.reconstructed,
+                         [[list(a.shape), tensor_bytes(a)] for a in req.outputs]])
+        else:
+            err: BaseException = req.error if req.error is not None else Cancelled("the request was cancelled")
+            w.link.send([DONE, rid, status_of(err), message_of(err), retry_after_of(err), False, []])
+
+    def _call(self, w: WorkerHandle, cid: int, kind: int, payload: Any) -> None:
+        assert w.link is not None
+        link = w.link
+        if kind != CALL_HTTP:  # a socket op
+            op, msg = payload
+            try:
+                link.send([REPLY, cid, [200, control_answer(self.gateway, op, msg), None]])
+            except EscapementError as e:
+                link.send([REPLY, cid, [e.status, e.message, retry_after_of(e)]])
+            return
+        method, path, query, headers, body = payload
+        shadow = self._shadow
+        assert shadow is not None
+
+        async def answer() -> None:
+            resp = await shadow.answer(Request(method, path, query, headers, body, keep_alive=True))
+            link.send([REPLY, cid, [resp.status, resp.content_type, resp.headers, resp.body]])
+
+        task = asyncio.get_running_loop().create_task(answer(), name=f"forwarded {method} {path}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---------------------------------------------------------------- what workers are told
+
+    def _state(self) -> list[Any]:
+        o = self.gateway.overload
+        h = self.gateway.health()
+        return [STATE, o.overloaded, o.lag_s, h.ready, h.lost_devices]
+
+    def _schedule_tick(self) -> None:
+        self._tick = asyncio.get_running_loop().call_later(STATE_TICK_S, self._on_tick)
+
+    def _on_tick(self) -> None:
+        """Push what changed: the registry (by its generation), overload and health."""
+        gen = self.gateway.registry.generation
+        state = self._state()
+        key = (state[1], state[3], tuple(sorted(state[4].items())))
+        links = [w.link for w in self.workers if w is not None and w.link is not None]
+        if gen != self._generation:
+            self._generation = gen
+            snapshot = registry_snapshot(self.gateway)
+            for link in links:
+                link.send([MODELS, snapshot])
+        if key != self._sent:
+            self._sent = key
+            for link in links:
+                link.send(state)
+        self._schedule_tick()
+
+    # ---------------------------------------------------------------- failures
+
+    def _wedged(self, w: WorkerHandle) -> None:
+        log.error("frontend worker %d stopped reading its link; killing it", w.index)
+        with contextlib.suppress(ProcessLookupError):
+            w.proc.kill()
+
+    def _on_lost(self, w: WorkerHandle) -> None:
+        """The worker's link closed: it died (or is exiting). Cancel what it had in flight here
+        (nothing reads its region after that but requests already on a device, which keep it
+        mapped), reap it off the loop and, unless the daemon is stopping, start another."""
+        w.link = None
+        requests, w.requests = list(w.requests.values()), {}
+        for req in requests:
+            self.gateway.cancel(req)
+        if not w.ready.done():
+            w.ready.set_exception(RuntimeError(f"frontend worker {w.index} exited before it was ready"))
+            w.ready.exception()  # retrieved: start() or the restart reports it
+        task = asyncio.get_running_loop().create_task(self._reap_and_restart(w, len(requests)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _reap_and_restart(self, w: WorkerHandle, cancelled: int) -> None:
+        code = await asyncio.to_thread(_reap, w.proc, WORKER_EXIT_S)
+        if self._stopping:
+            return
+        log.error("frontend worker %d (pid %d) exited with status %s; %d request(s) it held cancelled; "
+                  "restarting it", w.index, w.proc.pid, code, cancelled)
+        early = w.ready.exception() is not None  # it died before READY (its future failed in _on_lost)
+        self._early_deaths[w.index] = self._early_deaths[w.index] + 1 if early else 0
+        if self._early_deaths[w.index] >= MAX_EARLY_DEATHS:
+            log.critical("frontend worker %d died %d times before it was ready; stopping", w.index, MAX_EARLY_DEATHS)
+            self.on_fatal()
+            return
+        if self._early_deaths[w.index]:
+            await asyncio.sleep(min(BACKOFF_S[0] * 2 ** (self._early_deaths[w.index] - 1), BACKOFF_S[1]))
+        if self._stopping:
+            return
+        self.restarts += 1
+        await self._start_worker(w.index)
+
+    # ---------------------------------------------------------------- shutdown
+
+    async def stop_listening(self) -> None:
+        """The workers close their listeners; the socket path and the reserved port go."""
+        self._stopping = True
+        for w in self.workers:
+            if w is not None and w.link is not None:
+                w.link.send([DRAIN])
+        if self._unix is not None:
+            self._unix.close()
+            self._unix = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.settings.server.socket)
+        if self._reserved is not None:
+            self._reserved.close()
+            self._reserved = None
+
+    async def close(self) -> None:
+        """After the drain: the workers write the answers they got and exit (SIGKILL past WORKER_EXIT_S)."""
+        self._stopping = True
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
+        live = [w for w in self.workers if w is not None]
+        for w in live:
+            if w.link is not None:
+                w.link.send([STOP])
+        codes = await asyncio.gather(*(asyncio.to_thread(_reap, w.proc, WORKER_EXIT_S) for w in live))
+        for w, code in zip(live, codes, strict=True):
+            if code is None:
+                log.warning("[shutdown] frontend worker %d did not exit in %g s; killed", w.index, WORKER_EXIT_S)
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self.workers if w is not None]
+
+
+def _reserve_port(host: str, port: int) -> socket.socket:
+    """Bind HOST:PORT with SO_REUSEPORT, never listening: workers bind it too, and take connections."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _reap(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
+    """Wait for a worker to exit (in a thread); SIGKILL it past `timeout`. Its status, None if killed."""
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return None
