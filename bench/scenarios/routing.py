@@ -12,7 +12,8 @@ leave them). Every request is routed by one of:
   it, the one with fewer models of two chosen at random;
 - `deadline`: each node's controller is asked when it would finish the request (read-only, from
   its view: the earliest a device holding the model frees, or could load it, plus the run, plus
-  the work queued for that model there) and the earliest wins (ties: fewer pending requests).
+  the work queued for that model there): the node holding the model that finishes first, while it
+  finishes with a quarter of the SLO to spare; else the earliest finish anywhere (loading it).
 
 Per router and offered load (a share of the cluster's batched capacity): SLO attainment, goodput,
 cold-start rate. `summary.slo_attainment_by_router` = {router: {load: attainment}}.
@@ -163,11 +164,24 @@ def predicted_finish(sched: Any, spec: ModelSpec, now: float) -> float:
     return best
 
 
+SLACK = 0.25  # a holder is good enough while it would finish with this share of the SLO to spare
+
+
 def deadline_router(cluster: Cluster, rng: np.random.Generator) -> Router:
+    """Affinity while it meets the deadline: the node holding the model that would finish first, if it
+    finishes with SLACK of the SLO to spare; else whichever node would finish first, loading it if
+    need be. (Always taking the earliest finish spreads copies of every model over idle nodes: each
+    LOAD evicts another model, and the cold starts it causes later cost more than it saved.)"""
     scheds = [node.scheduler for node in cluster.nodes]
 
     def route(spec: ModelSpec, now: float) -> int:
-        return min(range(len(scheds)), key=lambda i: (predicted_finish(scheds[i], spec, now), scheds[i].pending))
+        preds = [(predicted_finish(s, spec, now), s.pending, i) for i, s in enumerate(scheds)]
+        held = [p for p in preds if scheds[p[2]].placed_on.get(spec.key)]
+        if held:
+            best = min(held)
+            if best[0] <= now + (1.0 - SLACK) * spec.slo_s:
+                return best[2]
+        return min(preds)[2]
 
     return route
 
