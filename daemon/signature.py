@@ -98,10 +98,12 @@ def _max_batch(ep: Any, batch: Any, path: Path) -> tuple[int, str]:
                                  "batch dimension (torch.export.Dim) or write a config.toml")
         return 1, "a fixed batch of 1"
     bounds = ep.range_constraints.get(batch)
-    try:
-        upper = int(bounds.upper) if bounds is not None else None
-    except (TypeError, ValueError, OverflowError):  # int_oo: exported without an upper bound
-        upper = None
+    upper: int | None = None
+    if bounds is not None:
+        try:
+            upper = int(bounds.upper)
+        except Exception:  # torch's int_oo (exported without an upper bound) is no int; sympy says so oddly
+            upper = None
     if upper is None:
         return UNBOUNDED_BATCH, f"batch dimension without an upper bound: max_batch_size {UNBOUNDED_BATCH}"
     return max(1, min(upper, MAX_BATCH)), f"batch dimension up to {upper}"
