@@ -21,7 +21,7 @@ from typing import Any, Literal
 from daemon.errors import ConfigError
 
 LogLevel = Literal["debug", "info", "warning", "error"]
-PolicyName = Literal["clockwork", "dynamic"]
+PolicyName = Literal["clockwork", "dynamic", "aimd"]
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
@@ -239,8 +239,9 @@ class RuntimeSettings:
 class ControllerSettings:
     """The controller and its scheduling policy."""
 
-    policy: PolicyName = doc("Scheduling policy: 'clockwork' (deadline-aware, predictable) or 'dynamic' "
-                             "(Triton-style dynamic batching, the baseline).", "clockwork")
+    policy: PolicyName = doc("Scheduling policy: 'clockwork' (deadline-aware, predictable), 'dynamic' "
+                             "(Triton-style dynamic batching, the baseline) or 'aimd' (Clipper's adaptive "
+                             "batching).", "clockwork")
     schedule_ahead_ms: float = doc("clockwork: how far ahead each device's work is planned; re-decided as it "
                                    "drains.", 5.0)
     batch_wait_ms: float = doc("clockwork: how long a batch may wait for more requests of a model arriving fast "
@@ -251,6 +252,9 @@ class ControllerSettings:
                                   "(off: a client may lower its own priority, never jump everyone else's).", False)
     trace_path: str = doc("Write every request and action as a JSON line to this file; empty disables.", "")
     max_queue_delay_ms: float = doc("dynamic: how long a batch may wait to fill before it runs.", 0.0)
+    aimd_step: float = doc("aimd: samples added to a model's batch size after a full batch within its SLO.", 1.0)
+    aimd_backoff: float = doc("aimd: factor on a model's batch size after a batch that took longer than its SLO "
+                              "(Clipper's 0.9).", 0.9)
     max_pending: int = doc("Most requests queued in the daemon at once; more are refused with 503.",
                            10_000)
     max_pending_per_model: int = doc("Most requests queued for one model; more are refused with 503.",
@@ -281,6 +285,8 @@ class ControllerSettings:
         _need(self.max_pending >= 1, "controller.max_pending", self.max_pending, "must be >= 1")
         _need(self.max_pending_per_model >= 1, "controller.max_pending_per_model",
               self.max_pending_per_model, "must be >= 1")
+        _need(0 < self.aimd_step <= 4096, "controller.aimd_step", self.aimd_step, "must be in (0, 4096]")
+        _need(0 < self.aimd_backoff < 1, "controller.aimd_backoff", self.aimd_backoff, "must be in (0, 1)")
         _need(self.default_timeout_ms >= 0, "controller.default_timeout_ms", self.default_timeout_ms, "must be >= 0")
         _need(self.timeout_action in ("reject", "delay"), "controller.timeout_action", self.timeout_action,
               "must be 'reject' or 'delay'")

@@ -53,6 +53,10 @@ def make_policy(settings: ControllerSettings) -> Policy:
         from daemon.controller.policies.dynamic import DynamicBatchingPolicy
 
         return DynamicBatchingPolicy(max_queue_delay=settings.max_queue_delay_ms / 1000.0)
+    if settings.policy == "aimd":
+        from daemon.controller.policies.aimd import AimdPolicy
+
+        return AimdPolicy(step=settings.aimd_step, backoff=settings.aimd_backoff)
     if settings.policy == "clockwork":
         from daemon.controller.policies.clockwork import ClockworkPolicy
 

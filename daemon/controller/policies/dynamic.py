@@ -17,6 +17,7 @@ from daemon.controller.decisions import Drop, Infer, Load, Steps, Unload
 from daemon.controller.state import LATEST_GRACE, DeviceState, ModelEntry
 from daemon.controller.view import ControllerView
 from daemon.errors import Unavailable
+from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest
 
 
@@ -73,7 +74,7 @@ class DynamicBatchingPolicy:
             head = entry.queue.head()
             if head is None:
                 continue
-            full = entry.queue.samples >= entry.spec.max_batch_size
+            full = entry.queue.samples >= self._cap(entry.spec)
             due = head.arrival + self.max_queue_delay
             if not full and now < due:
                 self._wake = due if self._wake is None else min(self._wake, due)
@@ -82,12 +83,17 @@ class DynamicBatchingPolicy:
                 best, best_arrival = entry, head.arrival
         return best
 
+    def _cap(self, spec: ModelSpec) -> int:
+        """The most samples one batch of `spec` may hold: its max_batch_size (AIMD adapts it)."""
+        return spec.max_batch_size
+
     def _dispatch(self, view: ControllerView, dev: DeviceState, entry: ModelEntry, now: float) -> Steps:
         spec, q = entry.spec, entry.queue
         taken: list[InferenceRequest] = []
         samples = 0
-        for r in q.first(spec.max_batch_size):  # oldest deadlines first, as many as fit
-            if samples + r.samples > spec.max_batch_size:
+        cap = self._cap(spec)
+        for r in q.first(cap):  # oldest deadlines first, as many as fit (the first one always)
+            if taken and samples + r.samples > cap:
                 break
             taken.append(r)
             samples += r.samples
