@@ -37,4 +37,4 @@ bench: $(MODELS)/.demo-built
 	$(PY) -m bench all --quick
 
 clean:
-	rm -rf $(VENV) $(MODELS) run .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(MODELS) $(MODELS)-variants run .pytest_cache .ruff_cache

@@ -66,6 +66,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     built = demo.build(args.out, force=args.force, only=args.only)
     print(f"demo models in {args.out}: {len(built)} built, {len(demo.MODELS) - len(built)} already there"
           if not args.only else f"built {built}")
+    if args.variants and not args.only:
+        from daemon import variants
+
+        out = args.variants_out or variants.default_out(args.out)
+        done = variants.build(out, args.variants, force=args.force)
+        print(f"{args.variants} variants of one backbone in {out}: {len(done)} built")
     return 0
 
 
@@ -331,6 +337,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="models", help="repository directory (default: models)")
     p.add_argument("--force", action="store_true", help="rebuild models that are already there")
     p.add_argument("--only", action="append", help="build only this model (repeatable)")
+    p.add_argument("--variants", type=int, default=4, metavar="N",
+                   help="fine-tuned variants of one digits backbone to build (default 4; 0: none)")
+    p.add_argument("--variants-out", metavar="DIR",
+                   help="their model repository (default: OUT-variants beside --out)")
     p.set_defaults(fn=cmd_demo)
 
     for name, fn, text in (("infer", cmd_infer, "run one inference"), ("models", cmd_models, "list models")):

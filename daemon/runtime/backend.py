@@ -156,7 +156,12 @@ class BlockPool:
 
 
 class CpuBackend:
-    """A CPU worker standing in for a GPU: weights copied into blocks the budget accounts."""
+    """A CPU worker standing in for a GPU: weights copied into blocks the budget accounts.
+
+    Blocks are per distinct tensor (content id, runtime/objstore.py) and held once: a LOAD copies
+    and charges only the blocks the device lacks, an UNLOAD frees those no other resident model
+    holds (the controller's memory map accounts the same way: controller/memory.py).
+    """
 
     def __init__(self, device: Device, threads: int = 1, core: int | None = None) -> None:
         self.device = device
@@ -164,6 +169,7 @@ class CpuBackend:
         self.core = core  # the core the INFER thread is pinned to, if any
         self.pool = BlockPool()
         self.used = 0
+        self.blocks: dict[str, tuple[torch.Tensor, int]] = {}  # content id -> (block, resident models holding it)
         self._lock = threading.Lock()
 
     @property
@@ -181,42 +187,81 @@ class CpuBackend:
             os.sched_setaffinity(0, {self.core})  # this thread only
 
     def footprint(self, program: Program) -> int:
-        return program.weight_bytes
+        return program.block_bytes
 
     def load(self, key: str, program: Program, deadline: float) -> tuple[Resident, float]:
-        nbytes = program.weight_bytes
+        # One LOAD or UNLOAD at a time per device (its load lane), so what is missing stays missing.
         with self._lock:
+            missing = [(cid, n) for cid, n in program.blocks if cid not in self.blocks]
+            nbytes = sum(n for _, n in missing)
             # kept blocks and live weights together stay within the budget
             self.pool.trim(self.device.weight_budget - self.used - nbytes)
             if self.used + nbytes > self.device.weight_budget:
                 raise NoMemory(f"insufficient weight memory on {self.device.name}: {nbytes} bytes needed, "
                                f"{self.device.weight_budget - self.used} free")
             self.used += nbytes
+        copied: dict[str, torch.Tensor] = {}
+        handed = False  # the copied blocks belong to self.blocks (then _drop undoes the LOAD)
         try:
-            block = self.pool.take(nbytes)
-            if block is None:
-                block = torch.empty(nbytes, dtype=torch.uint8)
+            source = dict(zip(program.cids, program.host_tensors, strict=True))
             t0 = time.perf_counter()
-            block.copy_(program.host_block)
+            for cid, n in missing:
+                block = self.pool.take(n)
+                if block is None:
+                    block = torch.empty(n, dtype=torch.uint8)
+                t = source[cid]
+                block[: t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+                copied[cid] = block
             duration = time.perf_counter() - t0
+            with self._lock:
+                for cid, _ in program.blocks:
+                    block, holders = self.blocks.get(cid) or (copied[cid], 0)
+                    self.blocks[cid] = (block, holders + 1)
+                handed = True
             try:
-                runner = program.bind(program.layout.views(block), native=True, owner=f"{self.device.name}/{key}")
+                runner = program.bind(self._views(program), native=True, owner=f"{self.device.name}/{key}")
                 io = {b: self._make_io(program.spec, b) for b in program.spec.batch_sizes}
             except BaseException:
                 program.release(f"{self.device.name}/{key}")
-                self.pool.give(block)
+                self._drop(program)
                 raise
         except BaseException:
-            with self._lock:
-                self.used -= nbytes
+            if not handed:
+                with self._lock:
+                    for block in copied.values():
+                        self.pool.give(block)
+                    self.used -= nbytes
             raise
-        return Resident(key, program, nbytes, runner, io, state=block), duration
+        return Resident(key, program, nbytes, runner, io), duration
+
+    def _views(self, program: Program) -> list[torch.Tensor]:
+        """The program's weights over this device's blocks, one per layout entry."""
+        out: list[torch.Tensor] = []
+        for cid, e in zip(program.cids, program.layout.entries, strict=True):
+            if e.nbytes:
+                out.append(self.blocks[cid][0][: e.nbytes].view(e.dtype).view(e.shape))
+            else:
+                out.append(torch.empty(e.shape, dtype=e.dtype))
+        return out
+
+    def _drop(self, program: Program) -> int:
+        """Let go of a program's blocks; those no resident model holds any more are freed. Bytes freed."""
+        freed = 0
+        with self._lock:
+            for cid, n in program.blocks:
+                block, holders = self.blocks[cid]
+                if holders > 1:
+                    self.blocks[cid] = (block, holders - 1)
+                    continue
+                del self.blocks[cid]
+                self.pool.give(block)
+                freed += n
+            self.used -= freed
+        return freed
 
     def unload(self, res: Resident) -> None:
         res.program.release(f"{self.device.name}/{res.key}")
-        self.pool.give(res.state)
-        with self._lock:
-            self.used -= res.charged
+        res.charged = self._drop(res.program)  # what the UNLOAD freed (shared blocks stay)
 
     @staticmethod
     def _make_io(spec: ModelSpec, batch: int) -> IOBuffers:

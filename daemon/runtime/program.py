@@ -1,7 +1,10 @@
 """A model version loaded into host memory, ready to be bound to any device's weights.
 
-Every program packs its weights into one host block (`weights.py`); binding a program to a
-device's copy of that block gives a runner that computes with the device's weights.
+A program's weights are host tensors of the process's object store (`objstore.py`): each
+distinct tensor is held once, whichever models and versions use it. Binding a program to a
+device's copy of its tensors gives a runner that computes with the device's weights. A CUDA
+device copies one packed block per model (`weights.py`), made from the tensors when one first
+asks for it (`host_block`).
 
 Two kinds of runner exist for a `model.pt2` (torch.export) program:
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -33,6 +37,7 @@ import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
 from daemon.repository import ModelSpec
+from daemon.runtime.objstore import STORE, ObjectStore, block_bytes
 from daemon.runtime.retarget import capture_lint, check_runs_on, to_device
 from daemon.runtime.weights import WeightLayout, pack
 
@@ -54,7 +59,8 @@ class ProgramError(ValueError):
 class Program:
     spec: ModelSpec
     layout: WeightLayout
-    host_block: torch.Tensor  # flat uint8 (CUDA backends page-lock it in place, runtime/hostmem.py)
+    host_tensors: tuple[torch.Tensor, ...]  # per layout entry: the object store's tensor
+    cids: tuple[str, ...]  # per layout entry: its content id (entries may repeat one)
     bind_graph: Binder | None  # any device (None for TorchScript files)
     bind_native: Binder | None  # CPU devices: one call without the GIL
     seed_timings: dict[int, float] = field(default_factory=dict)  # batch size -> seconds, host CPU
@@ -62,13 +68,38 @@ class Program:
     graph: torch.fx.GraphModule | None = None  # the exported graph (None for TorchScript files)
     capture_problem: str | None = None  # why a CUDA graph cannot capture it (retarget.capture_lint)
     checked_on: set[str] = field(default_factory=set)  # device types check_device passed on
+    # The distinct weight blocks (content id, device bytes), each once, in entry order.
+    blocks: tuple[tuple[str, int], ...] = field(init=False)
+    packed: torch.Tensor | None = None  # the packed host block, once a CUDA device asked for it
+    _pack_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
-        self.host_runner = self.bind(self.layout.views(self.host_block), native=True)
+        seen: dict[str, int] = {}
+        for cid, t in zip(self.cids, self.host_tensors, strict=True):
+            if cid not in seen and t.numel():
+                seen[cid] = block_bytes(t)
+        self.blocks = tuple(seen.items())
+        self.host_runner = self.bind(list(self.host_tensors), native=True)
 
     @property
     def weight_bytes(self) -> int:
+        """Bytes of the packed block (one copy of every entry, each aligned)."""
         return self.layout.nbytes
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of its distinct blocks: what a device that shares blocks holds for it."""
+        return sum(n for _, n in self.blocks)
+
+    @property
+    def host_block(self) -> torch.Tensor:
+        """The weights packed into one flat uint8 block (CUDA backends page-lock it in place,
+        runtime/hostmem.py); made on first use, so hosts without CUDA devices hold no second copy."""
+        with self._pack_lock:
+            if self.packed is None:
+                self.packed = pack([(e.name, t) for e, t in zip(self.layout.entries, self.host_tensors,
+                                                                strict=True)])[1]
+            return self.packed
 
     releasers: list[Callable[[str], None]] = field(default_factory=list)
 
@@ -181,7 +212,14 @@ def _script_binder(module: torch.jit.ScriptModule, spec: ModelSpec, slot: Callab
 # ------------------------------------------------------------------ model.pt2
 
 
-def _load_exported(spec: ModelSpec) -> Program:
+def _stored(weights: list[tuple[str, torch.Tensor]], store: ObjectStore
+            ) -> tuple[WeightLayout, tuple[torch.Tensor, ...], tuple[str, ...]]:
+    """The weights' layout, and each weight as the store's tensor with its content id."""
+    held = [store.put(t) for _, t in weights]
+    return WeightLayout.of(weights), tuple(t for _, t in held), tuple(c for c, _ in held)
+
+
+def _load_exported(spec: ModelSpec, store: ObjectStore) -> Program:
     ep = torch.export.load(str(spec.path))
     sig = ep.graph_signature
     weights: list[tuple[str, torch.Tensor]] = []
@@ -213,7 +251,7 @@ def _load_exported(spec: ModelSpec) -> Program:
         raise ProgramError(f"{spec.key}: the program takes {n_inputs} inputs but config.toml lists "
                            f"{len(spec.inputs)}")
     gm = ep.graph_module
-    layout, block = pack(weights)
+    layout, tensors, cids = _stored(weights, store)
     simple = plan == list(range(len(layout.entries))) + [-(k + 1) for k in range(n_inputs)]
     moved: dict[str, torch.fx.GraphModule] = {"cpu": gm}
 
@@ -235,8 +273,8 @@ def _load_exported(spec: ModelSpec) -> Program:
     native = _trace_binder(ep, spec, layout)
     lint = capture_lint(gm)
     if native is None:
-        return Program(spec, layout, block, bind_graph, None, graph=gm, capture_problem=lint)
-    return Program(spec, layout, block, bind_graph, native[0], releasers=[native[1]], graph=gm,
+        return Program(spec, layout, tensors, cids, bind_graph, None, graph=gm, capture_problem=lint)
+    return Program(spec, layout, tensors, cids, bind_graph, native[0], releasers=[native[1]], graph=gm,
                    capture_problem=lint)
 
 
@@ -263,7 +301,7 @@ def _trace_binder(ep: torch.export.ExportedProgram, spec: ModelSpec, layout: Wei
 # ------------------------------------------------------------------ model.ts
 
 
-def _load_torchscript(spec: ModelSpec) -> Program:
+def _load_torchscript(spec: ModelSpec, store: ObjectStore) -> Program:
     with warnings.catch_warnings():
         # torch 2.13 deprecates TorchScript; existing .ts models are still served.
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -275,9 +313,9 @@ def _load_torchscript(spec: ModelSpec) -> Program:
         if id(t) not in ids:
             ids[id(t)] = len(weights)
             weights.append((f"{path}.{attr}" if path else attr, t))
-    layout, block = pack(weights)
+    layout, tensors, cids = _stored(weights, store)
     bind, release = _script_binder(module, spec, lambda _p, _a, t: ids[id(t)])
-    return Program(spec, layout, block, None, bind, releasers=[release])
+    return Program(spec, layout, tensors, cids, None, bind, releasers=[release])
 
 
 # ------------------------------------------------------------------ loading and checking
@@ -333,19 +371,20 @@ def _native_agrees(spec: ModelSpec, native: Runner, xs: list[torch.Tensor], refe
     return _same(outs, reference)
 
 
-def load_program(spec: ModelSpec) -> Program:
-    """Read the model file into host memory and check it against its config by running it.
+def load_program(spec: ModelSpec, store: ObjectStore = STORE) -> Program:
+    """Read the model file into host memory (its weights into `store`: each distinct tensor once)
+    and check it against its config by running it.
 
     Runs batch 1, 2 and the largest batch size on the host CPU: this validates the shapes,
     checks the native runner against the graph, and gives first timings to seed estimates.
     """
     try:
-        program = _load_exported(spec) if spec.format == "pt2" else _load_torchscript(spec)
+        program = _load_exported(spec, store) if spec.format == "pt2" else _load_torchscript(spec, store)
     except ProgramError:
         raise
     except Exception as e:  # torch raises many types for a bad file
         raise ProgramError(f"{spec.key}: cannot load {spec.path.name}: {type(e).__name__}: {e}") from e
-    views = program.layout.views(program.host_block)
+    views = list(program.host_tensors)
     graph = program.bind_graph(views) if program.bind_graph else None
     native = program.bind_native(views) if program.bind_native else None
     sizes = sorted({1, min(2, spec.max_batch_size), spec.max_batch_size})
