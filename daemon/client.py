@@ -46,6 +46,7 @@ class InferResult:
     version: str
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
     reconstructed: bool = False
+    cached: bool = False  # answered from the daemon's prediction cache (docs/cache.md)
 
 
 def _datatype(arr: np.ndarray) -> str:
@@ -98,7 +99,8 @@ def infer_result(msg: dict[str, Any]) -> InferResult:
     outs = {}
     for o in msg.get("outputs", []):
         outs[o["name"]] = _wire_array(o["data"], o["datatype"], o["shape"])
-    return InferResult(msg.get("model", ""), msg.get("version", ""), outs, bool(msg.get("reconstructed")))
+    return InferResult(msg.get("model", ""), msg.get("version", ""), outs, bool(msg.get("reconstructed")),
+                       bool(msg.get("cached")))
 
 
 def _frame(obj: dict[str, Any]) -> bytes:
@@ -285,8 +287,9 @@ def http_infer_result(body: bytes, header_len: str | None) -> InferResult:
             outs[o["name"]] = np.array([x.encode() for x in o["data"]], dtype=object).reshape(o["shape"])
         else:
             outs[o["name"]] = np.array(o["data"], dtype=dt).reshape(o["shape"])
+    params = obj.get("parameters") or {}
     return InferResult(obj.get("model_name", ""), obj.get("model_version", ""), outs,
-                       bool((obj.get("parameters") or {}).get("reconstructed")))
+                       bool(params.get("reconstructed")), bool(params.get("cached")))
 
 
 def _http_error(status: int, body: bytes) -> InferenceServerError:

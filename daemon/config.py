@@ -236,6 +236,21 @@ class RuntimeSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheSettings:
+    """The prediction cache (daemon/apps/cache.py): one byte budget for every model version that
+    opts in with `[response_cache] enabled = true` in its config.toml."""
+
+    bytes: int = doc("Bytes of cached answers, all models together (bytes or '256MiB'); 0 disables the cache.",
+                     256 * 2**20)
+    entries: int = doc("Most cached answers at once (each also costs a small fixed overhead).", 1_000_000)
+    max_entry_bytes: int = doc("Largest answer cached (bytes or '4MiB'); larger ones are not kept.", 4 * 2**20)
+
+    def __post_init__(self) -> None:
+        _need(self.entries >= 0, "cache.entries", self.entries, "must be >= 0")
+        _need(self.max_entry_bytes >= 1024, "cache.max_entry_bytes", self.max_entry_bytes, "must be >= 1024")
+
+
+@dataclass(frozen=True, slots=True)
 class ControllerSettings:
     """The controller and its scheduling policy."""
 
@@ -336,6 +351,7 @@ class Settings:
     models: ModelSettings = doc("The model repository.", default_factory=ModelSettings)
     runtime: RuntimeSettings = doc("Devices and executors.", default_factory=RuntimeSettings)
     controller: ControllerSettings = doc("Scheduling.", default_factory=ControllerSettings)
+    cache: CacheSettings = doc("The prediction cache.", default_factory=CacheSettings)
     faults: tuple[FaultSettings, ...] = doc("Injected faults, one [[faults]] table each; none by default.",
                                             default_factory=tuple)
 
@@ -353,7 +369,7 @@ _SIZE_FIELDS = {("server", "max_body_bytes"), ("server", "request_memory_bytes")
                 ("server", "connection_memory_bytes"), ("server", "max_json_bytes"),
                 ("runtime", "weight_budget"), ("runtime", "device_workspace"),
                 ("runtime", "host_pinned_budget"), ("runtime.emucuda", "capacity"),
-                ("controller", "best_effort_bytes")}
+                ("controller", "best_effort_bytes"), ("cache", "bytes"), ("cache", "max_entry_bytes")}
 
 
 def _convert(value: Any, tp: Any, key: str) -> Any:
@@ -481,7 +497,7 @@ def with_overrides(
     runtime["devices"] = list(runtime["devices"])
     faults = [dataclasses.asdict(f) for f in settings.faults]
     return settings_from_dict({"server": server, "runtime": runtime, "models": model_s, "controller": ctrl,
-                               "faults": faults})
+                               "cache": dataclasses.asdict(settings.cache), "faults": faults})
 
 
 def describe(cls: Any = Settings, prefix: str = "") -> list[tuple[str, Any, str]]:

@@ -26,6 +26,7 @@ import numpy as np
 from daemon import metrics
 from daemon.api.budget import RequestMemory
 from daemon.api.throttle import RenderBudget
+from daemon.apps.cache import PredictionCache
 from daemon.clock import Clock, MonotonicClock
 from daemon.config import Settings
 from daemon.controller.classes import classify, priority_rank
@@ -34,7 +35,7 @@ from daemon.errors import NotFound, Overloaded, Unavailable
 from daemon.overload import LagTracker
 from daemon.registry import ModelRegistry, ModelState, VersionEntry
 from daemon.repository import ModelSpec
-from daemon.request import InferenceRequest
+from daemon.request import InferenceRequest, RequestStatus
 
 if TYPE_CHECKING:
     from daemon.controller.scheduler import Scheduler
@@ -73,7 +74,7 @@ class Gateway:
                  clock: Clock | None = None, overload: LagTracker | None = None,
                  request_memory: RequestMemory | None = None, models: RepositoryControl | None = None,
                  executors: Mapping[str, Executor] | None = None, health: Callable[[], Health] = _always_ready,
-                 admin_token: str = "") -> None:
+                 admin_token: str = "", cache: PredictionCache | None = None) -> None:
         s = settings.server
         self.settings = settings
         self.registry = registry
@@ -85,6 +86,8 @@ class Gateway:
         self._models = models
         self._executors: Mapping[str, Executor] = executors or {}
         self._health = health
+        c = settings.cache
+        self.cache = cache or PredictionCache(c.bytes, c.entries, c.max_entry_bytes)
         self._statistics = RenderBudget(self._render_statistics)
         self._metrics: RenderBudget[bytes] | None = None
 
@@ -121,7 +124,36 @@ class Gateway:
         if self.registry.resolve(spec.name, spec.version) is not spec:
             raise Unavailable(f"model {spec.name} version {spec.version} was reloaded while the request was "
                               "read; retry")
+        if spec.response_cache and self.cache.enabled and self._answer_from_cache(req):
+            return
         self.controller.submit(req)
+
+    def _answer_from_cache(self, req: InferenceRequest) -> bool:
+        """Answer a request from the prediction cache (True; the controller never sees it), or set it
+        up so that its answer is stored when it succeeds (False)."""
+        began = time.perf_counter_ns()
+        cache, spec = self.cache, req.model
+        digest = cache.key(spec, req.inputs)
+        outputs = cache.get(spec, digest, began)
+        if outputs is not None:
+            req.outputs = outputs
+            req.cached = True
+            req.status = RequestStatus.SUCCEEDED
+            req.finished_at = self.clock.now()
+            if req.on_finish is not None:
+                req.on_finish(req)
+            return True
+        answer = req.on_finish
+
+        def store(r: InferenceRequest) -> None:
+            # a ParM reconstruction is an approximation of the model's answer: never kept
+            if r.ok and not r.reconstructed and r.outputs is not None:
+                cache.put(spec, digest, r.outputs)
+            if answer is not None:
+                answer(r)
+
+        req.on_finish = store
+        return False
 
     def cancel(self, req: InferenceRequest) -> None:
         """The client went away: the request is dropped wherever it is (its on_finish still runs)."""
@@ -207,13 +239,13 @@ class Gateway:
                 specs = [registry.resolve(name)]  # raises: unknown, broken, or no version ready
         sched = self._scheduler()
         epoch = time.time() - self.clock.now()  # the daemon's clock is monotonic
-        return [model_stats_json(sched, spec, epoch) for spec in specs]
+        return [model_stats_json(sched, spec, epoch, self.cache) for spec in specs]
 
     def metrics(self) -> bytes:
         """The Prometheus text exposition, rendered on the loop (the collector reads the controller's
         state) within a budget of loop time: a flood of scrapes gets the last rendering."""
         if self._metrics is None:
-            registry = metrics.make_registry(self._scheduler, self.overload)
+            registry = metrics.make_registry(self._scheduler, self.overload, self.cache)
             self._metrics = RenderBudget(lambda: metrics.render(registry))
         return self._metrics.get()
 
@@ -233,8 +265,14 @@ class Gateway:
         ex.faults.set(spec)
 
 
-def model_stats_json(sched: Scheduler, spec: ModelSpec, epoch: float) -> dict[str, Any]:
+def _span(count: int, ns: int) -> dict[str, int]:
+    return {"count": count, "ns": ns}
+
+
+def model_stats_json(sched: Scheduler, spec: ModelSpec, epoch: float, cache: PredictionCache | None = None
+                     ) -> dict[str, Any]:
     """One `$model_stat` of Triton's statistics extension; `epoch` turns clock times into Unix times."""
+    cached = cache.version_stats(spec) if cache is not None else None
     m = sched.telemetry.models.get(spec.key) or ModelStats(spec)
     entry = sched.models.get(spec.key)
     weights = entry.weight_bytes if entry is not None else 0
@@ -250,7 +288,8 @@ def model_stats_json(sched: Scheduler, spec: ModelSpec, epoch: float) -> dict[st
             "success": m.success.as_json(), "fail": m.fail.as_json(), "queue": m.queue.as_json(),
             "compute_input": m.compute_input.as_json(), "compute_infer": m.compute_infer.as_json(),
             "compute_output": m.compute_output.as_json(),
-            "cache_hit": none, "cache_miss": none,  # escapement has no response cache
+            "cache_hit": _span(cached.hits, cached.hit_ns) if cached else none,
+            "cache_miss": _span(cached.misses, cached.miss_ns) if cached else none,
         },
         "response_stats": {},
         "batch_stats": [

@@ -17,6 +17,7 @@ typed, counters ending in `_total`. docs/http-api.md lists every metric.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -26,6 +27,9 @@ from prometheus_client.utils import floatToGoString
 from daemon.controller.scheduler import Scheduler
 from daemon.controller.telemetry import Buckets, ModelStats
 from daemon.overload import LagTracker
+
+if TYPE_CHECKING:
+    from daemon.apps.cache import PredictionCache
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # text/plain; version=0.0.4; charset=utf-8
 
@@ -101,15 +105,19 @@ def _batch_buckets(m: ModelStats) -> tuple[list[tuple[str, float]], float]:
 class EscapementCollector:
     """Reads a scheduler (and the event loop's lag tracker) into metric families on each scrape."""
 
-    def __init__(self, scheduler: Callable[[], Scheduler], overload: LagTracker | None = None) -> None:
+    def __init__(self, scheduler: Callable[[], Scheduler], overload: LagTracker | None = None,
+                 cache: PredictionCache | None = None) -> None:
         self._scheduler = scheduler  # a getter: the frontend is wired before or after the controller
         self._overload = overload
+        self._cache = cache
 
     def collect(self) -> Iterator[Metric]:
         sched = self._scheduler()
         yield from self._models(sched)
         yield from self._devices(sched)
         yield from self._controller(sched)
+        if self._cache is not None:
+            yield from _cache_metrics(self._cache)
         if self._overload is not None:
             o = self._overload
             yield GaugeMetricFamily("escapement_event_loop_lag_seconds",
@@ -263,10 +271,32 @@ class EscapementCollector:
                                   value=c["replica_answers"])
 
 
-def make_registry(scheduler: Callable[[], Scheduler], overload: LagTracker | None = None) -> CollectorRegistry:
+def _cache_metrics(cache: PredictionCache) -> Iterator[Metric]:
+    """The prediction cache (daemon/apps/cache.py): per version hits and misses, and its bounds."""
+    hits = CounterMetricFamily("escapement_cache_hits", "Requests answered from the prediction cache", labels=MODEL)
+    misses = CounterMetricFamily("escapement_cache_misses",
+                                 "Requests for a caching model that the cache could not answer", labels=MODEL)
+    for v in cache.versions():
+        labels = [v.spec.name, str(v.spec.version)]
+        hits.add_metric(labels, v.hits)
+        misses.add_metric(labels, v.misses)
+    yield hits
+    yield misses
+    st = cache.stats()
+    yield CounterMetricFamily("escapement_cache_evictions",
+                              "Cached answers pushed out by the byte or entry bound (least recently used first)",
+                              value=st.evictions)
+    yield GaugeMetricFamily("escapement_cache_bytes", "Bytes the prediction cache holds", value=st.bytes)
+    yield GaugeMetricFamily("escapement_cache_limit_bytes", "The prediction cache's byte budget (cache.bytes)",
+                            value=st.limit_bytes)
+    yield GaugeMetricFamily("escapement_cache_entries", "Answers the prediction cache holds", value=st.entries)
+
+
+def make_registry(scheduler: Callable[[], Scheduler], overload: LagTracker | None = None,
+                  cache: PredictionCache | None = None) -> CollectorRegistry:
     """A registry of one daemon's own (not prometheus-client's global one)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EscapementCollector(scheduler, overload))
+    registry.register(EscapementCollector(scheduler, overload, cache))
     return registry
 
 

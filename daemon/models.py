@@ -156,6 +156,8 @@ class ModelManager:
         self._reload_pending = False
         self.reloader: asyncio.Task[None] | None = None
         self.warming: set[threading.Event] = set()  # warm-ups running in a worker thread (shutdown waits)
+        # called when a version stops being admitted: the prediction cache drops its answers then
+        self.on_retire: Callable[[ModelSpec], object] = lambda spec: None
 
     @property
     def state(self) -> State:
@@ -498,6 +500,7 @@ class ModelManager:
         served.retiring = True
         self.registry.set_state(served.spec, state, reason)
 
+        self.on_retire(served.spec)
     async def _retire(self, key: str, after: Callable[[ModelSpec], None]) -> bool:
         """Wait until a version no longer admitted has answered its accepted requests (at most
         `server.drain_timeout_s`), then take it out of the scheduler, which unloads it everywhere,

@@ -61,7 +61,7 @@ Layout = Literal["versions", "bare"]  # <model>/<version>/model.pt2, or <model>/
 MODEL_FILES: dict[str, ModelFormat] = {"model.pt2": "pt2", "model.ts": "ts"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _KNOWN_KEYS = {"name", "description", "max_batch_size", "slo_ms", "inputs", "outputs", "metadata", "parity",
-               "preload_replicas", "queue_policy"}
+               "preload_replicas", "queue_policy", "response_cache"}
 _QUEUE_KEYS = {"default_timeout_ms", "timeout_action", "allow_timeout_override", "max_queue_size", "max_wait_s"}
 _PARITY_KEYS = {"k", "encoder", "file", "enabled", "flush_ms", "accuracy"}
 MAX_BATCH_SIZE = 4096
@@ -200,6 +200,7 @@ class ModelSpec:
     queue_policy: QueuePolicy | None = None  # None: the daemon's defaults for everything
     layout: Layout = "versions"
     memory_bytes: int | None = None  # what its KServe TrainedModel declares (spec.model.memory), if any
+    response_cache: bool = False  # its answers are kept in the prediction cache (daemon/apps/cache.py)
     key: str = field(init=False, compare=False)  # "name:version", used on every hot path
     # Powers of two up to max_batch_size, plus max_batch_size itself if it is not one; and, per
     # sample count, the smallest of them that holds it (the scheduler asks per batch it plans).
@@ -411,7 +412,23 @@ def check_model_config(raw: dict[str, Any], name: str, default_slo_ms: float) ->
         "parity": parity,
         "preload_replicas": preload,
         "queue_policy": _queue_policy(raw.get("queue_policy"), name),
+        "response_cache": _response_cache(raw.get("response_cache"), name),
     }
+
+
+def _response_cache(raw: Any, name: str) -> bool:
+    """`[response_cache] enabled = true` (Triton's `response_cache { enable: true }`)."""
+    if raw is None:
+        return False
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{name}: [response_cache] must be a table, e.g. enabled = true")
+    unknown = set(raw) - {"enabled"}
+    if unknown:
+        raise ModelConfigError(f"{name}: unknown keys in [response_cache]: {sorted(unknown)} (known: ['enabled'])")
+    enabled = raw.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise ModelConfigError(f"{name}: [response_cache] enabled = {enabled!r}: expected true or false")
+    return enabled
 
 
 class _SkippedVersion(ModelConfigError):

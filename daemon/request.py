@@ -59,6 +59,7 @@ class InferenceRequest:
     outputs: tuple[np.ndarray, ...] | None = None
     error: EscapementError | None = None
     reconstructed: bool = False
+    cached: bool = False  # answered from the prediction cache (daemon/apps/cache.py), the model not run
     cold_start: bool = False
     dispatched_at: float = 0.0
     finished_at: float = 0.0

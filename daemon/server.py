@@ -212,6 +212,7 @@ class Daemon:
         self._gateway = Gateway(s, self.registry, self.controller, clock=self.clock, overload=self.overload,
                                 request_memory=self.request_memory, models=self._models, executors=self.executors,
                                 health=self.health, admin_token=self.admin_token)
+        self._models.on_retire = self._gateway.cache.drop
         self._spawn(self._watch_devices(), "device watch")
         self.notifier.status(f"starting: devices {', '.join(d.name for d in self.devices)}; reading models")
         await self._models.load_repository()

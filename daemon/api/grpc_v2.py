@@ -273,6 +273,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             resp.raw_output_contents.append(tensor_bytes(arr))
         if req.reconstructed:
             resp.parameters["reconstructed"].bool_param = True
+        if req.cached:
+            resp.parameters["cached"].bool_param = True
         return resp
 
 

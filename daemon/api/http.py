@@ -430,6 +430,8 @@ class HttpFrontend:
             resp["id"] = req.client_id
         if req.reconstructed:
             resp["parameters"] = {"reconstructed": True}
+        elif req.cached:
+            resp["parameters"] = {"cached": True}
         header = orjson.dumps(resp, option=_NUMPY)
         if not chunks:
             return Response(header)

@@ -18,7 +18,7 @@ Records (arrays; "->" controller to worker, "<-" worker to controller):
   <- SUBMIT   [SUBMIT, rid, name, version, samples, arrival, deadline, priority, rank, klass,
                give_up_at, client_id, [[offset, shape], ...] (model input order)]
   <- CANCEL   [CANCEL, rid]
-  -> DONE     [DONE, rid, status, error, retry_after_s, reconstructed, [[shape, bytes], ...]]
+  -> DONE     [DONE, rid, status, error, retry_after_s, reconstructed, [[shape, bytes], ...], cached]
   <- CALL     [CALL, cid, kind, payload]   an HTTP request or socket op for the controller to answer
   -> REPLY    [REPLY, cid, payload]
   -> DRAIN    [DRAIN]   stop listening; answer what is held

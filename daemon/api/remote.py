@@ -22,6 +22,7 @@ import numpy as np
 from daemon.api.budget import RequestMemory
 from daemon.api.link import CALL, CANCEL, SUBMIT, Link
 from daemon.api.slots import ALIGN, SlotPool, packed_size
+from daemon.apps.cache import PredictionCache
 from daemon.config import Settings
 from daemon.errors import (
     BadRequest,
@@ -119,7 +120,7 @@ class RemoteController:
             self.link.send([CANCEL, req.id])  # its DONE still comes, and frees the slot
 
     def done(self, rid: int, status: int, error: str, retry_after_s: float | None, reconstructed: bool,
-             outputs: list[list[Any]]) -> None:
+             outputs: list[list[Any]], cached: bool = False) -> None:
         item = self.inflight.pop(rid, None)
         if item is None:
             return
@@ -134,6 +135,7 @@ class RemoteController:
             req.error = error_from(status, error, retry_after_s)
             req.status = RequestStatus.CANCELLED if status == 499 else RequestStatus.FAILED
         req.reconstructed = reconstructed
+        req.cached = cached
         self._finish(req)
 
     @staticmethod
@@ -185,7 +187,10 @@ class RemoteGateway(Gateway):
         share = s.connection_share
         super().__init__(settings, registry, controller, overload=LagTracker(s.shed_lag_ms / 1000.0),
                          request_memory=RequestMemory(max(s.request_memory_bytes // max(workers, 1), share), share),
-                         health=self._pushed_health)
+                         health=self._pushed_health,
+                         # one prediction cache, the controller process's: one budget, one set of
+                         # counters, and retired versions dropped where they are retired
+                         cache=PredictionCache(0, 0, 0))
         self.remote = controller
         self.background: set[asyncio.Task[None]] = set()  # forwarded socket ops being answered
         self.health_state = Health(False)

@@ -422,7 +422,7 @@ class SocketConnection(asyncio.Protocol):
         outputs = [{"name": spec.outputs[i].name, "datatype": spec.outputs[i].datatype.name,
                     "shape": list(req.outputs[i].shape), "data": tensor_bytes(req.outputs[i])} for i in out_idx]
         self.send({"id": req_id, "status": 200, "model": spec.name, "version": str(spec.version),
-                   "outputs": outputs, "reconstructed": req.reconstructed})
+                   "outputs": outputs, "reconstructed": req.reconstructed, "cached": req.cached})
 
 
 def control_answer(gw: Gateway, op: Any, msg: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,1 @@
+"""Clipper and Velox in escapement: what sits between applications and models (the prediction cache)."""
