@@ -499,8 +499,8 @@ class ModelManager:
         served = self._served[key]
         served.retiring = True
         self.registry.set_state(served.spec, state, reason)
-
         self.on_retire(served.spec)
+
     async def _retire(self, key: str, after: Callable[[ModelSpec], None]) -> bool:
         """Wait until a version no longer admitted has answered its accepted requests (at most
         `server.drain_timeout_s`), then take it out of the scheduler, which unloads it everywhere,
