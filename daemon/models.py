@@ -477,7 +477,8 @@ class ModelManager:
             if item is None:
                 continue
             self.programs[item.spec.key] = item.program
-            sched.add_model(item.spec, self._footprint(item.program))
+            # its weights by content: devices that share blocks hold a backbone its variants share once
+            sched.add_model(item.spec, self._footprint(item.program), blocks=item.program.blocks)
             for kind, (infer, load) in item.seeds.items():
                 sched.seed(item.spec.key, kind, infer, load)
         served = Served(spec, p.stamp, p.parity.spec.key if p.parity is not None else None)
@@ -538,7 +539,7 @@ class ModelManager:
             ctl.apply(ctl.scheduler.remove_model(k, now))
             ctl.scheduler.estimator.forget(k)  # a replacement must not inherit its timings
             program = self.programs.pop(k, None)  # pending UNLOADs hold the program they unload
-            if program is not None:
-                self.host_pins.forget(program.host_block)  # no device loads it again
+            if program is not None and program.packed is not None:
+                self.host_pins.forget(program.packed)  # no device loads it again
         del self._served[served.spec.key]
         log.info("model %s unloaded", served.spec.key)
