@@ -277,6 +277,14 @@ class Scheduler:
                 out.append(entry)
         return out
 
+    def _went_cold(self, entry: ModelEntry, now: float) -> None:
+        """A model left a device (or the last one): the policy must place it again for the work it
+        has waiting, on time and in its lane (a lane that nobody loads would wait out its maximum)."""
+        if entry.queue.requests:
+            self.policy.on_queued(self, entry, now)
+        if entry.late.requests and not self.placed_on.get(entry.spec.key):
+            self.policy.on_late(self, entry, now)
+
     def _give_up(self, now: float) -> None:
         """Lane requests that waited the longest a lane request may: 504, saying so."""
         heap = self._giveup
@@ -683,8 +691,8 @@ class Scheduler:
         dev.memory.release(spec.key)
         self._unplace(spec.key, dev.name)
         entry = self.models.get(spec.key)
-        if entry is not None and entry.queue.requests and not self.placed_on.get(spec.key):
-            self.policy.on_queued(self, entry, now)  # evicted with work waiting: cold now
+        if entry is not None and not self.placed_on.get(spec.key):
+            self._went_cold(entry, now)  # evicted with work waiting
         dev.load_inflight += 1
         self.counters["unloads"] += 1
         return self.issue(Action(ActionKind.UNLOAD, spec, dev.name, now, float("inf"), expected_start=now), now)
@@ -877,8 +885,8 @@ class Scheduler:
         dev.memory.retire()
         for key in held:
             entry = self.models.get(key)
-            if entry is not None and entry.queue.requests:
-                self.policy.on_queued(self, entry, now)
+            if entry is not None:
+                self._went_cold(entry, now)
         if self.lost == len(self.devices):
             err = Unavailable("every device of this daemon has failed")
             for entry in self.models.values():

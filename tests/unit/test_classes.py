@@ -218,3 +218,30 @@ def test_priority_levels_map_as_triton_s(tmp_path: Path) -> None:
     assert priority_rank(plain, 0, closed) == closed.default_priority
     with pytest.raises(ModelConfigError, match="default_priority_level = 4 is above priority_levels = 3"):
         _model_with_policy(tmp_path / "x", "[queue_policy]\npriority_levels = 3\ndefault_priority_level = 4\n")
+
+
+@pytest.mark.parametrize("policy", [ClockworkPolicy, DynamicBatchingPolicy])
+def test_a_random_mix_of_classes_under_slowdowns_leaves_nothing_behind(policy: type) -> None:
+    """Many models on two devices that slow down at random, requests of every class at 1.5x capacity:
+    every request is finished exactly once, target ones are all answered, hard ones only ever refused
+    or dropped with 503/504, and the controller holds nothing afterwards (no pending request, no lane
+    bytes, no lane entries)."""
+    from daemon.sim import clockwork_models, random_bursts
+
+    ms = clockwork_models(12, slo_s=0.05)
+    rng = np.random.default_rng(7)
+    sim = Simulation(ms, 2, policy(), ControllerSettings(max_pending=10**6, max_pending_per_model=10**6),
+                     weight_budget=int(0.6 * 2**30), noise=0.2, seed=7,
+                     slowdowns=random_bursts(["sim:0", "sim:1"], 2.0, 0.2, 0.05, 4.0, seed=7))
+    rate = 1.5 * 2 * 16 / CLOCKWORK_V100["resnet50"].infer(16)
+    times = np.sort(rng.uniform(0, 1.0, int(rate)))
+    targets = rng.integers(0, len(ms), len(times))
+    classes = rng.choice([0, 1, 2], len(times), p=[0.4, 0.4, 0.2])
+    res = sim.run(times, targets, [s.key for s, _ in ms], drain_s=40.0, classes=classes, max_wait_s=30.0)
+    st = res.records.status
+    assert not np.isnan(res.records.finish).any()
+    assert (st[classes == 1] == 200).all() and (st[classes == 2] == 200).all()
+    assert set(np.unique(st[classes == 0])) <= {200, 503, 504}
+    sched = sim.scheduler
+    assert sched.pending == 0 and sched.soft_bytes == 0 and not sched.inflight
+    assert all(e.queue.requests == 0 and e.late.requests == 0 for e in sched.models.values())

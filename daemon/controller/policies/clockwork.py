@@ -193,6 +193,8 @@ class ClockworkPolicy:
             entry = view.models.get(action.model.key)
             if entry is not None and entry.queue.requests:
                 self.on_queued(view, entry, now)  # ready here now, or cold again
+            if entry is not None and entry.late.requests and not view.placed_on.get(entry.spec.key):
+                self.on_late(view, entry, now)  # its LOAD failed: the lane's work needs another
         self._dirty.add(action.device)
 
     def _index(self, device: str) -> WorkIndex:
@@ -687,9 +689,9 @@ class ClockworkPolicy:
         key, nbytes = entry.spec.key, entry.weight_bytes
         head = entry.queue.head()
 
-        def wanted(k: str) -> bool:
+        def wanted(k: str) -> bool:  # (work in its lane counts: evicting it for another lane model thrashes)
             e = view.models.get(k)
-            return e is not None and e.queue.requests > 0
+            return e is not None and (e.queue.requests > 0 or e.late.requests > 0)
 
         # Never evict a model that costs more to keep cold than this one: that only moves the
         # cold starts, and makes more copy work than it saves.
@@ -700,6 +702,7 @@ class ClockworkPolicy:
             return self._cold_cost(view, e, dev_kind, now) if e is not None else 0.0
 
         options = []
+        lane_only = head is None  # (loading for the best-effort lane alone)
         b1 = head.samples if head is not None else 1
         for dev in view.devices.values():
             if dev.memory.state(key) is not None or dev.memory.budget < nbytes or not dev.can_load(key, now):
@@ -717,7 +720,7 @@ class ClockworkPolicy:
             pressed = meter is not None and meter.value(now) > COPY_PRESSURE and not urgent
 
             def evictable(k: str, d: DeviceState = dev, p: bool = pressed) -> bool:
-                if d.busy[k]:
+                if d.busy[k] or (lane_only and wanted(k)):  # best-effort work never displaces a model with work
                     return False
                 if wanted(k):  # it has requests waiting: only for a model in more demand
                     return demand(k) < mine

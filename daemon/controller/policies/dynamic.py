@@ -152,13 +152,17 @@ class DynamicBatchingPolicy:
             yield Load(entry.spec, dev.name)
             return
 
-        def wanted(k: str) -> bool:
+        def wanted(k: str) -> bool:  # (work in its lane counts: evicting it for another lane model thrashes)
             e = view.models.get(k)
-            return e is not None and e.queue.requests > 0
+            return e is not None and (e.queue.requests > 0 or e.late.requests > 0)
 
+        # Best-effort work alone never displaces a model with work of its own (it would thrash: each
+        # lane model evicting the last one before it ran).
+        lane_only = not entry.queue.requests
         options = []
         for d in fits:
-            victims = d.memory.victims(d.memory.missing(nbytes, entry.blocks), evictable=lambda k, d=d: d.busy[k] == 0,
+            victims = d.memory.victims(d.memory.missing(nbytes, entry.blocks),
+                                       evictable=lambda k, d=d: d.busy[k] == 0 and not (lane_only and wanted(k)),
                                        wanted=wanted, keep=d.memory.present(entry.blocks))
             if victims is not None:
                 options.append((sum(wanted(k) for k in victims), len(victims), d.name, d, victims))
