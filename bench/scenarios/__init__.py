@@ -24,6 +24,7 @@ SCENARIOS = {
     "classes": "bench.scenarios.classes",
     "routing": "bench.scenarios.routing",
     "ingest": "bench.scenarios.ingest",
+    "sharing": "bench.scenarios.sharing",
     "apps": "bench.scenarios.apps",
 }
 
