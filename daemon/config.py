@@ -243,7 +243,8 @@ class CacheSettings:
     bytes: int = doc("Bytes of cached answers, all models together (bytes or '256MiB'); 0 disables the cache.",
                      256 * 2**20)
     entries: int = doc("Most cached answers at once (each also costs a small fixed overhead).", 1_000_000)
-    max_entry_bytes: int = doc("Largest answer cached (bytes or '4MiB'); larger ones are not kept.", 4 * 2**20)
+    max_entry_bytes: int = doc("Largest answer kept, and largest request (its input bytes) looked up: hashing the "
+                               "inputs holds the event loop, ~2 ms per MiB (bytes or '2MiB').", 2 * 2**20)
 
     def __post_init__(self) -> None:
         _need(self.entries >= 0, "cache.entries", self.entries, "must be >= 0")

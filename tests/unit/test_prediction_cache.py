@@ -235,3 +235,17 @@ def test_reconstructed_answers_are_not_kept() -> None:
     gw = gateway(spec, ctl)
     ask(gw, spec, 1, 2)
     assert not ask(gw, spec, 1, 2).cached and ctl.runs == 2
+
+
+def test_requests_over_max_entry_bytes_are_not_hashed() -> None:
+    spec, ctl = spec_of(), CountingController()
+    registry = ModelRegistry()
+    registry.add(spec, ModelState.READY)
+    gw = Gateway(settings_from_dict({"cache": {"max_entry_bytes": 1024}}), registry, ctl)
+    big = (np.ones((129, 2), np.float32),)  # 1,032 input bytes
+    for _ in range(2):
+        req = gw.new_request(spec, big, 129, None, None, "")
+        req.on_finish = lambda r: None
+        gw.submit(req)
+        assert not req.cached
+    assert ctl.runs == 2 and gw.cache.stats().misses == 0
