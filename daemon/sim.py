@@ -6,13 +6,15 @@ profiles (with optional noise and injected slowdowns) in virtual time. Thousands
 many devices run faster than real time, and a run is deterministic for a given seed.
 
 The default profiles are Clockwork's published V100 figures (`reference/clockwork.md`):
-ResNet18, ResNet50, ResNet152 and SE-ResNeXt101.
+ResNet18, ResNet50, ResNet152 and SE-ResNeXt101. `load_profiles` reads profiles measured on a
+real GPU by `python -m bench.gpu.profiles` (its profiles.json) instead.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +49,24 @@ CLOCKWORK_V100 = {
     "resnet152": SimProfile(int(240.6 * MB), 19.56e-3, _ms({1: 8.21, 16: 48.54})),
     "se_resnext101": SimProfile(int(352.5 * MB), 28.75e-3, _ms({1: 8.18, 16: 66.44})),
 }
+
+
+PROFILES_FORMAT = "escapement.sim-profiles/1"  # what bench/gpu/profiles.py writes
+
+
+def load_profiles(path: str | Path, stat: str = "infer_s") -> dict[str, SimProfile]:
+    """Profiles measured by `python -m bench.gpu.profiles` (its profiles.json), by model name.
+    `stat` picks the INFER figure: "infer_s" (median device time) or "infer_p99_s"."""
+    doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    if doc.get("format") != PROFILES_FORMAT:
+        raise ValueError(f"{path}: not a profiles file (format {doc.get('format')!r}, expected {PROFILES_FORMAT!r})")
+    out = {}
+    for name, p in doc["profiles"].items():
+        infer = {int(b): float(s) for b, s in p[stat].items()}
+        if not infer:
+            raise ValueError(f"{path}: {name} has no {stat}")
+        out[name] = SimProfile(int(p["weight_bytes"]), float(p["load_s"]), infer)
+    return out
 
 
 def sim_spec(name: str, max_batch: int = 16, slo_s: float = 0.1) -> ModelSpec:
@@ -224,11 +244,14 @@ def random_bursts(devices: Sequence[str], seconds: float, share: float, mean_s: 
     return out
 
 
-def clockwork_models(n: int, slo_s: float = 0.1, max_batch: int = 16) -> list[tuple[ModelSpec, SimProfile]]:
-    """n models cycling through Clockwork's four V100 profiles."""
-    names = list(CLOCKWORK_V100)
+def clockwork_models(n: int, slo_s: float = 0.1, max_batch: int = 16,
+                     profiles: dict[str, SimProfile] | None = None) -> list[tuple[ModelSpec, SimProfile]]:
+    """n models cycling through Clockwork's four V100 profiles (or through `profiles`, e.g. from
+    load_profiles)."""
+    profiles = profiles or CLOCKWORK_V100
+    names = list(profiles)
     out = []
     for i in range(n):
         base = names[i % len(names)]
-        out.append((sim_spec(f"{base}-{i:04d}", max_batch, slo_s), CLOCKWORK_V100[base]))
+        out.append((sim_spec(f"{base}-{i:04d}", max_batch, slo_s), profiles[base]))
     return out

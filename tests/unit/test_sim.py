@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from daemon.controller.policies.clockwork import ClockworkPolicy
 from daemon.controller.policies.dynamic import DynamicBatchingPolicy
-from daemon.sim import CLOCKWORK_V100, SimProfile, Simulation, Slowdown, clockwork_models
+from daemon.sim import CLOCKWORK_V100, SimProfile, Simulation, Slowdown, clockwork_models, load_profiles
 
 GIB = 2**30
 
@@ -74,3 +78,41 @@ def test_sim_profiles_interpolate() -> None:
     assert p.infer(16) == pytest.approx(17.33e-3)
     assert p.infer(3) == pytest.approx((4.05e-3 + 5.88e-3) / 2)
     assert SimProfile(1, 1e-3, {1: 1e-3}).infer(4) == pytest.approx(4e-3)
+
+
+def test_profiles_measured_on_a_gpu_drive_the_simulator(tmp_path: Path) -> None:
+    # The file bench/gpu/profiles.py writes (its own sim_profile, on made-up measurements).
+    from bench.gpu import profiles as bench_profiles
+
+    rows = [{"batch": b, "graphs_enabled": g, "mode": "graph", "median_us": 100.0 * b * (2 - g), "p99_us": 150.0 * b}
+            for b in (1, 2, 4, 8, 16, 32) for g in (False, True)]
+    prof = bench_profiles.sim_profile(SimpleNamespace(weight_bytes=50_000_000), rows,  # type: ignore[arg-type]
+                                      [2e-3, 3e-3, 4e-3])
+    path = tmp_path / "profiles.json"
+    path.write_text(json.dumps({"format": bench_profiles.FORMAT, "profiles": {"net": prof}}))
+    p = load_profiles(path)["net"]
+    assert p.weight_bytes == 50_000_000
+    assert p.load_s == pytest.approx(3e-3)
+    assert p.infer(4) == pytest.approx(400e-6)  # the graphs-enabled medians
+    assert p.infer(3) == pytest.approx(300e-6)
+    assert load_profiles(path, "infer_p99_s")["net"].infer(1) == pytest.approx(150e-6)
+    ms = clockwork_models(6, profiles=load_profiles(path))
+    sim = Simulation(ms, 2, ClockworkPolicy())
+    times, targets = poisson(500, 1.0, 6)
+    result = sim.run(times, targets, [m[0].key for m in ms])
+    assert not np.isnan(result.records.finish).any()
+    assert result.slo_attainment > 0.99
+    path.write_text(json.dumps({"format": "other", "profiles": {}}))
+    with pytest.raises(ValueError, match="not a profiles file"):
+        load_profiles(path)
+
+
+def test_bench_gpu_profiles_runs_on_the_stand_in_and_the_simulator_reads_it(tmp_path: Path) -> None:
+    from bench.gpu import profiles as bench_profiles
+
+    assert bench_profiles.main(["--device", "emucuda:0", "--out", str(tmp_path), "--quick", "--runs", "3",
+                                "--models", "mlp_784"]) == 0
+    p = load_profiles(tmp_path / "profiles.json")["mlp_784"]
+    assert set(p.infer_s) == {1, 2}
+    assert p.weight_bytes > 7_000_000 and p.load_s > 0
+    assert "| 1 |" in (tmp_path / "profiles.md").read_text()
