@@ -70,7 +70,7 @@ for i in range(torch.cuda.device_count()):
     print(f"cuda:{i}", p.name, f"{p.total_memory / 2**30:.1f} GiB", f"sm_{p.major}{p.minor}")
 missing = []
 for mod in ("numpy", "uvloop", "aiohttp", "httptools", "msgpack", "orjson", "prometheus_client", "sklearn",
-            "pytest", "pytest_asyncio", "pytest_timeout", "hypothesis"):
+            "pytest", "pytest_asyncio", "pytest_timeout", "hypothesis", "tritonclient.grpc", "ml_dtypes"):
     try:
         __import__(mod)
     except ImportError:
@@ -80,20 +80,29 @@ if missing:
 print("every package the daemon and its tests need is importable")
 PY
     command -v nvidia-smi >/dev/null && nvidia-smi -L || true
+    "$py" -m pip list 2>/dev/null | grep -i -E "^(pytest|grpcio|protobuf|cupy|torchvision|ml.dtypes|numpy|uvloop|aiohttp) " || true
 }
 
 step "environment" env.txt env_report
 step "demo models built with the local torch" demo.log "$py" -m daemon demo --out "$tmp/models"
+export ESCAPEMENT_TEST_DEMO="$tmp/models"  # the tests copy these, not train their own (slow under the sanitizer)
 step "device seam and CUDA backend tests" device-tests.log \
     "$py" -m pytest -q -p no:cacheprovider -rs tests/device
 if [[ $sanitizer == 1 ]]; then
     step "gpu tests under TORCH_CUDA_SANITIZER=1" gpu-tests.log \
-        env TORCH_CUDA_SANITIZER=1 "$py" -m pytest -q -p no:cacheprovider -rs -m gpu tests
+        env TORCH_CUDA_SANITIZER=1 "$py" -m pytest -q -p no:cacheprovider -rs -m gpu tests/gpu tests/device
 else
-    step "gpu tests on the stand-in" gpu-tests.log "$py" -m pytest -q -p no:cacheprovider -rs -m gpu tests
+    step "gpu tests on the stand-in" gpu-tests.log "$py" -m pytest -q -p no:cacheprovider -rs -m gpu tests/gpu tests/device
 fi
 step "GPU figures" figures.log "$py" -m bench.gpu.figures --device "$device" --models "$tmp/models" --out "$out" \
     $([[ $standin == 1 ]] && echo --quick)
+
+step "ParM codec: torch against fused cupy" parity-codec.log "$py" -m bench.gpu.parity_codec --device "$device" \
+    --out "$out" $([[ $standin == 1 ]] && echo --quick)
+if [[ -f bench/gpu/profiles.py ]]; then
+    step "INFER profiles of standard architectures" profiles.log "$py" -m bench.gpu.profiles --device "$device" \
+        --out "$out" $([[ $standin == 1 ]] && echo --quick)
+fi
 
 summary+=("" "$(( $(date +%s) - started )) s in all; $failed step(s) failed.")
 printf '%s\n' "${summary[@]}" > "$out/summary.md"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import tempfile
 import time
@@ -83,6 +84,8 @@ def infer_spread(be: CudaBackend, program: Program, batches: list[int], runs: in
     for graphs in (False, True):
         be.graphs_enabled = graphs
         res, _ = be.load(f"spread-{graphs}", program, time.monotonic() + 60)
+        if graphs and res.notes:
+            print(f"{spec.key}: {res.notes}", flush=True)
         for b in batches:
             xs = tuple(np.random.default_rng(b).random((b, *t.sample_shape)).astype(t.datatype.numpy)
                        for t in spec.inputs)
@@ -97,7 +100,7 @@ def infer_spread(be: CudaBackend, program: Program, batches: list[int], runs: in
             rows.append({"model": spec.name, "mode": "graph" if graphs and res.state.graphs else "eager",
                          "batch": b, "runs": len(a), "p50_us": p50 * 1e6, "p99_us": p99 * 1e6,
                          "p9999_us": p9999 * 1e6, "max_us": float(a.max()) * 1e6,
-                         "p9999_over_p50": p9999 / p50 if p50 > 0 else float("nan")})
+                         "p9999_over_p50": p9999 / p50 if p50 > 0 else float("nan"), "notes": res.notes})
         be.unload(res)
     be.graphs_enabled = True
     return rows
@@ -110,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kind, _, idx = args.device.partition(":")
     budget = (2 << 30) if kind == "cuda" else (768 << 20)
     dev = Device(args.device, kind, int(idx), budget, 256 << 20)  # type: ignore[arg-type]

@@ -43,7 +43,7 @@ from daemon.runtime.backend import IOBuffers, Resident
 from daemon.runtime.cuda import CudaBackend
 from daemon.runtime.devices import Device
 from daemon.runtime.executor import make_backend
-from daemon.runtime.program import Program, load_program
+from daemon.runtime.program import Program, ProgramError, load_program
 
 MIN_RUNS = 20  # a cell out of time still runs this many (its p99 is then its maximum)
 
@@ -302,6 +302,9 @@ def markdown(result: dict[str, Any]) -> str:
              "Device time per INFER (the backend's events around the kernel), CUDA graphs off and on; "
              "wall: the whole INFER (input copy, kernel, output copy) seen from the host.", ""]
     for name, m in result["models"].items():
+        if "error" in m:
+            lines += [f"## {name}: {m['description']}", "", f"not served: {m['error']}", ""]
+            continue
         prof = result["profiles"][name]
         lines += [f"## {name}: {m['description']}", "",
                   f"weights {m['weight_bytes'] / 1e6:.1f} MB, LOAD {prof['load_s'] * 1e3:.2f} ms (median of "
@@ -355,7 +358,13 @@ def main(argv: list[str] | None = None) -> int:
                 t1 = time.monotonic()
                 program = export(arch, plan.max_batch, Path(tmp))
                 t2 = time.monotonic()
-                rows, loads = profile_model(be, program, plan, budget)
+                try:
+                    rows, loads = profile_model(be, program, plan, budget)
+                except ProgramError as e:  # a finding, not a reason to lose the other models' figures
+                    print(f"{arch.name}: not served on {args.device}: {e}", flush=True)
+                    models[arch.name] = {"description": arch.description, "input_shape": list(arch.input_shape),
+                                         "weight_bytes": program.weight_bytes, "error": str(e)}
+                    continue
                 measurements += rows
                 profiles[arch.name] = sim_profile(program, rows, loads)
                 notes = next((r["notes"] for r in rows if r["graphs_enabled"] and r["notes"]), "")

@@ -217,8 +217,8 @@ class CudaBackend:
         self._residents: dict[int, Resident] = {}  # extent id -> the model in it
         self.compactions = 0  # arena compactions done (models moved to make a LOAD fit)
         limit = getattr(api, "limit", None)
-        if limit is not None:  # torch's allocator refuses past the budget rather than overrun it
-            limit(device.weight_budget)
+        if limit is not None:  # torch's allocator refuses past the budget rather than overrun it: the
+            limit(device.workspace)  # arena is allocated, so what it may still take is the workspace
 
     # ---------------------------------------------------------------- accounting
 
@@ -463,17 +463,20 @@ class CudaBackend:
             why = "CUDA graphs are off (runtime.cuda_graphs)"
         elif program.capture_problem:
             why = f"not capturable: {program.capture_problem}"
-        for b in sorted(program.spec.batch_sizes, reverse=True):
-            reads, writes = self._touches(st, b)
-            api.launch(self.capture_s, st.steps[b], reads, writes)  # first run: lazy initialisation
+        sizes = sorted(program.spec.batch_sizes, reverse=True)
+        for b in sizes:  # first runs (lazy initialisation) all before any capture: a failed
+            reads, writes = self._touches(st, b)  # capture is the last thing done on this stream
+            api.launch(self.capture_s, st.steps[b], reads, writes)
+        for b in sizes:
             if why:
-                continue
+                break
+            reads, writes = self._touches(st, b)
             try:
                 graph = api.capture(self.capture_s, lambda b=b, r=reads, w=writes: api.launch(
                     self.capture_s, st.steps[b], r, w))
             except (CaptureError, torch.OutOfMemoryError) as e:
                 why = f"capture failed at batch {b}: {e}"
-                continue
+                break
             pool = api.graph_pool_bytes
             if pool > self.device.workspace:
                 graph.close()
@@ -584,6 +587,13 @@ class CudaBackend:
         return time.monotonic() + self.hang_timeout_s
 
     def close(self) -> None:
+        with self._lock:
+            residents = list(self._residents.values())
+        for res in residents:  # registered host memory must never outlive the backend
+            try:
+                self._release(res, res.state)
+            except Exception as e:
+                log.warning("%s: releasing %s at close failed: %s", self.device.name, res.key, e)
         try:
             if not self._failed:
                 self.api.synchronize(self._deadline())
@@ -598,5 +608,8 @@ class CudaBackend:
         self._staging = []
         if not self.arena_buf.freed:
             self.api.free(self.arena_buf)
+        limit = getattr(self.api, "limit", None)
+        if limit is not None:
+            limit(None)
         self.api.close()
 

@@ -67,7 +67,11 @@ class HostPins:
             n = pages(host_block.numel())
             if self.used + n > self.budget:
                 return Buffer(host_block, Where.PAGEABLE, label)
-            buf = api.pin(host_block, label)
+            try:
+                buf = api.pin(host_block, label)
+            except ValueError as e:  # overlaps memory pinned by someone else: load through staging
+                log.warning("%s stays pageable: %s", label, e)
+                return Buffer(host_block, Where.PAGEABLE, label)
             self.used += n
             self._blocks[id(host_block)] = (buf, api)
             return buf
@@ -84,6 +88,13 @@ class HostPins:
             api.unpin(buf)
         except Exception as e:  # a failed device cannot unregister; the memory is the process's anyway
             log.warning("unpinning %s failed: %s", buf.label, e)
+
+    def close(self) -> None:
+        """Unpin every block (the owner is done with every device)."""
+        with self._lock:
+            blocks = [b for b, _ in self._blocks.values()]
+        for b in blocks:
+            self.forget(b.tensor)
 
     @property
     def blocks(self) -> int:

@@ -220,7 +220,9 @@ def _stored(weights: list[tuple[str, torch.Tensor]], store: ObjectStore
 
 
 def _load_exported(spec: ModelSpec, store: ObjectStore) -> Program:
-    ep = torch.export.load(str(spec.path))
+    with warnings.catch_warnings():  # torch 2.11 reads the archive's weights from a read-only buffer
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        ep = torch.export.load(str(spec.path))
     sig = ep.graph_signature
     weights: list[tuple[str, torch.Tensor]] = []
     plan: list[int] = []  # per graph argument: >= 0 weight index, < 0 user input -(k+1)

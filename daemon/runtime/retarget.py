@@ -16,6 +16,7 @@ control flow depends on data (a host sync).
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -67,7 +68,9 @@ def check_runs_on(gm: torch.fx.GraphModule, device: torch.device,
                   args: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> None:
     """Run `gm` on fake tensors of `device` with arguments of these (dtype, shape); raises the
     graph's error if it cannot run there."""
-    with FakeTensorMode(allow_non_fake_inputs=False), torch.inference_mode():
+    with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=False), torch.inference_mode():
+        # torch's CUDA sanitizer (TORCH_CUDA_SANITIZER=1) reads every tensor's data pointer, fakes too
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         fakes = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in args]
         outs = gm(*fakes)
         for o in outs if isinstance(outs, tuple | list) else (outs,):

@@ -30,6 +30,9 @@ PAGE = 4096
 REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context
 _SPIN_S = 50e-6  # poll without sleeping this long, then sleep in growing steps up to _POLL_MAX_S
 _POLL_MAX_S = 200e-6
+# Host ranges this process has page-locked: pointer -> [bytes, owners] (see TorchCuda.pin).
+_REGISTERED: dict[int, list[int]] = {}
+_REGISTERED_LOCK = threading.Lock()
 
 
 def device_count() -> int:
@@ -90,8 +93,14 @@ class CudaGraph:
         self._dev._guard(run)
 
     def close(self) -> None:
-        self.raw = None  # torch frees the graph's share of the pool once the graph object is gone
+        if self.raw is None:
+            return
+        self._dev._guard(self.raw.reset)  # the graph's share of the pool goes back to it
+        self.raw = None
         self._dev._graphs -= 1
+        self._dev._graph_bytes -= self.nbytes
+        if self._dev._graphs == 0:  # the pool is retired with its last graph (see TorchCuda)
+            self._dev._pool = torch.cuda.graph_pool_handle()
 
 
 class TorchCuda:
@@ -109,7 +118,12 @@ class TorchCuda:
         self._pinned: dict[int, tuple[int, int]] = {}  # buffer id -> (pointer, page-rounded bytes)
         torch.cuda.init()
         torch.cuda.set_device(self.torch_device)
-        self._pool = torch.cuda.graph_pool_handle()  # one graph pool for the device (cuda.py says why)
+        # One graph pool for the device (cuda.py says why). torch retires a pool when its last
+        # graph goes and asserts (use_count > 0, seen on torch 2.11 in both its device and its
+        # host allocator) if a later capture names it again: a fresh handle is taken then.
+        self._pool = torch.cuda.graph_pool_handle()
+        self._limited = False
+        self._graph_bytes = 0  # what live graphs took from the allocator when captured
         self._graphs = 0
         self._buffer_bytes = 0
         self._capturing: set[int] = set()
@@ -125,8 +139,9 @@ class TorchCuda:
         except torch.OutOfMemoryError:
             raise
         except Exception as e:
-            if _is_cuda_error(e):
-                self.fault = str(e).splitlines()[0]
+            if _is_cuda_error(e):  # the line naming the CUDA error (TorchScript puts its trace first)
+                lines = str(e).splitlines() or [type(e).__name__]
+                self.fault = next((ln.strip() for ln in lines if "CUDA error" in ln), lines[0])
                 raise DeviceFault(f"{self.name}: {self.fault}") from e
             raise
 
@@ -178,6 +193,9 @@ class TorchCuda:
     def alloc(self, nbytes: int, label: str = "") -> Buffer:
         self.allocations += 1
         t = self._guard(lambda: torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device))
+        # torch made it on the current stream; our streams use it without waiting on that one
+        # (start-up and tests only: the data path allocates nothing).
+        self._guard(lambda: torch.cuda.current_stream(self.torch_device).synchronize())
         self._buffer_bytes += nbytes
         return Buffer(t, Where.DEVICE, label)
 
@@ -194,8 +212,19 @@ class TorchCuda:
             raise ValueError("pin() takes a flat uint8 host tensor")
         n = max(tensor.numel(), 1)
         ptr = tensor.data_ptr()
-        rt = torch.cuda.cudart()
-        self._guard(lambda: torch.cuda.check_error(rt.cudaHostRegister(ptr, n, REGISTER_PORTABLE)))
+        with _REGISTERED_LOCK:
+            # Page-locking is per process, not per device: a block another owner (a second
+            # HostPins, another device) registered is shared, counted; a partial overlap is refused
+            # here, since CUDA's refusal would also leave an error behind for the next launch.
+            entry = _REGISTERED.get(ptr)
+            if entry is not None and entry[0] == n:
+                entry[1] += 1
+            elif any(p < ptr + n and ptr < p + m for p, (m, _) in _REGISTERED.items()):
+                raise ValueError(f"{self.name}: {label or 'buffer'} overlaps host memory already page-locked")
+            else:
+                rt = torch.cuda.cudart()
+                self._guard(lambda: torch.cuda.check_error(rt.cudaHostRegister(ptr, n, REGISTER_PORTABLE)))
+                _REGISTERED[ptr] = [n, 1]
         self.allocations += 1
         buf = Buffer(tensor, Where.PINNED, label)
         self._pinned[buf.id] = (ptr, -(-n // PAGE) * PAGE)
@@ -205,9 +234,16 @@ class TorchCuda:
         entry = self._pinned.pop(buffer.id, None)
         if entry is None:
             raise ValueError(f"{self.name}: {buffer.label or 'buffer'} is not pinned here")
-        rt = torch.cuda.cudart()
-        self._guard(lambda: torch.cuda.check_error(rt.cudaHostUnregister(entry[0])))
+        ptr = entry[0]
         buffer.freed = True
+        with _REGISTERED_LOCK:
+            reg = _REGISTERED.get(ptr)
+            if reg is not None and reg[1] > 1:
+                reg[1] -= 1
+                return
+            _REGISTERED.pop(ptr, None)
+            rt = torch.cuda.cudart()
+            self._guard(lambda: torch.cuda.check_error(rt.cudaHostUnregister(ptr)))
 
     @property
     def pinned_bytes(self) -> int:
@@ -215,17 +251,26 @@ class TorchCuda:
 
     @property
     def graph_pool_bytes(self) -> int:
-        # What the caching allocator holds beyond our own buffers: the graph pool, and what
-        # eager runs cached; the backend charges it against its workspace reserve.
-        return max(0, int(torch.cuda.memory_reserved(self.torch_device)) - self._buffer_bytes)
+        # What capturing the live graphs took from the caching allocator (the growth of its
+        # reservation across each capture); the backend charges it against its workspace reserve.
+        return max(0, self._graph_bytes)
 
     def memory(self) -> tuple[int, int]:
         return self._guard(lambda: memory(self.index))
 
-    def limit(self, nbytes: int) -> None:
-        """Make the caching allocator refuse (OutOfMemoryError) past `nbytes` on this device."""
+    def limit(self, nbytes: int | None) -> None:
+        """Make the caching allocator refuse (OutOfMemoryError) past `nbytes` more than it holds
+        now on this device; None lifts the limit. torch's limit is per process and device, so a
+        backend that closes lifts its own."""
         _, total = self.memory()
-        torch.cuda.set_per_process_memory_fraction(min(1.0, nbytes / total), self.torch_device)
+        if nbytes is None:
+            if self._limited:
+                torch.cuda.set_per_process_memory_fraction(1.0, self.torch_device)
+                self._limited = False
+            return
+        held = int(torch.cuda.memory_reserved(self.torch_device))
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (held + nbytes) / total), self.torch_device)
+        self._limited = True
 
     # ---------------------------------------------------------------- work
 
@@ -255,29 +300,41 @@ class TorchCuda:
         pass
 
     def capture(self, stream: CudaStream, body: Callable[[], None]) -> CudaGraph:  # type: ignore[override]
+        if self.fault:
+            raise DeviceFault(f"{self.name}: {self.fault}")
         before = torch.cuda.memory_reserved(self.torch_device)
         g = torch.cuda.CUDAGraph()
         me = threading.get_ident()
+        pool = self._pool
 
         def run() -> None:
             with torch.cuda.stream(stream.raw):
-                g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                g.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
                     body()
                 finally:
                     g.capture_end()
         self._capturing.add(me)
         try:
-            self._guard(run)
-        except DeviceFault:
-            raise
+            run()
         except Exception as e:
-            raise CaptureError(f"{self.name}: capture failed: {type(e).__name__}: {e}") from e
+            # A program that cannot be captured (a host sync inside, say) invalidates the capture,
+            # not the context: it is not a device fault. torch 2.11 skips ending the allocator's
+            # capture when capture_end fails, so that is ended here, and the pool is not reused.
+            try:
+                torch._C._cuda_endAllocateToPool(self.index, pool)
+            except Exception:
+                pass
+            if self._graphs == 0:
+                self._pool = torch.cuda.graph_pool_handle()
+            raise CaptureError(f"{self.name}: capture failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
         finally:
             self._capturing.discard(me)
         self.allocations += 1
         self._graphs += 1
-        return CudaGraph(self, g, int(torch.cuda.memory_reserved(self.torch_device)) - int(before))
+        graph = CudaGraph(self, g, int(torch.cuda.memory_reserved(self.torch_device)) - int(before))
+        self._graph_bytes += graph.nbytes
+        return graph
 
     def synchronize(self, deadline: float | None = None) -> None:
         for s in list(self._streams.values()):

@@ -19,6 +19,10 @@ from daemon.runtime.program import Program, load_program
 from tests.device.models import build_device_repo
 from tests.support import gpu_device
 
+# cuBLAS takes a 32 MiB workspace per stream on Hopper (exec and capture both run matmuls), and
+# graph pools come on top: a real GPU needs more workspace than the stand-in's sizes.
+CUDA_WORKSPACE = 128 << 20
+
 KINDS = [pytest.param(("emucuda", m), id=f"emucuda-{m}") for m in MODES]
 KINDS.append(pytest.param(("cuda", ""), id="cuda", marks=pytest.mark.gpu))
 
@@ -57,6 +61,8 @@ def kind(request: pytest.FixtureRequest) -> tuple[str, str, int]:
 
 def backend_on(api: DeviceApi, budget: int = 64 << 20, workspace: int = 16 << 20, pinned: int = 1 << 30,
                graphs: bool = True, hang_timeout_s: float = 2.0) -> CudaBackend:
+    if api.kind == "cuda" and workspace < CUDA_WORKSPACE:
+        budget, workspace = budget - workspace + CUDA_WORKSPACE, CUDA_WORKSPACE
     dev = Device(api.name, api.kind, 0, budget, workspace)  # type: ignore[arg-type]
     return CudaBackend(dev, api, HostPins(pinned), graphs=graphs, hang_timeout_s=hang_timeout_s)
 
@@ -68,6 +74,7 @@ def backend(kind: tuple[str, str, int]) -> Iterator[CudaBackend]:
     be = backend_on(api)
     yield be
     be.close()
+    be.host.close()
     if isinstance(api, EmuCuda):
         assert not api.races.races
 

@@ -36,7 +36,7 @@ def program(test_repo: Path) -> Program:
 
 
 def test_load_infer_unload_with_device_timings(program: Program) -> None:
-    (dev,) = resolve_devices([gpu_device()], 64 << 20, 16 << 20)
+    (dev,) = resolve_devices([gpu_device()], 192 << 20, 128 << 20)
     results: queue.Queue[Result] = queue.Queue()
     clock = MonotonicClock()
     ex = Executor(dev, make_backend(dev, 1), clock, results.put, {program.spec.key: program})
@@ -109,7 +109,7 @@ def test_a_device_side_error_fails_the_device(tmp_path: Path) -> None:
                                                 'shape = [-1]\\n[[outputs]]\\nname = "o"\\ndatatype = "FP32"\\n'
                                                 'shape = [-1, 3]\\n')
         program = load_program(scan(root).models[0])
-        (dev,) = resolve_devices([{gpu_device()!r}], 64 << 20, 16 << 20)
+        (dev,) = resolve_devices([{gpu_device()!r}], 192 << 20, 128 << 20)
         backend = make_backend(dev, 1)
         results = queue.Queue()
         clock = MonotonicClock()
