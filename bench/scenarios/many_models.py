@@ -27,11 +27,11 @@ from daemon.repository import ModelSpec, scan
 BASE = ("digits_mlp", "digits_cnn", "mlp_784", "cnn_heavy")
 
 
-def build_repo(n: int, base_repo: Path, out: Path) -> list[str]:
-    """N model directories m000.. cycling through the demo models, model files symlinked."""
+def build_repo(n: int, base_repo: Path, out: Path, bases: tuple[str, ...] = BASE) -> list[str]:
+    """N model directories m000.. cycling through `bases` (the demo models), model files symlinked."""
     names = []
     for i in range(n):
-        base = BASE[i % len(BASE)]
+        base = bases[i % len(bases)]
         d = out / f"m{i:03d}"
         (d / "1").mkdir(parents=True)
         shutil.copy(base_repo / base / "config.toml", d / "config.toml")
@@ -57,7 +57,27 @@ def predictability(telemetry: dict[str, Any]) -> dict[str, Any]:
     lat, dur, start = telemetry["executor_lateness_ms"], telemetry["duration_error"], telemetry["start_error_ms"]
     return {"executor_lateness_p99_ms": lat.get("p99"), "executor_lateness_p50_ms": lat.get("p50"),
             "duration_error_p99": dur.get("p99"), "duration_error_p1": dur.get("p1"),
-            "start_error_p99_ms": start.get("p99"), "actions_measured": lat.get("count", 0)}
+            "start_error_p99_ms": start.get("p99"), "actions_measured": lat.get("count", 0),
+            **{f"prediction_error_{k.lower()}_p99_ms": v.get("p99")
+               for k, v in telemetry.get("prediction_error_ms", {}).items()}}
+
+
+def point(server: Escapement, sched: loadgen.Schedule, names: list[str], specs: list[ModelSpec], seconds: float,
+          slo: float, label: str, **extra: Any) -> dict[str, Any]:
+    """One offered load against a running daemon: the client's row, with cold starts, loads and
+    evictions from the daemon's counters over the same span."""
+    before = stats(server.port)["counters"]
+    m = measure(sched, "socket", server.pid, names, socket_path=server.socket, specs=specs, warmup=0.0,
+                drain_s=3 * slo)
+    after = stats(server.port)["counters"]
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+    r = results.row(m.run, label, slo, **extra, server_cores=m.server_cores, generator_cores=m.generator_cores,
+                    cold_start_rate=d.get("cold_starts", 0) / max(d.get("admitted", 0), 1),
+                    loads_per_s=d.get("loads", 0) / seconds, evictions_per_s=d.get("unloads", 0) / seconds,
+                    missed_deadline=d.get("missed_deadline", 0))
+    # every model's own SLO counts: attainment from the daemon's met/missed counters too
+    r["daemon_slo_attainment"] = d.get("met_deadline", 0) / max(d.get("admitted", 0), 1)
+    return r
 
 
 def _meets_slo(r: dict[str, Any]) -> bool:
@@ -120,20 +140,9 @@ def workload(n: int, policy: str, fractions: list[float], seconds: float, seed: 
                 capacity = good
             facts["capacity_at_slo_rps"] = capacity
             for i, f in enumerate(fractions):
-                before = stats(server.port)["counters"]
                 sched = loadgen.poisson(capacity * f, seconds, n, popularity, seed=seed + i)
-                m = measure(sched, "socket", server.pid, names, socket_path=server.socket,
-                            specs=[specs[x] for x in names], warmup=0.0, drain_s=3 * slo)
-                after = stats(server.port)["counters"]
-                d = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
-                r = results.row(m.run, policy, slo, load_fraction=f, server_cores=m.server_cores,
-                                generator_cores=m.generator_cores,
-                                cold_start_rate=d.get("cold_starts", 0) / max(d.get("admitted", 0), 1),
-                                loads_per_s=d.get("loads", 0) / seconds, evictions_per_s=d.get("unloads", 0) / seconds,
-                                missed_deadline=d.get("missed_deadline", 0))
-                # every model's own SLO counts: attainment from the daemon's met/missed counters too
-                r["daemon_slo_attainment"] = d.get("met_deadline", 0) / max(d.get("admitted", 0), 1)
-                rows.append(r)
+                rows.append(point(server, sched, names, [specs[x] for x in names], seconds, slo, policy,
+                                  load_fraction=f))
             facts.update(predictability(stats(server.port)["telemetry"]))
         return rows, facts
     finally:

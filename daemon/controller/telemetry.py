@@ -348,6 +348,9 @@ class Telemetry:
         self.lateness = Histogram()  # executor: start - when it could start
         self.start_error = Histogram()  # actual start - planned start
         self.duration_error = Histogram()  # measured / expected - 1, INFER with an estimate
+        # |measured - expected| seconds per kind (INFER, LOAD): the error in time, which is what a
+        # deadline feels (a ratio hides that 10% of a LOAD is many INFERs)
+        self.prediction_error: dict[str, Histogram] = {"INFER": Histogram(), "LOAD": Histogram()}
         self.load_time = Histogram()
         self.decode_time = Histogram()  # ParM reconstructions
         self.models: dict[str, ModelStats] = {}  # model key -> its statistics, kept after it is removed
@@ -427,6 +430,8 @@ class Telemetry:
             lane.add(late)
         if started and a.expected_start:
             self.start_error.add(result.begin - a.expected_start)
+        if result.ok and a.expected_duration > 0 and a.kind != ActionKind.UNLOAD:
+            self.prediction_error[_KIND_NAMES[a.kind]].add(abs(result.end - result.begin - a.expected_duration))
         if a.kind == ActionKind.INFER:
             if result.ok:
                 if a.expected_duration > 0:
@@ -485,6 +490,7 @@ class Telemetry:
             "executor_lateness_ms": self.lateness.summary(ms),
             "start_error_ms": self.start_error.summary(ms, (1, 50, 99)),
             "duration_error": self.duration_error.summary(1.0, (1, 50, 99)),
+            "prediction_error_ms": {k: h.summary(ms, (50, 99)) for k, h in self.prediction_error.items()},
             "load_time_ms": self.load_time.summary(ms),
             "decode_time_ms": self.decode_time.summary(ms),
             "trace_dropped": self.trace.dropped if self.trace else 0,

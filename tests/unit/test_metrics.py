@@ -169,3 +169,20 @@ def test_a_trace_on_a_full_disk_drops_lines_and_never_blocks_the_shutdown() -> N
     assert time.monotonic() - t0 < 3.0
     assert not w._thread.is_alive()
     assert w.failures >= 1 and w.dropped > 0
+
+
+def test_prediction_error_is_absolute_seconds_per_kind() -> None:
+    """|measured - expected| of INFERs and LOADs with an estimate, in ms, in /v2/controller/stats's summary."""
+    from daemon.controller.telemetry import Telemetry
+
+    t = Telemetry()
+    spec = make_spec()
+    for kind, expected, took in ((ActionKind.INFER, 0.010, 0.012), (ActionKind.INFER, 0.010, 0.009),
+                                 (ActionKind.LOAD, 0.020, 0.050), (ActionKind.LOAD, 0.0, 0.050),
+                                 (ActionKind.UNLOAD, 0.001, 0.5)):
+        a = Action(kind, spec, "cpu:0", 0.0, math.inf, expected, 1 if kind == ActionKind.INFER else 0)
+        t.action(Result(a, ResultStatus.OK, 0.0, 1.0, 1.0 + took, took))
+    s = t.summary()["prediction_error_ms"]
+    assert s["INFER"]["count"] == 2 and s["LOAD"]["count"] == 1  # no estimate, or an UNLOAD: not a prediction
+    assert s["INFER"]["max"] == pytest.approx(2.0)
+    assert s["LOAD"]["p99"] == pytest.approx(30.0)
