@@ -103,6 +103,8 @@ if [[ -f bench/gpu/profiles.py ]]; then
     step "INFER profiles of standard architectures" profiles.log "$py" -m bench.gpu.profiles --device "$device" \
         --out "$out" $([[ $standin == 1 ]] && echo --quick)
 fi
+step "many models: clockwork against dynamic on a real daemon" manymodels.log \
+    timeout 200 "$py" -m bench.gpu.manymodels --device "$device" --out "$out" $([[ $standin == 1 ]] && echo --quick)
 
 summary+=("" "$(( $(date +%s) - started )) s in all; $failed step(s) failed.")
 printf '%s\n' "${summary[@]}" > "$out/summary.md"

@@ -16,6 +16,8 @@ Notes on what torch does by default and why this module does otherwise:
 
 from __future__ import annotations
 
+import ctypes
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +32,7 @@ PAGE = 4096
 REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context
 _SPIN_S = 50e-6  # poll without sleeping this long, then sleep in growing steps up to _POLL_MAX_S
 _POLL_MAX_S = 200e-6
+_SANITIZING = os.environ.get("TORCH_CUDA_SANITIZER", "") not in ("", "0")
 # Host ranges this process has page-locked: pointer -> [bytes, owners] (see TorchCuda.pin).
 _REGISTERED: dict[int, list[int]] = {}
 _REGISTERED_LOCK = threading.Lock()
@@ -54,6 +57,33 @@ def _is_cuda_error(e: BaseException) -> bool:
     return (accel is not None and isinstance(e, accel)) or (isinstance(e, RuntimeError) and "CUDA error" in str(e))
 
 
+def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library torch loaded (the same instance: same per-thread state)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {ln.split()[-1] for ln in f if "libcudart.so" in ln}
+    except OSError:
+        return None
+    return ctypes.CDLL(sorted(paths)[0]) if paths else None
+
+
+def _end_capture(raw: torch.cuda.Stream) -> bool:
+    """End a capture torch left open on `raw` after a failure; True if it is still open."""
+    with torch.cuda.stream(raw):
+        if not torch.cuda.is_current_stream_capturing():
+            return False
+    lib = _cudart()
+    if lib is None:
+        return True
+    graph = ctypes.c_void_p()
+    lib.cudaStreamEndCapture(ctypes.c_void_p(raw.cuda_stream), ctypes.byref(graph))
+    if graph.value:
+        lib.cudaGraphDestroy(graph)
+    lib.cudaGetLastError()  # the invalidated capture's error must not surface at the next launch
+    with torch.cuda.stream(raw):
+        return bool(torch.cuda.is_current_stream_capturing())
+
+
 class CudaStream:
     def __init__(self, name: str, raw: torch.cuda.Stream) -> None:
         self.name = name
@@ -71,6 +101,8 @@ class CudaEvent:
 
     def wait(self, deadline: float | None) -> None:
         self._dev._poll(self.raw.query, deadline, "an event")
+        if _SANITIZING:  # torch's CUDA sanitizer sees synchronize, not our polls: the event is done
+            self.raw.synchronize()
 
     def elapsed_s(self, end: CudaEvent) -> float:
         return self._dev._guard(lambda: self.raw.elapsed_time(end.raw)) / 1000.0
@@ -139,7 +171,10 @@ class TorchCuda:
         except torch.OutOfMemoryError:
             raise
         except Exception as e:
-            if _is_cuda_error(e):  # the line naming the CUDA error (TorchScript puts its trace first)
+            if _is_cuda_error(e) and threading.get_ident() not in self._capturing:
+                # (inside a capture, an error invalidates the capture, not the context: capture()
+                # turns it into a CaptureError.) The line naming the CUDA error (TorchScript puts
+                # its trace first) is kept.
                 lines = str(e).splitlines() or [type(e).__name__]
                 self.fault = next((ln.strip() for ln in lines if "CUDA error" in ln), lines[0])
                 raise DeviceFault(f"{self.name}: {self.fault}") from e
@@ -325,6 +360,9 @@ class TorchCuda:
                 torch._C._cuda_endAllocateToPool(self.index, pool)
             except Exception:
                 pass
+            if _end_capture(stream.raw):  # still capturing: nothing else may run on this thread
+                self.fault = f"a failed capture could not be ended ({type(e).__name__}: {e})"
+                raise DeviceFault(f"{self.name}: {self.fault}") from e
             if self._graphs == 0:
                 self._pool = torch.cuda.graph_pool_handle()
             raise CaptureError(f"{self.name}: capture failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
@@ -339,9 +377,13 @@ class TorchCuda:
     def synchronize(self, deadline: float | None = None) -> None:
         for s in list(self._streams.values()):
             self._poll(s.raw.query, deadline, s.name)
+            if _SANITIZING:
+                s.raw.synchronize()
 
     def stream_synchronize(self, stream: CudaStream, deadline: float | None = None) -> None:
         self._poll(stream.raw.query, deadline, stream.name)
+        if _SANITIZING:
+            stream.raw.synchronize()
 
     def close(self) -> None:
         pass
