@@ -118,7 +118,9 @@ class Simulation:
         self.rng = np.random.default_rng(seed)
         self.noise = noise
         self.slowdowns = list(slowdowns)
-        self.events: list[tuple[float, int, Callable[[], None]]] = []
+        # (time, order, what happens, whether the controller hears of it: arrivals and wake-ups;
+        # an executor starting an action is its own business, as on a real device)
+        self.events: list[tuple[float, int, Callable[[], None], bool]] = []
         self._seq = itertools.count()
         self.devices = [Device(f"sim:{i}", "sim", i, weight_budget) for i in range(devices)]
         self.scheduler = Scheduler(self.devices, policy, settings or ControllerSettings(max_pending=10**9,
@@ -150,8 +152,10 @@ class Simulation:
 
     # ---------------------------------------------------------------- events
 
-    def at(self, t: float, fn: Callable[[], None]) -> None:
-        heapq.heappush(self.events, (t, next(self._seq), fn))
+    def at(self, t: float, fn: Callable[[], None], controller: bool = True) -> None:
+        """Run `fn` at `t`; a controller event (not an executor's own) is followed by a scheduling
+        step. A result an event posts always is."""
+        heapq.heappush(self.events, (t, next(self._seq), fn, controller))
 
     def post(self, result: Result) -> None:
         self._pending_results.append(result)
@@ -208,14 +212,19 @@ class Simulation:
         for i in range(n):
             self.at(float(times[i]), lambda i=i: arrive(i))
         end = (float(times[-1]) if n else 0.0) + drain_s
+        heard = False  # whether anything at this instant concerns the controller
         while self.events:
-            t, _, fn = heapq.heappop(self.events)
+            t, _, fn, controller = heapq.heappop(self.events)
             if t > end:
                 break
             self.clock.set(max(t, self.clock.now()))
             fn()
+            heard = heard or controller
             if self.events and self.events[0][0] <= t:
                 continue  # coalesce everything at this instant into one scheduling step
+            if not (heard or self._pending_results):
+                continue  # an executor started an action: the real controller is not woken for that
+            heard = False
             results, self._pending_results = self._pending_results, []
             self._apply(self._timed(lambda r=results: driver.step(self.clock.now(), r)), records, index)
             t0 = time.perf_counter()  # when to step next is the controller's work too

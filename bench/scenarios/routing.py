@@ -50,7 +50,7 @@ class Cluster:
 
     def __init__(self, n_nodes: int, devices: int, ms: list[tuple[ModelSpec, Any]], budget: int, seed: int) -> None:
         self.clock = VirtualClock(0.0)
-        self.events: list[tuple[float, int, Callable[[], None]]] = []
+        self.events: list[tuple[float, int, Callable[[], None], bool]] = []
         self.seq = itertools.count()
         settings = ControllerSettings(max_pending=10**9, max_pending_per_model=10**9)
         self.nodes = [Simulation(ms, devices, ClockworkPolicy(), settings, weight_budget=budget, seed=seed + i)
@@ -91,10 +91,10 @@ class Cluster:
                 records.status[i] = getattr(e, "status", 500)
 
         for i in range(n):
-            heapq.heappush(self.events, (float(times[i]), next(self.seq), lambda i=i: arrive(i)))
+            heapq.heappush(self.events, (float(times[i]), next(self.seq), lambda i=i: arrive(i), True))
         end = (float(times[-1]) if n else 0.0) + drain_s
         while self.events:
-            t, _, fn = heapq.heappop(self.events)
+            t, _, fn, _ = heapq.heappop(self.events)
             if t > end:
                 break
             self.clock.set(max(t, self.clock.now()))
@@ -108,7 +108,7 @@ class Cluster:
                 wake = driver.next_wakeup(now)
                 if wake is not None and wake != node._wake_at:
                     node._wake_at = wake
-                    heapq.heappush(self.events, (max(wake, now), next(self.seq), lambda: None))
+                    heapq.heappush(self.events, (max(wake, now), next(self.seq), lambda: None, True))
         return records
 
 

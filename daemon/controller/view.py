@@ -65,3 +65,9 @@ class ControllerView(Protocol):
     def late_work(self) -> list[ModelEntry]:
         """The models with requests in their best-effort lane."""
         ...
+
+    @property
+    def late_keys(self) -> Set[str]:
+        """The models that may have requests in their best-effort lane (a superset: it is
+        pruned when `late_work` is read); empty means no lane work anywhere, at no cost."""
+        ...

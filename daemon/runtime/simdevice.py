@@ -100,7 +100,7 @@ class SimExecutor:
         at = max(now, lane.busy_until, lane.heap[0][0])
         if lane.check_at is None or at < lane.check_at:
             lane.check_at = at
-            self.sim.at(at, lambda: self._start(lane))
+            self.sim.at(at, lambda: self._start(lane), controller=False)
 
     def _duration(self, base: float, t: float) -> float:
         d = base
@@ -141,7 +141,7 @@ class SimExecutor:
             self.sim.post(Result(action, status, received, now, end, d, outputs, error, nbytes, ready_at=ready))
             self._arm(lane, end)
 
-        self.sim.at(now + d, finish)
+        self.sim.at(now + d, finish, controller=False)  # its result wakes the controller
 
     def _work(self, action: Action, now: float) -> tuple[ResultStatus, str, float, tuple[np.ndarray, ...] | None, int]:
         key = action.model.key

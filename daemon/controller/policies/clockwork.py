@@ -195,6 +195,12 @@ class ClockworkPolicy:
                 self.on_queued(view, entry, now)  # ready here now, or cold again
             if entry is not None and entry.late.requests and not view.placed_on.get(entry.spec.key):
                 self.on_late(view, entry, now)  # its LOAD failed: the lane's work needs another
+        elif action.kind == ActionKind.INFER:
+            # A device that finished a batch needs a pass only if it has work indexed, or lane work
+            # may exist; else the pass would find nothing (most results at light load).
+            w = self.work.get(action.device)
+            if not ((w is not None and w.live) or view.late_keys):
+                return
         self._dirty.add(action.device)
 
     def _index(self, device: str) -> WorkIndex:
