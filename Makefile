@@ -31,6 +31,7 @@ test: $(MODELS)/.demo-built
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check daemon tests bench
+	$(VENV)/bin/mypy
 
 bench: $(MODELS)/.demo-built
 	$(PIP) install -c constraints.txt -e '.[dev,bench]'

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 import torch
+from torch import dtype as TorchDtype  # (inside DataType, `torch` names its field)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,13 @@ class DataType:
     @property
     def variable(self) -> bool:
         return self.name == "BYTES"
+
+    @property
+    def tensor_dtype(self) -> TorchDtype:
+        """The torch dtype of a model tensor of this type (BYTES never reaches a model: it has none)."""
+        if self.torch is None:
+            raise ValueError(f"{self.name} has no torch dtype: it is a wire-only type")
+        return self.torch
 
 
 _TABLE = [

@@ -22,7 +22,7 @@ MAX_SUCCESS_BYTES = 64 * 1024  # a few hundred bytes of JSON; this only stops a 
 
 # resource.Quantity's grammar (the TrainedModel CRD's pattern for spec.model.memory).
 _QUANTITY_RE = re.compile(r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$")
-_SUFFIX = {
+_SUFFIX: dict[str, Decimal | int] = {
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
     "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
     "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,

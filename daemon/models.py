@@ -322,9 +322,9 @@ class ModelManager:
                 raise Unavailable("the daemon is shutting down")
             self.notifier.status(f"loading model {i}/{len(todo)}: {key}")
             replacing = key in self._served
-            why = await self._bring_up(wanted[key], stamps[key])
-            if why is not None:
-                changes.failed[key] = why
+            failed = await self._bring_up(wanted[key], stamps[key])
+            if failed is not None:
+                changes.failed[key] = failed
             else:
                 (changes.reloaded if replacing else changes.loaded).append(key)
         return changes

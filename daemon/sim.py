@@ -12,6 +12,7 @@ real GPU by `python -m bench.gpu.profiles` (its profiles.json) instead.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import json
@@ -202,15 +203,18 @@ class Simulation:
             req = InferenceRequest(spec, (x,), 1, now, now + spec.slo_s, klass=klass,
                                    give_up_at=now + max_wait_s if klass != RequestClass.HARD else math.inf)
             index[req.id] = i
+            def submit() -> Decision:
+                driver.submit(req, now)
+                return Decision()
             try:
-                self._timed(lambda: (driver.submit(req, now), Decision())[1])
+                self._timed(submit)
             except Exception as e:  # refused at admission
                 index.pop(req.id, None)
                 records.finish[i] = now
                 records.status[i] = getattr(e, "status", 500)
 
         for i in range(n):
-            self.at(float(times[i]), lambda i=i: arrive(i))
+            self.at(float(times[i]), functools.partial(arrive, i))
         end = (float(times[-1]) if n else 0.0) + drain_s
         heard = False  # whether anything at this instant concerns the controller
         while self.events:
@@ -226,7 +230,7 @@ class Simulation:
                 continue  # an executor started an action: the real controller is not woken for that
             heard = False
             results, self._pending_results = self._pending_results, []
-            self._apply(self._timed(lambda r=results: driver.step(self.clock.now(), r)), records, index)
+            self._apply(self._timed(functools.partial(driver.step, self.clock.now(), results)), records, index)
             t0 = time.perf_counter()  # when to step next is the controller's work too
             wake = driver.next_wakeup(self.clock.now())
             self._cpu += time.perf_counter() - t0

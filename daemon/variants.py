@@ -12,6 +12,7 @@ Deterministic (fixed seeds and split); idempotent (a variant already built is le
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -150,7 +151,7 @@ def build(out: str | Path, n: int = DEFAULT_VARIANTS, force: bool = False) -> li
     for task in todo:
         model, acc = family[task.name]
         name = model_name(task)
-        spec = DemoModel(name, "pt2", lambda m=model: (m, {}), (64,), task.classes, 32, 100.0,
+        spec = DemoModel(name, "pt2", functools.partial(_built, model), (64,), task.classes, 32, 100.0,
                          f"variant of the digits backbone (64-512-256, frozen) with a head for {task.description}")
         save_model(model, "pt2", torch.zeros((2, 64)), spec.max_batch_size, out / name / "1" / "model.pt2")
         meta: dict[str, object] = {
@@ -163,3 +164,8 @@ def build(out: str | Path, n: int = DEFAULT_VARIANTS, force: bool = False) -> li
              ", ".join(f"{model_name(t)} {family[t.name][1]:.3f}" for t in todo[:4])
              + (" ..." if len(todo) > 4 else ""))
     return built
+
+
+def _built(model: nn.Module) -> tuple[nn.Module, dict[str, object]]:
+    """A DemoModel's build step for a variant already trained: the model, no extra metadata."""
+    return model, {}

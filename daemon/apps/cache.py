@@ -87,7 +87,7 @@ class PredictionCache:
             if a.dtype == object:  # BYTES: length-prefixed elements, so element boundaries count
                 h.update(tensor_bytes(a))
             else:
-                h.update(np.ascontiguousarray(a).view(np.uint8).reshape(-1))
+                h.update(np.ascontiguousarray(a).view(np.uint8).reshape(-1).data)
         return h.digest()
 
     def get(self, spec: ModelSpec, digest: bytes, began_ns: int) -> tuple[np.ndarray, ...] | None:

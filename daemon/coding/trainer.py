@@ -364,7 +364,7 @@ def _groups(n: int, k: int, groups_per_step: int, gen: torch.Generator) -> Itera
 def _parity_inputs(enc: Callable[[list[torch.Tensor]], torch.Tensor], x: torch.Tensor, k: int, n: int,
                    gen: torch.Generator) -> torch.Tensor:
     """About n parity inputs from random groups of x (for recalibrating BatchNorm statistics)."""
-    rows = []
+    rows: list[torch.Tensor] = []
     while sum(len(r) for r in rows) < n:
         rows.append(torch.randperm(len(x), generator=gen)[: (len(x) // k) * k].view(-1, k))
     g = torch.cat(rows)[:n]

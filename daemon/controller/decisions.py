@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -80,5 +81,6 @@ class Release:
 
 Step = Infer | Load | Unload | Drop | Save | Release
 # A policy's pass (or the ParM workflow's): yields steps, is sent the action each one issued,
-# and may return a flag to its caller (what that means is the generator's own contract).
-Steps = Generator[Step, Action | None, bool | None]
+# and may return a flag to its caller (what that means is the generator's own contract: a
+# bool, or None when it has nothing to say, which a bare `return` or the end gives).
+Steps = Generator[Step, Action | None, Any]

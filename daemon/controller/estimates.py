@@ -193,5 +193,5 @@ class Estimator:
             for k in [k for k in d if k[0] == model]:
                 del d[k]
         for loads in (self._load, self._partial_load):
-            for k in [k for k in loads if k[0] == model]:
-                del loads[k]
+            for lk in [lk for lk in loads if lk[0] == model]:
+                del loads[lk]

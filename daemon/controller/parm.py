@@ -16,7 +16,7 @@ from enum import IntEnum
 from daemon.actions import Action, Result, ResultStatus
 from daemon.controller.coding import DECODE_MARGIN, Coding, Group, MemberState
 from daemon.controller.decisions import Infer, Load, Save, Steps, Unload
-from daemon.controller.state import LATEST_GRACE
+from daemon.controller.state import LATEST_GRACE, DeviceState
 from daemon.controller.view import ControllerView
 from daemon.repository import ModelSpec, parity_key
 from daemon.request import InferenceRequest, RequestStatus
@@ -160,9 +160,10 @@ class ParityWorkflow:
         for dev in sorted(view.devices.values(), key=lambda d: (d.name in avoid, -d.memory.free)):
             if dev.memory.state(pspec.key) is not None or not dev.can_load(pspec.key, now):
                 continue
+            def idle(k: str, d: DeviceState = dev) -> bool:
+                return d.busy[k] == 0
             victims = dev.memory.victims(dev.memory.missing(entry.weight_bytes, entry.blocks),
-                                         evictable=lambda k, d=dev: d.busy[k] == 0, wanted=wanted,
-                                         keep=dev.memory.present(entry.blocks))
+                                         evictable=idle, wanted=wanted, keep=dev.memory.present(entry.blocks))
             if victims is None:
                 continue
             for k in victims:

@@ -133,7 +133,9 @@ class Scheduler:
         devs = sorted((d for d in self.devices.values() if d.kind == kind and not d.failed and not d.warming),
                       key=lambda d: (sum(d.busy.values()), len(d.memory.ready_models()), -d.memory.free, d.name))
         for dev in devs:
-            victims = dev.memory.victims(nbytes, evictable=lambda k, d=dev: d.busy[k] == 0 and k in self.models,
+            def evictable(k: str, d: DeviceState = dev) -> bool:
+                return d.busy[k] == 0 and k in self.models
+            victims = dev.memory.victims(nbytes, evictable=evictable,
                                          wanted=lambda k: k in self.models and self.models[k].queue.requests > 0)
             if victims is None:
                 continue

@@ -316,7 +316,8 @@ class TraceWriter:
             except OSError as e:
                 self.dropped += 1
                 self._failed(e)
-                f = self._discard(f)
+                self._discard(f)
+                f = None
                 retry_at = time.monotonic() + TRACE_RETRY_S
         if f is not None:
             self._discard(f, flush=True)

@@ -6,7 +6,7 @@ nothing they read: what they decide comes back as steps (`decisions.py`) the sch
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from typing import Protocol
 
 from daemon.controller.estimates import Estimator
@@ -36,7 +36,7 @@ class ControllerView(Protocol):
         ...
 
     @property
-    def kinds(self) -> list[str]:
+    def kinds(self) -> Sequence[str]:
         """The device kinds present (each has its own latency profile)."""
         ...
 

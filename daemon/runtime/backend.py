@@ -265,7 +265,7 @@ class CpuBackend:
 
     @staticmethod
     def _make_io(spec: ModelSpec, batch: int) -> IOBuffers:
-        tensors = [torch.zeros((batch, *t.sample_shape), dtype=t.datatype.torch) for t in spec.inputs]
+        tensors = [torch.zeros((batch, *t.sample_shape), dtype=t.datatype.tensor_dtype) for t in spec.inputs]
         return IOBuffers(batch, [t.numpy() for t in tensors], tensors,
                          input_ptrs=frozenset(t.untyped_storage().data_ptr() for t in tensors))
 

@@ -30,6 +30,7 @@ later action fails at once. A wait past its deadline (a hung kernel) does the sa
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -176,10 +177,10 @@ def extent_layout(program: Program) -> tuple[int, list[int], list[int], int]:
     ins, outs = [], []
     for t in spec.inputs:
         ins.append(off)
-        off += aligned(b * _sample_bytes(t.sample_shape, t.datatype.torch))
+        off += aligned(b * _sample_bytes(t.sample_shape, t.datatype.tensor_dtype))
     for t in spec.outputs:
         outs.append(off)
-        off += aligned(b * _sample_bytes(t.sample_shape, t.datatype.torch))
+        off += aligned(b * _sample_bytes(t.sample_shape, t.datatype.tensor_dtype))
     return program.weight_bytes, ins, outs, max(off, 256)
 
 
@@ -295,8 +296,8 @@ class CudaBackend:
         spec = program.spec
         b = spec.max_batch_size
         base = self.arena_buf.region(ext.offset, ext.nbytes)
-        in_rb = [_sample_bytes(t.sample_shape, t.datatype.torch) for t in spec.inputs]
-        out_rb = [_sample_bytes(t.sample_shape, t.datatype.torch) for t in spec.outputs]
+        in_rb = [_sample_bytes(t.sample_shape, t.datatype.tensor_dtype) for t in spec.inputs]
+        out_rb = [_sample_bytes(t.sample_shape, t.datatype.tensor_dtype) for t in spec.outputs]
         return CudaResident(ext, base.sub(0, wbytes),
                             [base.sub(o, b * n) for o, n in zip(ins, in_rb, strict=True)],
                             [base.sub(o, b * n) for o, n in zip(outs, out_rb, strict=True)], in_rb, out_rb)
@@ -342,7 +343,7 @@ class CudaBackend:
             self.api.host_write(stage.region())
             stage.tensor.zero_()  # padding rows of a batch are zeros, never what the memory held
             st.staging[b] = stage
-            host = [stage.view(o, t.datatype.torch, (b, *t.sample_shape)).numpy()
+            host = [stage.view(o, t.datatype.tensor_dtype, (b, *t.sample_shape)).numpy()
                     for o, t in zip(in_offsets, spec.inputs, strict=True)]
             res.io[b] = IOBuffers(b, host, [])
         out_offsets, off = [], 0
@@ -352,7 +353,7 @@ class CudaBackend:
         slots = [self._pin(st, max(off, 1), f"{spec.key} outputs {i}") for i in range(OUTPUT_RING)]
         spare = self._pin(st, max(off, 1), f"{spec.key} outputs spare")
         st.ring = OutputRing(slots, spare, out_offsets, [t.sample_shape for t in spec.outputs],
-                             [t.datatype.torch for t in spec.outputs])
+                             [t.datatype.tensor_dtype for t in spec.outputs])
 
     def _bind(self, res: Resident, st: CudaResident) -> None:
         """Point the model at its extent: weights, static inputs and outputs, one kernel per batch size."""
@@ -361,9 +362,9 @@ class CudaBackend:
         # one instance per resident (a program may be held twice here: served, and warming up)
         res.runner = program.bind(views, native=False, owner=f"{self.device.name}/{res.key}",
                                   device=self.api.torch_device)
-        in_views = [r.buffer.view(r.offset, t.datatype.torch, (spec.max_batch_size, *t.sample_shape))
+        in_views = [r.buffer.view(r.offset, t.datatype.tensor_dtype, (spec.max_batch_size, *t.sample_shape))
                     for r, t in zip(st.inputs, spec.inputs, strict=True)]
-        out_views = [r.buffer.view(r.offset, t.datatype.torch, (spec.max_batch_size, *t.sample_shape))
+        out_views = [r.buffer.view(r.offset, t.datatype.tensor_dtype, (spec.max_batch_size, *t.sample_shape))
                      for r, t in zip(st.outputs, spec.outputs, strict=True)]
         for b in spec.batch_sizes:
             res.io[b].device = [v[:b] for v in in_views]
@@ -472,8 +473,8 @@ class CudaBackend:
                 break
             reads, writes = self._touches(st, b)
             try:
-                graph = api.capture(self.capture_s, lambda b=b, r=reads, w=writes: api.launch(
-                    self.capture_s, st.steps[b], r, w))
+                graph = api.capture(self.capture_s, functools.partial(  # (captured at once)
+                    api.launch, self.capture_s, st.steps[b], reads, writes))
             except (CaptureError, torch.OutOfMemoryError) as e:
                 why = f"capture failed at batch {b}: {e}"
                 break

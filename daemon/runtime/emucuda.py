@@ -154,7 +154,7 @@ class EmuGraph:
         self.nbytes = 0  # the largest activation footprint of its kernels
         self.closed = False
 
-    def replay(self, stream: EmuStream) -> None:  # type: ignore[override]
+    def replay(self, stream: EmuStream) -> None:
         self._dev._replay(self, stream)
 
     def close(self) -> None:
@@ -292,7 +292,7 @@ class EmuCuda:
             self.allocations += 1
             return EmuEvent(self, timing)
 
-    def record(self, event: EmuEvent, stream: EmuStream) -> None:  # type: ignore[override]
+    def record(self, event: EmuEvent, stream: EmuStream) -> None:
         with self._lock:
             self._usable()
             if self._capture_of(stream) is not None:
@@ -301,7 +301,7 @@ class EmuCuda:
             event.clock = self._enqueue(op)
             event.op = op
 
-    def wait_event(self, stream: EmuStream, event: EmuEvent) -> None:  # type: ignore[override]
+    def wait_event(self, stream: EmuStream, event: EmuEvent) -> None:
         with self._lock:
             self._usable()
             if event.op is None:
@@ -406,7 +406,7 @@ class EmuCuda:
 
     # ---------------------------------------------------------------- work
 
-    def copy(self, dst: Region, src: Region, stream: EmuStream) -> None:  # type: ignore[override]
+    def copy(self, dst: Region, src: Region, stream: EmuStream) -> None:
         if dst.nbytes != src.nbytes:
             raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
         for r in (dst, src):
@@ -421,7 +421,7 @@ class EmuCuda:
             dst.bytes().copy_(src.bytes())
         self._work(stream, "copy", what, effect, engine, src.nbytes, (src,), (dst,))
 
-    def launch(self, stream: EmuStream, kernel: Kernel, reads: Sequence[Region],  # type: ignore[override]
+    def launch(self, stream: EmuStream, kernel: Kernel, reads: Sequence[Region],
                writes: Sequence[Region]) -> None:
         for r in (*reads, *writes):
             if r.buffer.where != Where.DEVICE or r.buffer.freed:
@@ -432,7 +432,7 @@ class EmuCuda:
         self._work(stream, "kernel", getattr(kernel, "__name__", "kernel"), kernel, "sm", 0, tuple(reads),
                    tuple(writes))
 
-    def discard(self, region: Region, stream: EmuStream) -> None:  # type: ignore[override]
+    def discard(self, region: Region, stream: EmuStream) -> None:
         def effect() -> None:
             region.bytes().fill_(POISON)
         self._work(stream, "poison", f"discard {region.buffer.label}", effect, "", 0, (), (region,))
@@ -662,7 +662,7 @@ class EmuCuda:
 
     # ---------------------------------------------------------------- graphs
 
-    def capture(self, stream: EmuStream, body: Callable[[], None]) -> EmuGraph:  # type: ignore[override]
+    def capture(self, stream: EmuStream, body: Callable[[], None]) -> EmuGraph:
         me = threading.get_ident()
         with self._lock:
             self._usable()

@@ -119,7 +119,7 @@ class Program:
         if self.graph is None or device.type in self.checked_on:
             return  # checked once per program and device type (tens of ms on fake tensors)
         weights = [(e.dtype, e.shape) for e in self.layout.entries]
-        inputs = [(t.datatype.torch, (batch, *t.sample_shape)) for t in self.spec.inputs]
+        inputs = [(t.datatype.tensor_dtype, (batch, *t.sample_shape)) for t in self.spec.inputs]
         args = [weights[i] if i >= 0 else inputs[-i - 1] for i in self._plan()]
         try:
             check_runs_on(to_device(self.graph, device), device, args)
@@ -288,7 +288,7 @@ def _trace_binder(ep: torch.export.ExportedProgram, spec: ModelSpec, layout: Wei
     def slot(path: str, attr: str, _t: torch.Tensor) -> int:
         return slots[f"{path}.{attr}" if path else attr]
 
-    example = [torch.zeros((min(2, spec.max_batch_size), *t.sample_shape), dtype=t.datatype.torch)
+    example = [torch.zeros((min(2, spec.max_batch_size), *t.sample_shape), dtype=t.datatype.tensor_dtype)
                for t in spec.inputs]
     try:
         with warnings.catch_warnings(), torch.inference_mode():
@@ -324,7 +324,7 @@ def _load_torchscript(spec: ModelSpec, store: ObjectStore) -> Program:
 
 
 def zeros_batch(spec: ModelSpec, batch: int) -> list[torch.Tensor]:
-    return [torch.zeros((batch, *t.sample_shape), dtype=t.datatype.torch) for t in spec.inputs]
+    return [torch.zeros((batch, *t.sample_shape), dtype=t.datatype.tensor_dtype) for t in spec.inputs]
 
 
 def _probe_batch(spec: ModelSpec, batch: int) -> list[torch.Tensor]:
@@ -333,10 +333,10 @@ def _probe_batch(spec: ModelSpec, batch: int) -> list[torch.Tensor]:
     out = []
     for t in spec.inputs:
         shape = (batch, *t.sample_shape)
-        if t.datatype.torch.is_floating_point:
-            out.append(torch.rand(shape, generator=g).to(t.datatype.torch))
+        if t.datatype.tensor_dtype.is_floating_point:
+            out.append(torch.rand(shape, generator=g).to(t.datatype.tensor_dtype))
         else:
-            out.append(torch.zeros(shape, dtype=t.datatype.torch))
+            out.append(torch.zeros(shape, dtype=t.datatype.tensor_dtype))
     return out
 
 
@@ -347,7 +347,7 @@ def check_outputs(spec: ModelSpec, outs: tuple[torch.Tensor, ...], batch: int) -
     for o, t in zip(spec.outputs, outs, strict=True):
         if not isinstance(t, torch.Tensor):
             raise ProgramError(f"{spec.key}: output {o.name} is {type(t).__name__}, not a tensor")
-        if t.dtype != o.datatype.torch:
+        if t.dtype != o.datatype.tensor_dtype:
             raise ProgramError(f"{spec.key}: output {o.name} is {t.dtype} but config.toml says "
                                f"{o.datatype.name}")
         want = (batch, *o.sample_shape)

@@ -114,7 +114,7 @@ class CudaGraph:
         self.raw: torch.cuda.CUDAGraph | None = raw
         self.nbytes = nbytes
 
-    def replay(self, stream: CudaStream) -> None:  # type: ignore[override]
+    def replay(self, stream: CudaStream) -> None:
         if self.raw is None:
             raise RuntimeError("replay of a closed graph")
         raw = self.raw
@@ -216,11 +216,11 @@ class TorchCuda:
         self.allocations += 1
         return CudaEvent(self, timing)
 
-    def record(self, event: CudaEvent, stream: CudaStream) -> None:  # type: ignore[override]
+    def record(self, event: CudaEvent, stream: CudaStream) -> None:
         self._guard(lambda: event.raw.record(stream.raw))
         event.recorded = True
 
-    def wait_event(self, stream: CudaStream, event: CudaEvent) -> None:  # type: ignore[override]
+    def wait_event(self, stream: CudaStream, event: CudaEvent) -> None:
         self._guard(lambda: stream.raw.wait_event(event.raw))
 
     # ---------------------------------------------------------------- memory
@@ -309,7 +309,7 @@ class TorchCuda:
 
     # ---------------------------------------------------------------- work
 
-    def copy(self, dst: Region, src: Region, stream: CudaStream) -> None:  # type: ignore[override]
+    def copy(self, dst: Region, src: Region, stream: CudaStream) -> None:
         if dst.nbytes != src.nbytes:
             raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
 
@@ -318,7 +318,7 @@ class TorchCuda:
                 dst.bytes().copy_(src.bytes(), non_blocking=True)
         self._guard(run)
 
-    def launch(self, stream: CudaStream, kernel: Kernel, reads: Sequence[Region],  # type: ignore[override]
+    def launch(self, stream: CudaStream, kernel: Kernel, reads: Sequence[Region],
                writes: Sequence[Region]) -> None:
         def run() -> None:
             with torch.cuda.stream(stream.raw):
@@ -331,10 +331,10 @@ class TorchCuda:
     def host_write(self, region: Region) -> None:
         pass
 
-    def discard(self, region: Region, stream: CudaStream) -> None:  # type: ignore[override]
+    def discard(self, region: Region, stream: CudaStream) -> None:
         pass
 
-    def capture(self, stream: CudaStream, body: Callable[[], None]) -> CudaGraph:  # type: ignore[override]
+    def capture(self, stream: CudaStream, body: Callable[[], None]) -> CudaGraph:
         if self.fault:
             raise DeviceFault(f"{self.name}: {self.fault}")
         before = torch.cuda.memory_reserved(self.torch_device)

@@ -264,12 +264,12 @@ class ClockworkPolicy:
         dirty.clear()
         for start, name in order:
             dev = view.devices[name]
-            lane = dev.timeline.exec
+            exec_lane = dev.timeline.exec
             work = work_of[name]
             while start < limit and work.live:
                 if not (yield from self._dispatch(view, dev, start, now)):
                     break
-                start = lane.free_at(now)
+                start = exec_lane.free_at(now)
             if start >= limit and work.live:
                 yield from self._drop_late(view, dev, start, now)
                 if work.live:
@@ -595,7 +595,7 @@ class ClockworkPolicy:
             if head is None or view.placed_on.get(key):
                 self._lane_cold.discard(key)
                 continue
-            if oldest is None or head.arrival < oldest[0]:
+            if entry is not None and (oldest is None or head.arrival < oldest[0]):
                 oldest = (head.arrival, entry)
         if oldest is None:
             return False

@@ -51,12 +51,12 @@ class DynamicBatchingPolicy:
                 yield from self._place(view, entry, now)
         for dev in view.devices.values():
             while dev.infer_inflight == 0:
-                entry = self._pick(view, dev, now)
-                if entry is None:
+                picked = self._pick(view, dev, now)
+                if picked is None:
                     # nothing on time to run here: the best-effort lane, oldest first
                     yield from self._dispatch_lane(view, dev, lane)
                     break
-                if not (yield from self._dispatch(view, dev, entry, now)):
+                if not (yield from self._dispatch(view, dev, picked, now)):
                     break
 
     # ---------------------------------------------------------------- batches
@@ -161,8 +161,9 @@ class DynamicBatchingPolicy:
         lane_only = not entry.queue.requests
         options = []
         for d in fits:
-            victims = d.memory.victims(d.memory.missing(nbytes, entry.blocks),
-                                       evictable=lambda k, d=d: d.busy[k] == 0 and not (lane_only and wanted(k)),
+            def evictable(k: str, d: DeviceState = d) -> bool:
+                return d.busy[k] == 0 and not (lane_only and wanted(k))
+            victims = d.memory.victims(d.memory.missing(nbytes, entry.blocks), evictable=evictable,
                                        wanted=wanted, keep=d.memory.present(entry.blocks))
             if victims is not None:
                 options.append((sum(wanted(k) for k in victims), len(victims), d.name, d, victims))
