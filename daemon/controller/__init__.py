@@ -1,1 +1,2 @@
-"""The controller: the brain. Pure decision logic (core, policies) apart from asyncio glue (service)."""
+"""The controller: the brain. Pure decision logic (scheduler, policies, ParM's workflow, the
+driver) apart from the asyncio glue (service); docs/controller.md walks through the rooms."""
