@@ -5,6 +5,14 @@
         r.outputs["OUTPUT__0"]
 
 `AsyncSocketClient` keeps many requests in flight on one connection, matched by id.
+
+Shared memory (Triton's system shared-memory extension, on the socket): register a region of a
+POSIX shared-memory object, then pass `ShmInput`s for inputs and `ShmOutput`s for outputs:
+
+    c.register_shared_memory("in", "/my_input", nbytes)
+    r = c.infer("m", {"INPUT__0": ShmInput("in", nbytes, "FP32", [1, 64])},
+                outputs=[ShmOutput("OUTPUT__0", "out", 40)])
+    r.in_regions["OUTPUT__0"]   # {"datatype", "shape", "parameters": where it was written}
 `HttpClient` / `AsyncHttpClient` speak KServe v2 with binary tensors. Errors raise
 `InferenceServerError` with the daemon's status and message.
 """
@@ -47,6 +55,39 @@ class InferResult:
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
     reconstructed: bool = False
     cached: bool = False  # answered from the daemon's prediction cache (docs/cache.md)
+    in_regions: dict[str, dict[str, Any]] = field(default_factory=dict)  # outputs written to shared memory
+
+
+@dataclass(frozen=True, slots=True)
+class ShmInput:
+    """An input read from a registered shared-memory region (`byte_size` bytes at `offset`)."""
+
+    region: str
+    byte_size: int
+    datatype: str
+    shape: list[int]
+    offset: int = 0
+
+    def wire(self, name: str) -> dict[str, Any]:
+        return {"name": name, "datatype": self.datatype, "shape": list(self.shape),
+                "parameters": _shm_params(self.region, self.byte_size, self.offset)}
+
+
+@dataclass(frozen=True, slots=True)
+class ShmOutput:
+    """An output the daemon writes into a registered region (at most `byte_size` bytes at `offset`)."""
+
+    name: str
+    region: str
+    byte_size: int
+    offset: int = 0
+
+    def wire(self) -> dict[str, Any]:
+        return {"name": self.name, "parameters": _shm_params(self.region, self.byte_size, self.offset)}
+
+
+def _shm_params(region: str, byte_size: int, offset: int) -> dict[str, Any]:
+    return {"shared_memory_region": region, "shared_memory_byte_size": byte_size, "shared_memory_offset": offset}
 
 
 def _datatype(arr: np.ndarray) -> str:
@@ -67,17 +108,18 @@ def _wire_array(raw: bytes | memoryview, datatype: str, shape: list[int]) -> np.
     return np.frombuffer(raw, dtype=BY_NAME[datatype].numpy).reshape(shape)
 
 
-def infer_message(model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None,
-                  version: str | int | None = None, timeout_us: int | None = None,
-                  priority: int | None = None) -> dict[str, Any]:
+def infer_message(model: str, inputs: Mapping[str, np.ndarray | ShmInput],
+                  outputs: Sequence[str | ShmOutput] | None = None, version: str | int | None = None,
+                  timeout_us: int | None = None, priority: int | None = None) -> dict[str, Any]:
     """The msgpack map of an infer request (without its id)."""
     msg: dict[str, Any] = {
         "op": "infer", "model": model,
-        "inputs": [{"name": n, "datatype": _datatype(a), "shape": list(a.shape), "data": _le_bytes(a)}
+        "inputs": [a.wire(n) if isinstance(a, ShmInput) else
+                   {"name": n, "datatype": _datatype(a), "shape": list(a.shape), "data": _le_bytes(a)}
                    for n, a in inputs.items()],
     }
     if outputs is not None:
-        msg["outputs"] = list(outputs)
+        msg["outputs"] = [o.wire() if isinstance(o, ShmOutput) else o for o in outputs]
     if version is not None:
         msg["version"] = str(version)
     if timeout_us is not None:
@@ -97,10 +139,14 @@ def decode_answer(msg: Any) -> dict[str, Any]:
 
 def infer_result(msg: dict[str, Any]) -> InferResult:
     outs = {}
+    in_regions = {}
     for o in msg.get("outputs", []):
-        outs[o["name"]] = _wire_array(o["data"], o["datatype"], o["shape"])
+        if "data" in o:
+            outs[o["name"]] = _wire_array(o["data"], o["datatype"], o["shape"])
+        else:
+            in_regions[o["name"]] = {"datatype": o["datatype"], "shape": o["shape"], "parameters": o["parameters"]}
     return InferResult(msg.get("model", ""), msg.get("version", ""), outs, bool(msg.get("reconstructed")),
-                       bool(msg.get("cached")))
+                       bool(msg.get("cached")), in_regions)
 
 
 def _frame(obj: dict[str, Any]) -> bytes:
@@ -156,10 +202,21 @@ class SocketClient:
             if answer.get("id") in (req_id, None):
                 return decode_answer(answer)
 
-    def infer(self, model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None,
-              version: str | int | None = None, timeout_us: int | None = None,
-              priority: int | None = None) -> InferResult:
+    def infer(self, model: str, inputs: Mapping[str, np.ndarray | ShmInput],
+              outputs: Sequence[str | ShmOutput] | None = None, version: str | int | None = None,
+              timeout_us: int | None = None, priority: int | None = None) -> InferResult:
         return infer_result(self.call(infer_message(model, inputs, outputs, version, timeout_us, priority)))
+
+    def register_shared_memory(self, name: str, key: str, byte_size: int, offset: int = 0) -> None:
+        """Register `byte_size` bytes at `offset` of the POSIX shared-memory object `key` as region `name`."""
+        self.call({"op": "shm_register", "name": name, "key": key, "offset": offset, "byte_size": byte_size})
+
+    def unregister_shared_memory(self, name: str = "") -> None:
+        """Unregister region `name`, or every region when `name` is ""."""
+        self.call({"op": "shm_unregister", "name": name})
+
+    def shared_memory_status(self, name: str = "") -> list[dict[str, Any]]:
+        return list(self.call({"op": "shm_status", "name": name})["regions"])
 
     def live(self) -> bool:
         return bool(self.call({"op": "live"})["live"])
@@ -240,9 +297,9 @@ class AsyncSocketClient:
         finally:
             self._pending.pop(req_id, None)
 
-    async def infer(self, model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None,
-                    version: str | int | None = None, timeout_us: int | None = None,
-                    priority: int | None = None) -> InferResult:
+    async def infer(self, model: str, inputs: Mapping[str, np.ndarray | ShmInput],
+                    outputs: Sequence[str | ShmOutput] | None = None, version: str | int | None = None,
+                    timeout_us: int | None = None, priority: int | None = None) -> InferResult:
         return infer_result(await self.call(infer_message(model, inputs, outputs, version, timeout_us, priority)))
 
     async def ready(self) -> bool:

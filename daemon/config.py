@@ -252,6 +252,24 @@ class CacheSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedMemorySettings:
+    """Triton's system shared-memory extension (daemon/api/sharedmem.py): regions local clients
+    register by the key of a POSIX shared-memory object in /dev/shm, then name in requests."""
+
+    enabled: bool = doc("Serve /v2/systemsharedmemory (HTTP), the SystemSharedMemory RPCs (gRPC) and the "
+                        "socket's shm ops; false refuses them with 501.", True)
+    max_regions: int = doc("Most regions registered at once, all clients together.", 64)
+    max_bytes: int = doc("Most bytes registered at once (the sum of the regions' byte_size; bytes or '1GiB'); "
+                         "the daemon maps only what a region names.", 2**30)
+    same_owner: bool = doc("Only objects owned by the daemon's own user may be registered: a client cannot "
+                           "make the daemon read or write another user's shared memory.", True)
+
+    def __post_init__(self) -> None:
+        _need(1 <= self.max_regions <= 65536, "shared_memory.max_regions", self.max_regions, "must be in 1..65536")
+        _need(self.max_bytes >= 1, "shared_memory.max_bytes", self.max_bytes, "must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
 class ControllerSettings:
     """The controller and its scheduling policy."""
 
@@ -353,6 +371,8 @@ class Settings:
     runtime: RuntimeSettings = doc("Devices and executors.", default_factory=RuntimeSettings)
     controller: ControllerSettings = doc("Scheduling.", default_factory=ControllerSettings)
     cache: CacheSettings = doc("The prediction cache.", default_factory=CacheSettings)
+    shared_memory: SharedMemorySettings = doc("Shared-memory tensors for local clients.",
+                                              default_factory=SharedMemorySettings)
     faults: tuple[FaultSettings, ...] = doc("Injected faults, one [[faults]] table each; none by default.",
                                             default_factory=tuple)
 
@@ -370,7 +390,8 @@ _SIZE_FIELDS = {("server", "max_body_bytes"), ("server", "request_memory_bytes")
                 ("server", "connection_memory_bytes"), ("server", "max_json_bytes"),
                 ("runtime", "weight_budget"), ("runtime", "device_workspace"),
                 ("runtime", "host_pinned_budget"), ("runtime.emucuda", "capacity"),
-                ("controller", "best_effort_bytes"), ("cache", "bytes"), ("cache", "max_entry_bytes")}
+                ("controller", "best_effort_bytes"), ("cache", "bytes"), ("cache", "max_entry_bytes"),
+                ("shared_memory", "max_bytes")}
 
 
 def _convert(value: Any, tp: Any, key: str) -> Any:
@@ -498,7 +519,8 @@ def with_overrides(
     runtime["devices"] = list(runtime["devices"])
     faults = [dataclasses.asdict(f) for f in settings.faults]
     return settings_from_dict({"server": server, "runtime": runtime, "models": model_s, "controller": ctrl,
-                               "cache": dataclasses.asdict(settings.cache), "faults": faults})
+                               "cache": dataclasses.asdict(settings.cache),
+                               "shared_memory": dataclasses.asdict(settings.shared_memory), "faults": faults})
 
 
 def describe(cls: Any = Settings, prefix: str = "") -> list[tuple[str, Any, str]]:

@@ -10,6 +10,7 @@
      │    ├── NotFound .............. 404  NOT_FOUND           unknown model, version or path
      │    ├── MethodNotAllowed ...... 405  UNIMPLEMENTED
      │    ├── RequestTimeout ........ 408  DEADLINE_EXCEEDED   a request or frame not received whole in time
+     │    ├── Conflict .............. 409  ALREADY_EXISTS      a shared-memory region name already registered
      │    ├── PayloadTooLarge ....... 413  RESOURCE_EXHAUSTED  body, frame, message or JSON over its limit
      │    ├── UnsupportedMediaType .. 415  INVALID_ARGUMENT    an unknown Content-Encoding, a non-JSON body
      │    ├── HeadersTooLarge ....... 431  RESOURCE_EXHAUSTED
@@ -69,6 +70,13 @@ class RequestTimeout(ClientError):
 
     status = 408
     grpc = "DEADLINE_EXCEEDED"
+
+
+class Conflict(ClientError):
+    """What the request would create exists already (a shared-memory region's name)."""
+
+    status = 409
+    grpc = "ALREADY_EXISTS"
 
 
 class PayloadTooLarge(ClientError):

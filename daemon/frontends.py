@@ -43,7 +43,7 @@ from daemon.api.http import HttpFrontend
 from daemon.api.httpserver import Request
 from daemon.api.link import CALL, CANCEL, DONE, DRAIN, HELLO, MODELS, READY, REPLY, STATE, STOP, SUBMIT, Link
 from daemon.api.slots import pool_bytes, pool_classes
-from daemon.api.uds import SocketFrontend, control_answer
+from daemon.api.uds import SocketFrontend, control_answer, infer_answer
 from daemon.api.worker import CALL_HTTP
 from daemon.config import Settings, parse_hostport
 from daemon.errors import Cancelled, EscapementError, InternalError, message_of, retry_after_of, status_of
@@ -227,6 +227,9 @@ class FrontendWorkers:
         link = w.link
         if kind != CALL_HTTP:  # a socket op
             op, msg = payload
+            if op == "infer":  # it names a shared-memory region: answered here, where the regions are
+                self._spawn(self._socket_infer(link, cid, msg), "forwarded socket infer")
+                return
             try:
                 link.send([REPLY, cid, [200, control_answer(self.gateway, op, msg), None]])
             except EscapementError as e:
@@ -240,9 +243,20 @@ class FrontendWorkers:
             resp = await shadow.answer(Request(method, path, query, headers, body, keep_alive=True))
             link.send([REPLY, cid, [resp.status, resp.content_type, resp.headers, resp.body]])
 
-        task = asyncio.get_running_loop().create_task(answer(), name=f"forwarded {method} {path}")
+        self._spawn(answer(), f"forwarded {method} {path}")
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _socket_infer(self, link: Link, cid: int, msg: dict[str, Any]) -> None:
+        try:
+            link.send([REPLY, cid, [200, await infer_answer(self.gateway, msg), None]])
+        except Exception as e:  # every failure is answered: the worker waits for this reply
+            if not isinstance(e, EscapementError):
+                log.exception("a forwarded socket infer failed")
+            link.send([REPLY, cid, [status_of(e), message_of(e), retry_after_of(e)]])
 
     # ---------------------------------------------------------------- what workers are told
 

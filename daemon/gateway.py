@@ -8,7 +8,8 @@ the daemon, the scheduler or the executors. What it may ask:
   frontends that await an answer (it wraps `submit` in a future);
 - models: `model`, `versions`, `index`, and the repository's `load_model` / `unload_model`;
 - health and observability: `health`, `statistics`, `model_statistics`, `metrics`;
-- management: the fault-injection hooks (`faults`, `set_fault`, `clear_fault`).
+- management: the fault-injection hooks (`faults`, `set_fault`, `clear_fault`);
+- shared memory: `shared_memory`, the registered regions (daemon/api/sharedmem.py).
 
 Tests build a `Gateway` over a fake controller to drive a frontend without a daemon.
 """
@@ -25,6 +26,7 @@ import numpy as np
 
 from daemon import metrics
 from daemon.api.budget import RequestMemory
+from daemon.api.sharedmem import SharedMemoryRegions
 from daemon.api.throttle import RenderBudget
 from daemon.apps.cache import PredictionCache
 from daemon.clock import Clock, MonotonicClock
@@ -88,6 +90,9 @@ class Gateway:
         self._health = health
         c = settings.cache
         self.cache = cache or PredictionCache(c.bytes, c.entries, c.max_entry_bytes)
+        # Shared-memory regions (Triton's extension): one registry, in the controller process (a
+        # frontend worker forwards what names a region).
+        self.shared_memory = SharedMemoryRegions(settings.shared_memory)
         self._statistics = RenderBudget(self._render_statistics)
         self._metrics: RenderBudget[bytes] | None = None
 

@@ -349,6 +349,8 @@ class Daemon:
         for fe in (self.http, self.grpc, self.socket, self.frontends):
             if fe is not None:
                 await fe.close()
+        if self._gateway is not None:
+            self._gateway.shared_memory.close()  # the regions' descriptors (the frontends are closed)
         # Last: systemd keeps watching the loop until everything above is done.
         await self._cancel(list(self._tasks))
         self._watchdog = None

@@ -32,6 +32,7 @@ class WireTensor:
     shape: list[int]
     raw: bytes | memoryview | None = None
     data: Any = None
+    owned: bool = False  # raw is a copy the request owns (read from a shared-memory region)
 
 
 MAX_TIMEOUT_US = 3_600_000_000  # an hour: a larger timeout is a mistake, not a deadline
@@ -55,6 +56,11 @@ def check_shape(shape: Any, name: str) -> list[int]:
     if any(d < 0 for d in shape):
         raise BadRequest(f"input {name}: shape {shape} has a negative dimension")
     return shape
+
+
+def region_tensor(name: str, datatype: str, shape: list[int], raw: np.ndarray) -> WireTensor:
+    """An input read from a shared-memory region (its bytes copied into the request's memory)."""
+    return WireTensor(name, datatype, shape, raw=memoryview(raw), owned=True)
 
 
 def assemble_inputs(spec: ModelSpec, tensors: Sequence[WireTensor]) -> tuple[tuple[np.ndarray, ...], int]:

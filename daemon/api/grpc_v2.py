@@ -8,8 +8,10 @@ Served: ServerLive/Ready, ModelReady, ServerMetadata, ModelMetadata, ModelConfig
 ModelStatistics, RepositoryIndex/ModelLoad/ModelUnload and ModelInfer, with tensors in
 `raw_input_contents` (any datatype) or typed contents. A gRPC deadline becomes the request's
 deadline (when tighter than its `timeout` parameter); a cancelled RPC or a passed deadline
-cancels the request. Errors map through daemon/errors.py's one tree. Streaming inference,
-shared memory, trace and log settings answer UNIMPLEMENTED (the generated base class).
+cancels the request. Errors map through daemon/errors.py's one tree. System shared memory
+(daemon/api/sharedmem.py): the SystemSharedMemory RPCs, and inputs and outputs naming a region
+by their `shared_memory_*` parameters, as Triton serves them. Streaming inference, CUDA shared
+memory, trace and log settings answer UNIMPLEMENTED (the generated base class).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
@@ -29,9 +32,18 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from daemon import __version__
 from daemon.api.budget import Lease
-from daemon.api.codec import WireTensor, assemble_inputs, check_shape, request_options, select_outputs, tensor_bytes
+from daemon.api.codec import (
+    WireTensor,
+    assemble_inputs,
+    check_shape,
+    region_tensor,
+    request_options,
+    select_outputs,
+    tensor_bytes,
+)
 from daemon.api.http import EXTENSIONS, is_loopback
 from daemon.api.metadata import model_config_json
+from daemon.api.sharedmem import OutputTargets, SharedMemoryRegions, shm_ref
 from daemon.datatypes import BY_NAME
 from daemon.errors import (
     BadRequest,
@@ -168,6 +180,40 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         await self.gateway.unload_model(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
+    # ---------------------------------------------------------------- shared memory
+
+    @rpc
+    async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest,
+                                       context: Ctx) -> pb.SystemSharedMemoryStatusResponse:
+        resp = pb.SystemSharedMemoryStatusResponse()
+        for r in self.gateway.shared_memory.status(request.name or None):
+            resp.regions[r["name"]].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(**r))
+        return resp
+
+    @rpc
+    async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest,
+                                         context: Ctx) -> pb.SystemSharedMemoryRegisterResponse:
+        self._shm_allowed(context)
+        self.gateway.shared_memory.register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @rpc
+    async def SystemSharedMemoryUnregister(self, request: pb.SystemSharedMemoryUnregisterRequest,
+                                           context: Ctx) -> pb.SystemSharedMemoryUnregisterResponse:
+        self._shm_allowed(context)
+        self.gateway.shared_memory.unregister(request.name or None)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    def _shm_allowed(self, context: Ctx) -> None:
+        """Only from this host (a loopback listener), or with the admin token, as on HTTP."""
+        token = self.gateway.admin_token
+        given = dict(context.invocation_metadata() or ()).get("authorization", "")
+        if token and hmac.compare_digest(str(given).encode(), f"Bearer {token}".encode()):
+            return
+        if not is_loopback(self.listener):
+            raise Forbidden("shared memory is for clients on this host: on a listener that is not loopback, "
+                            "registering needs metadata authorization: Bearer <the admin token>")
+
     @staticmethod
     def _no_named_repository(name: str) -> None:
         if name:
@@ -203,11 +249,21 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(self, spec: ModelSpec, request: pb.ModelInferRequest, context: Ctx,
                      lease: Lease) -> pb.ModelInferResponse:
-        gw = self.gateway
-        tensors = self._wire_inputs(request)
+        tensors = self._wire_inputs(request, self.gateway.shared_memory)
         arrays, samples = assemble_inputs(spec, tensors)
-        lease.force(sum(a.nbytes for a, t in zip(arrays, tensors, strict=False) if t.raw is None))
-        out_idx = self._wanted_outputs(spec, request)
+        # decoded from typed contents or read from shared memory: new memory (raw ones view the message)
+        lease.force(sum(a.nbytes for a, t in zip(arrays, tensors, strict=False) if t.raw is None or t.owned))
+        targets = OutputTargets(self.gateway.shared_memory)
+        try:
+            return await self._infer_into(spec, request, context, arrays, samples, targets)
+        finally:
+            targets.release()
+
+    async def _infer_into(self, spec: ModelSpec, request: pb.ModelInferRequest, context: Ctx,
+                          arrays: tuple[np.ndarray, ...], samples: int,
+                          targets: OutputTargets) -> pb.ModelInferResponse:
+        gw = self.gateway
+        out_idx = self._wanted_outputs(spec, request, targets)
         params = {k: _param(v) for k, v in request.parameters.items()}
         if len(request.id.encode()) > self.settings.max_request_id_bytes:
             raise BadRequest(f"id is longer than {self.settings.max_request_id_bytes} bytes "
@@ -219,25 +275,32 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             timeout_us = grpc_us if timeout_us is None else min(timeout_us, grpc_us)
         req = gw.new_request(spec, arrays, samples, timeout_us, priority, request.id)
         await gw.infer(req)  # a cancelled RPC (client gone, deadline passed) cancels it
-        return self._response(spec, req, out_idx)
+        return self._response(spec, req, out_idx, targets)
 
     @staticmethod
-    def _wire_inputs(request: pb.ModelInferRequest) -> list[WireTensor]:
+    def _wire_inputs(request: pb.ModelInferRequest, regions: SharedMemoryRegions) -> list[WireTensor]:
         raw = request.raw_input_contents
         if not request.inputs:
             raise BadRequest("inputs must be a non-empty list")
-        if raw and len(raw) != len(request.inputs):
-            raise BadRequest(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; give "
-                             "every input's data there, or none")
+        refs = [shm_ref({k: _param(v) for k, v in t.parameters.items()}, f"input {t.name}") for t in request.inputs]
+        plain = sum(ref is None for ref in refs)  # raw_input_contents holds these only (Triton's rule)
+        if raw and len(raw) != plain:
+            raise BadRequest(f"raw_input_contents has {len(raw)} entries for {plain} inputs not in shared memory; "
+                             "give every such input's data there, or none")
         tensors: list[WireTensor] = []
-        for i, t in enumerate(request.inputs):
-            if "shared_memory_region" in t.parameters:
-                raise NotImplementedByServer("shared-memory tensors are not supported")
+        next_raw = 0
+        for t, ref in zip(request.inputs, refs, strict=True):
             shape = check_shape(list(t.shape), t.name)
+            if ref is not None:
+                if t.HasField("contents"):
+                    raise BadRequest(f"input {t.name}: data in contents beside shared_memory_region")
+                tensors.append(region_tensor(t.name, t.datatype, shape, regions.read(ref, f"input {t.name}")))
+                continue
             if raw:
                 if t.HasField("contents"):
                     raise BadRequest(f"input {t.name}: data in both contents and raw_input_contents")
-                tensors.append(WireTensor(t.name, t.datatype, shape, raw=raw[i]))
+                tensors.append(WireTensor(t.name, t.datatype, shape, raw=raw[next_raw]))
+                next_raw += 1
                 continue
             field = CONTENTS_FIELD.get(t.datatype)
             if field is None:
@@ -252,25 +315,39 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return tensors
 
     @staticmethod
-    def _wanted_outputs(spec: ModelSpec, request: pb.ModelInferRequest) -> list[int]:
+    def _wanted_outputs(spec: ModelSpec, request: pb.ModelInferRequest, targets: OutputTargets) -> list[int]:
         if not request.outputs:
             return list(range(len(spec.outputs)))
         for o in request.outputs:
             if "classification" in o.parameters and _param(o.parameters["classification"]):
                 raise NotImplementedByServer("the classification extension is not supported")
-            if "shared_memory_region" in o.parameters:
-                raise NotImplementedByServer("shared-memory tensors are not supported")
-        return select_outputs(spec, [o.name for o in request.outputs])
+        idx = select_outputs(spec, [o.name for o in request.outputs])
+        for i, o in zip(idx, request.outputs, strict=True):
+            ref = shm_ref({k: _param(v) for k, v in o.parameters.items()}, f"output {o.name}")
+            if ref is not None:
+                targets.add(i, ref, f"output {o.name}")
+        return idx
 
     @staticmethod
-    def _response(spec: ModelSpec, req: InferenceRequest, out_idx: list[int]) -> pb.ModelInferResponse:
+    def _response(spec: ModelSpec, req: InferenceRequest, out_idx: list[int],
+                  targets: OutputTargets) -> pb.ModelInferResponse:
         assert req.outputs is not None
         resp = pb.ModelInferResponse(model_name=spec.name, model_version=str(spec.version), id=req.client_id)
         for i in out_idx:
             o = spec.outputs[i]
             arr = req.outputs[i]
-            resp.outputs.add(name=o.name, datatype=o.datatype.name, shape=list(arr.shape))
-            resp.raw_output_contents.append(tensor_bytes(arr))
+            out = resp.outputs.add(name=o.name, datatype=o.datatype.name, shape=list(arr.shape))
+            written = targets.write(i, arr, f"output {o.name}") if targets else None
+            if written is None:
+                resp.raw_output_contents.append(tensor_bytes(arr))
+                continue
+            # In its region: the parameters say where, and an empty raw entry keeps the raw
+            # contents in step with the outputs (as Triton's answers do).
+            out.parameters["shared_memory_region"].string_param = written["shared_memory_region"]
+            out.parameters["shared_memory_byte_size"].int64_param = written["shared_memory_byte_size"]
+            if "shared_memory_offset" in written:
+                out.parameters["shared_memory_offset"].int64_param = written["shared_memory_offset"]
+            resp.raw_output_contents.append(b"")
         if req.reconstructed:
             resp.parameters["reconstructed"].bool_param = True
         if req.cached:

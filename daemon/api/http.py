@@ -11,8 +11,10 @@ from __future__ import annotations
 import hmac
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
 import orjson
 
 from daemon import __version__
@@ -22,12 +24,14 @@ from daemon.api.codec import (
     assemble_inputs,
     check_shape,
     json_data,
+    region_tensor,
     request_options,
     select_outputs,
     tensor_bytes,
 )
 from daemon.api.httpserver import HttpServer, Request, Response, Router, error_response
 from daemon.api.metadata import model_config_json, model_metadata_json
+from daemon.api.sharedmem import OutputTargets, SharedMemoryRegions, ShmRef, names_region, shm_ref
 from daemon.datatypes import BY_NAME
 from daemon.errors import (
     BadRequest,
@@ -47,7 +51,7 @@ log = logging.getLogger("escapement.http")
 HEADER_LEN = "Inference-Header-Content-Length"
 _HEADER_LEN_KEY = HEADER_LEN.lower()  # request headers are looked up lower-case
 EXTENSIONS = ["binary_tensor_data", "model_repository", "schedule_policy", "model_configuration", "parameters",
-              "statistics"]
+              "statistics", "system_shared_memory"]
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 
@@ -114,9 +118,18 @@ class HttpFrontend:
         r.add("POST", "/v2/admin/faults", self.set_fault)
         r.add("DELETE", "/v2/admin/faults/{device}", self.clear_fault)
         r.add("GET", "/v2/controller/stats", self.controller_stats)
+        shm = "/v2/systemsharedmemory"
+        r.add("GET", shm + "/status", self.shm_status)
+        r.add("GET", shm + "/region/{region}/status", self.shm_status)
+        r.add("POST", shm + "/region/{region}/register", self.shm_register)
+        r.add("POST", shm + "/unregister", self.shm_unregister)
+        r.add("POST", shm + "/region/{region}/unregister", self.shm_unregister)
         r.add("POST", "/v2/repository/{repo}/index", self.named_repository)
         r.add("POST", "/v2/repository/{repo}/models/{model}/{op:load|unload}", self.named_repository)
         self.server: HttpServer | None = None
+        # In a frontend worker: requests naming a shared-memory region go to the controller process,
+        # which owns the regions (their bodies are small: the tensors are in the regions).
+        self.forward_shm: Callable[[Request], Awaitable[Response]] | None = None
         self._hosts: frozenset[str] = frozenset()  # Host values that name this listener (loopback only)
 
     # ---------------------------------------------------------------- lifecycle
@@ -295,6 +308,37 @@ class HttpFrontend:
         log.warning("faults cleared on %s", device)
         return json_response({"device": device, "faults": None})
 
+    # ---------------------------------------------------------------- shared memory (Triton's extension)
+
+    async def shm_status(self, request: Request) -> Response:
+        return json_response(self.gateway.shared_memory.status(request.params.get("region")))
+
+    async def shm_register(self, request: Request) -> Response:
+        self._shm_allowed(request)
+        obj = _parse_json(request.body, "the request body", self.settings.max_json_bytes)
+        if not isinstance(obj, dict):
+            raise BadRequest('expected {"key": "/name", "offset": 0, "byte_size": N}')
+        self.gateway.shared_memory.register(request.params["region"], obj.get("key"), obj.get("offset", 0),
+                                            obj.get("byte_size"))
+        return json_response({})
+
+    async def shm_unregister(self, request: Request) -> Response:
+        self._shm_allowed(request)
+        self.gateway.shared_memory.unregister(request.params.get("region"))
+        return json_response({})
+
+    def _shm_allowed(self, request: Request) -> None:
+        """Registering makes the daemon read and write an object of its user in /dev/shm: only from this
+        host (a loopback listener), or with the admin token; never from a web page."""
+        self._same_site(request)
+        token = self.gateway.admin_token
+        given = request.headers.get("authorization", "")
+        if token and hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            return
+        if not is_loopback(self.settings.http):
+            raise Forbidden("shared memory is for clients on this host: on a listener that is not loopback, "
+                            "registering needs Authorization: Bearer <the admin token>")
+
     async def named_repository(self, request: Request) -> Response:
         raise NotImplementedByServer("'repository_name' specification is not supported")
 
@@ -321,11 +365,23 @@ class HttpFrontend:
             obj, binary = _parse_json(body, "the request body", max_json), memoryview(b"")
         if not isinstance(obj, dict):
             raise BadRequest("the inference request must be a JSON object")
-        tensors = self._wire_inputs(obj.get("inputs"), binary)
+        if self.forward_shm is not None and (names_region(obj.get("inputs")) or names_region(obj.get("outputs"))):
+            return await self.forward_shm(request)
+        regions = gw.shared_memory
+        tensors = self._wire_inputs(obj.get("inputs"), binary, regions)
         arrays, samples = assemble_inputs(spec, tensors)
-        if request.lease is not None:  # tensors decoded from JSON are new memory; binary ones view the body
+        if request.lease is not None:  # tensors decoded from JSON or read from shared memory are new memory
             request.lease.force(sum(decoded_bytes(t) for t in tensors))
-        outputs = self._wanted_outputs(spec, obj)
+        targets = OutputTargets(regions)
+        try:
+            return await self._infer(spec, obj, arrays, samples, targets)
+        finally:
+            targets.release()
+
+    async def _infer(self, spec: ModelSpec, obj: dict[str, Any], arrays: tuple[np.ndarray, ...], samples: int,
+                     targets: OutputTargets) -> Response:
+        gw = self.gateway
+        outputs = self._wanted_outputs(spec, obj, targets)
         params = obj.get("parameters") or {}
         if not isinstance(params, dict):
             raise BadRequest("parameters must be a JSON object")
@@ -338,7 +394,7 @@ class HttpFrontend:
         timeout_us, priority = request_options(params.get("timeout"), params.get("priority"))
         req = gw.new_request(spec, arrays, samples, timeout_us, priority, req_id or "")
         await gw.infer(req)
-        return self._response(spec, req, outputs)
+        return self._response(spec, req, outputs, targets)
 
     async def _raw_binary(self, request: Request, spec: ModelSpec, body: memoryview) -> Response:
         """Inference-Header-Content-Length: 0: the body is the one input's bytes, batch 1."""
@@ -350,10 +406,10 @@ class HttpFrontend:
         arrays, samples = assemble_inputs(spec, [tensor])
         req = self.gateway.new_request(spec, arrays, samples, None, None, "")
         await self.gateway.infer(req)
-        return self._response(spec, req, [(i, True) for i in range(len(spec.outputs))])
+        return self._response(spec, req, [(i, True) for i in range(len(spec.outputs))], None)
 
     @staticmethod
-    def _wire_inputs(raw_inputs: Any, binary: memoryview) -> list[WireTensor]:
+    def _wire_inputs(raw_inputs: Any, binary: memoryview, regions: SharedMemoryRegions) -> list[WireTensor]:
         if not isinstance(raw_inputs, list) or not raw_inputs:
             raise BadRequest("inputs must be a non-empty list")
         tensors: list[WireTensor] = []
@@ -368,10 +424,13 @@ class HttpFrontend:
             p = t.get("parameters") or {}
             if not isinstance(p, dict):
                 raise BadRequest(f"input {name}: parameters must be an object")
-            if "shared_memory_region" in p:
-                raise NotImplementedByServer("shared-memory tensors are not supported")
+            ref = shm_ref(p, f"input {name}")
             size = p.get("binary_data_size")
-            if size is not None:
+            if ref is not None:
+                if size is not None:
+                    raise BadRequest(f"input {name}: binary_data_size and shared_memory_region both given")
+                tensors.append(region_tensor(name, datatype, shape, regions.read(ref, f"input {name}")))
+            elif size is not None:
                 if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                     raise BadRequest(f"input {name}: binary_data_size must be a non-negative integer")
                 if offset + size > len(binary):
@@ -386,7 +445,7 @@ class HttpFrontend:
         return tensors
 
     @staticmethod
-    def _wanted_outputs(spec: ModelSpec, obj: dict[str, Any]) -> list[tuple[int, bool]]:
+    def _wanted_outputs(spec: ModelSpec, obj: dict[str, Any], targets: OutputTargets) -> list[tuple[int, bool]]:
         params = obj.get("parameters") or {}
         binary_all = bool(params.get("binary_data_output", False)) if isinstance(params, dict) else False
         raw = obj.get("outputs")
@@ -396,6 +455,7 @@ class HttpFrontend:
             raise BadRequest("outputs must be a list")
         names: list[str] = []
         flags: list[bool] = []
+        refs: list[ShmRef | None] = []
         for i, o in enumerate(raw):
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
                 raise BadRequest(f"outputs[{i}] must be an object with a name")
@@ -406,11 +466,16 @@ class HttpFrontend:
                 raise NotImplementedByServer("the classification extension is not supported")
             names.append(o["name"])
             flags.append(bool(p.get("binary_data", binary_all)))
+            refs.append(shm_ref(p, f"output {o['name']}"))
         idx = select_outputs(spec, names)
+        for i, ref in zip(idx, refs, strict=True):
+            if ref is not None:
+                targets.add(i, ref, f"output {spec.outputs[i].name}")
         return list(zip(idx, flags, strict=True))
 
     @staticmethod
-    def _response(spec: ModelSpec, req: InferenceRequest, outputs: list[tuple[int, bool]]) -> Response:
+    def _response(spec: ModelSpec, req: InferenceRequest, outputs: list[tuple[int, bool]],
+                  targets: OutputTargets | None) -> Response:
         assert req.outputs is not None
         out_json: list[dict[str, Any]] = []
         chunks: list[bytes] = []
@@ -418,7 +483,10 @@ class HttpFrontend:
             o = spec.outputs[i]
             arr = req.outputs[i]
             item: dict[str, Any] = {"name": o.name, "datatype": o.datatype.name, "shape": list(arr.shape)}
-            if binary:
+            written = targets.write(i, arr, f"output {o.name}") if targets else None
+            if written is not None:  # in its region: the answer says where, as Triton's does
+                item["parameters"] = written
+            elif binary:
                 b = tensor_bytes(arr)
                 item["parameters"] = {"binary_data_size": len(b)}
                 chunks.append(b)
@@ -440,8 +508,11 @@ class HttpFrontend:
 
 
 def decoded_bytes(t: WireTensor) -> int:
-    """New memory an input took to decode (binary tensors view the body, except BYTES, copied out)."""
+    """New memory an input took to decode (binary tensors view the body, except BYTES, copied out;
+    tensors read from shared memory are copies)."""
     dt = BY_NAME[t.datatype]
+    if t.owned and t.raw is not None:
+        return len(t.raw) + (80 * math.prod(t.shape) if dt.variable else 0)
     if dt.variable:  # an object and a bytes per element (~80 bytes of overhead each), plus the data
         return (len(t.raw) if t.raw is not None else 0) + 80 * math.prod(t.shape)
     return 0 if t.raw is not None else math.prod(t.shape) * dt.itemsize

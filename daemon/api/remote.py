@@ -27,6 +27,7 @@ from daemon.config import Settings
 from daemon.errors import (
     BadRequest,
     Cancelled,
+    Conflict,
     DeadlineExceeded,
     EscapementError,
     Forbidden,
@@ -45,8 +46,8 @@ from daemon.request import InferenceRequest, RequestStatus
 log = logging.getLogger("escapement.workers")
 
 _BY_STATUS: dict[int, type[EscapementError]] = {
-    400: BadRequest, 403: Forbidden, 404: NotFound, 413: PayloadTooLarge, 499: Cancelled, 500: InternalError,
-    501: NotImplementedByServer, 503: Unavailable, 504: DeadlineExceeded}
+    400: BadRequest, 403: Forbidden, 404: NotFound, 409: Conflict, 413: PayloadTooLarge, 499: Cancelled,
+    500: InternalError, 501: NotImplementedByServer, 503: Unavailable, 504: DeadlineExceeded}
 
 
 def error_from(status: int, message: str, retry_after_s: float | None) -> EscapementError:

@@ -21,14 +21,25 @@ import os
 import socket
 import struct
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from daemon.api.budget import Lease
-from daemon.api.codec import WireTensor, assemble_inputs, check_shape, request_options, select_outputs, tensor_bytes
+from daemon.api.codec import (
+    WireTensor,
+    assemble_inputs,
+    check_shape,
+    region_tensor,
+    request_options,
+    select_outputs,
+    tensor_bytes,
+)
 from daemon.api.metadata import model_config_json, model_metadata_json
+from daemon.api.sharedmem import OutputTargets, ShmRef, shm_ref
 from daemon.errors import (
     BadRequest,
     EscapementError,
@@ -41,6 +52,7 @@ from daemon.errors import (
 )
 from daemon.gateway import Gateway
 from daemon.registry import ModelState
+from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest
 
 log = logging.getLogger("escapement.socket")
@@ -160,6 +172,7 @@ class SocketConnection(asyncio.Protocol):
         for req in list(self._inflight.values()):
             self.gateway.cancel(req)
             req.context[2].release()
+            req.context[3].release()  # its regions (the request's answer is never written now)
         self._inflight.clear()
         if self._frame_lease is not None:
             self._frame_lease.release()
@@ -359,51 +372,37 @@ class SocketConnection(asyncio.Protocol):
     # ---------------------------------------------------------------- inference
 
     def _infer(self, req_id: Any, msg: dict[str, Any], lease: Lease) -> None:
-        name = msg.get("model")
-        if not isinstance(name, str):
-            raise BadRequest("infer needs a model name")
-        spec = self.gateway.admit(name, _version(msg))
-        raw_inputs = msg.get("inputs")
-        if not isinstance(raw_inputs, list) or not raw_inputs:
-            raise BadRequest("inputs must be a non-empty list")
-        tensors: list[WireTensor] = []
-        for i, t in enumerate(raw_inputs):
-            if not isinstance(t, dict):
-                raise BadRequest(f"inputs[{i}] must be a map")
-            tname, dt, data = t.get("name"), t.get("datatype"), t.get("data")
-            if not isinstance(tname, str) or not isinstance(dt, str):
-                raise BadRequest(f"inputs[{i}] needs a string name and datatype")
-            shape = check_shape(t.get("shape"), tname)
-            if not isinstance(data, bytes):
-                raise BadRequest(f"input {tname}: data must be raw bytes (msgpack bin)")
-            tensors.append(WireTensor(tname, dt, shape, raw=data))
-        arrays, samples = assemble_inputs(spec, tensors)
-        wanted = msg.get("outputs")
-        if wanted is not None and (not isinstance(wanted, list) or not all(isinstance(w, str) for w in wanted)):
-            raise BadRequest("outputs must be a list of names")
-        out_idx = select_outputs(spec, wanted)
-        timeout_us, priority = request_options(msg.get("timeout_us"), msg.get("priority"))
-        req = self.gateway.new_request(spec, arrays, samples, timeout_us, priority, "")
-        req.context = (req_id, out_idx, lease)
-        req.on_finish = self._finished
-        self._inflight[req.id] = req
+        p = parse_infer(self.gateway, msg)
+        targets = p.targets
         try:
-            self.gateway.submit(req)
+            lease.force(p.copied)  # read from shared memory: new memory (bytes inputs view the frame)
+            req = self.gateway.new_request(p.spec, p.arrays, p.samples, p.timeout_us, p.priority, "")
+            req.context = (req_id, p.out_idx, lease, targets)
+            req.on_finish = self._finished
+            self._inflight[req.id] = req
+            try:
+                self.gateway.submit(req)
+            except BaseException:
+                self._inflight.pop(req.id, None)
+                raise
         except BaseException:
-            self._inflight.pop(req.id, None)
+            targets.release()
             raise
 
     def _finished(self, req: InferenceRequest) -> None:
         self._inflight.pop(req.id, None)
         lease: Lease = req.context[2]
+        targets: OutputTargets = req.context[3]
         if self._closed:  # closing, connection_lost not yet run: it no longer sees this request
             lease.release()
+            targets.release()
             return
         self.last_active = time.monotonic()
         try:
             self._answer(req)
         finally:
             lease.release()
+            targets.release()
             if self._input_done and not self._inflight:
                 self.close()
             elif self._stalled and not self._held():
@@ -412,17 +411,127 @@ class SocketConnection(asyncio.Protocol):
                 asyncio.get_running_loop().call_soon(self._pump)
 
     def _answer(self, req: InferenceRequest) -> None:
-        req_id, out_idx, _ = req.context
+        req_id, out_idx, _, targets = req.context
         if not req.ok:
             if req.error is not None:
                 self.send(error_frame(req_id, req.error))
             return
-        assert req.outputs is not None
-        spec = req.model
-        outputs = [{"name": spec.outputs[i].name, "datatype": spec.outputs[i].datatype.name,
-                    "shape": list(req.outputs[i].shape), "data": tensor_bytes(req.outputs[i])} for i in out_idx]
-        self.send({"id": req_id, "status": 200, "model": spec.name, "version": str(spec.version),
-                   "outputs": outputs, "reconstructed": req.reconstructed, "cached": req.cached})
+        try:
+            body = answer_body(req, out_idx, targets)
+        except EscapementError as e:  # an output that does not fit its region
+            self.send(error_frame(req_id, e))
+            return
+        self.send({"id": req_id, "status": 200, **body})
+
+
+@dataclass(slots=True)
+class ParsedInfer:
+    """An infer frame, checked. `targets` are pinned: whoever parsed it releases them."""
+
+    spec: ModelSpec
+    arrays: tuple[np.ndarray, ...]
+    samples: int
+    out_idx: list[int]
+    targets: OutputTargets
+    timeout_us: int | None
+    priority: int | None
+    copied: int  # bytes of inputs read from shared memory
+
+
+def parse_infer(gw: Gateway, msg: dict[str, Any]) -> ParsedInfer:
+    """An infer frame, checked: its model, inputs (bytes, or read from shared-memory regions), the
+    outputs wanted and the regions they go to, timeout, priority."""
+    name = msg.get("model")
+    if not isinstance(name, str):
+        raise BadRequest("infer needs a model name")
+    spec = gw.admit(name, _version(msg))
+    raw_inputs = msg.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise BadRequest("inputs must be a non-empty list")
+    tensors: list[WireTensor] = []
+    copied = 0
+    for i, t in enumerate(raw_inputs):
+        if not isinstance(t, dict):
+            raise BadRequest(f"inputs[{i}] must be a map")
+        tname, dt, data = t.get("name"), t.get("datatype"), t.get("data")
+        if not isinstance(tname, str) or not isinstance(dt, str):
+            raise BadRequest(f"inputs[{i}] needs a string name and datatype")
+        shape = check_shape(t.get("shape"), tname)
+        ref = shm_ref(_params(t, f"input {tname}"), f"input {tname}")
+        if ref is not None:
+            if data is not None:
+                raise BadRequest(f"input {tname}: data given beside shared_memory_region")
+            tensors.append(region_tensor(tname, dt, shape, gw.shared_memory.read(ref, f"input {tname}")))
+            copied += ref.byte_size
+            continue
+        if not isinstance(data, bytes):
+            raise BadRequest(f"input {tname}: data must be raw bytes (msgpack bin)")
+        tensors.append(WireTensor(tname, dt, shape, raw=data))
+    arrays, samples = assemble_inputs(spec, tensors)
+    wanted = msg.get("outputs")
+    if wanted is not None and not isinstance(wanted, list):
+        raise BadRequest("outputs must be a list of names (or of maps with a name and parameters)")
+    names: list[str] | None = None
+    refs: list[ShmRef | None] = []
+    if wanted is not None:
+        names = []
+        for w in wanted:
+            if isinstance(w, dict) and isinstance(w.get("name"), str):
+                names.append(w["name"])
+                refs.append(shm_ref(_params(w, f"output {w['name']}"), f"output {w['name']}"))
+            elif isinstance(w, str):
+                names.append(w)
+                refs.append(None)
+            else:
+                raise BadRequest("outputs must be a list of names (or of maps with a name and parameters)")
+    out_idx = select_outputs(spec, names)
+    timeout_us, priority = request_options(msg.get("timeout_us"), msg.get("priority"))
+    targets = OutputTargets(gw.shared_memory)
+    try:
+        for i, ref in zip(out_idx, refs, strict=False):
+            if ref is not None:
+                targets.add(i, ref, f"output {spec.outputs[i].name}")
+    except BaseException:
+        targets.release()
+        raise
+    return ParsedInfer(spec, arrays, samples, out_idx, targets, timeout_us, priority, copied)
+
+
+def _params(t: dict[str, Any], what: str) -> dict[str, Any]:
+    p = t.get("parameters") or {}
+    if not isinstance(p, dict):
+        raise BadRequest(f"{what}: parameters must be a map")
+    return p
+
+
+def answer_body(req: InferenceRequest, out_idx: list[int], targets: OutputTargets) -> dict[str, Any]:
+    """An answered request's frame (less id and status): outputs as bytes, or where in their regions
+    they were written."""
+    assert req.outputs is not None
+    spec = req.model
+    outputs: list[dict[str, Any]] = []
+    for i in out_idx:
+        o, arr = spec.outputs[i], req.outputs[i]
+        item: dict[str, Any] = {"name": o.name, "datatype": o.datatype.name, "shape": list(arr.shape)}
+        written = targets.write(i, arr, f"output {o.name}") if targets else None
+        if written is None:
+            item["data"] = tensor_bytes(arr)
+        else:
+            item["parameters"] = written
+        outputs.append(item)
+    return {"model": spec.name, "version": str(spec.version), "outputs": outputs, "reconstructed": req.reconstructed,
+            "cached": req.cached}
+
+
+async def infer_answer(gw: Gateway, msg: dict[str, Any]) -> dict[str, Any]:
+    """Answer an infer frame a frontend worker forwarded (it names a region: the regions are here)."""
+    p = parse_infer(gw, msg)
+    try:
+        req = gw.new_request(p.spec, p.arrays, p.samples, p.timeout_us, p.priority, "")
+        await gw.infer(req)
+        return answer_body(req, p.out_idx, p.targets)
+    finally:
+        p.targets.release()
 
 
 def control_answer(gw: Gateway, op: Any, msg: dict[str, Any]) -> dict[str, Any]:
@@ -435,6 +544,8 @@ def control_answer(gw: Gateway, op: Any, msg: dict[str, Any]) -> dict[str, Any]:
         return {"models": gw.index(bool(msg.get("ready", False)))}
     if op == "stats":
         return {"controller": gw.statistics()}
+    if op in ("shm_register", "shm_unregister", "shm_status"):
+        return _shm_op(gw, op, msg)
     name = msg.get("model")
     if op in ("metadata", "model_ready", "config"):
         if not isinstance(name, str):
@@ -446,7 +557,23 @@ def control_answer(gw: Gateway, op: Any, msg: dict[str, Any]) -> dict[str, Any]:
         if op == "config":
             return {"config": model_config_json(spec)}
         return model_metadata_json(spec, gw.versions(spec.name))
-    raise BadRequest(f"unknown op {op!r}; ops are infer, live, ready, index, stats, metadata, model_ready, config")
+    raise BadRequest(f"unknown op {op!r}; ops are infer, live, ready, index, stats, metadata, model_ready, config, "
+                     "shm_register, shm_unregister, shm_status")
+
+
+def _shm_op(gw: Gateway, op: str, msg: dict[str, Any]) -> dict[str, Any]:
+    """Triton's system shared-memory calls on the socket (whose peers are on this host by nature)."""
+    regions = gw.shared_memory
+    name = msg.get("name")
+    if name is not None and not isinstance(name, str):
+        raise BadRequest(f"op {op}: name must be a string")
+    if op == "shm_register":
+        regions.register(name, msg.get("key"), msg.get("offset", 0), msg.get("byte_size"))
+        return {}
+    if op == "shm_unregister":
+        regions.unregister(name)
+        return {}
+    return {"regions": regions.status(name)}
 
 
 def _version(msg: dict[str, Any]) -> str | int | None:

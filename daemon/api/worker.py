@@ -31,10 +31,12 @@ from typing import Any
 import uvloop
 
 from daemon import log as daemon_log
+from daemon.api.budget import Lease
 from daemon.api.http import HttpFrontend
 from daemon.api.httpserver import Request, Response, Router
 from daemon.api.link import DONE, DRAIN, HELLO, MODELS, READY, REPLY, STATE, STOP, Link
 from daemon.api.remote import RemoteController, RemoteGateway, error_from, registry_from
+from daemon.api.sharedmem import names_region
 from daemon.api.slots import SlotPool, pool_bytes, pool_classes
 from daemon.api.uds import SocketConnection, SocketFrontend, error_frame
 from daemon.config import Settings
@@ -49,22 +51,36 @@ CALL_HTTP, CALL_SOCKET = 0, 1
 STOP_ANSWER_S = 2.0  # on STOP, how long answers already sent by the controller may take to be written
 
 
+FORWARDED_OPS = ("stats", "shm_register", "shm_unregister", "shm_status")
+
+
 class WorkerSocketConnection(SocketConnection):
-    """The socket's `stats` op is the controller's to answer: forwarded, answered when it returns."""
+    """The socket's `stats` and shared-memory ops, and infer frames naming a region, are the
+    controller process's to answer (it owns the regions): forwarded, answered when they return."""
 
     def _control_op(self, req_id: Any, op: Any, msg: dict[str, Any]) -> None:
-        if op != "stats":
+        if op not in FORWARDED_OPS:
             super()._control_op(req_id, op, msg)
             return
+        self._forward(req_id, op, {k: v for k, v in msg.items() if k != "id"} if op != "stats" else {})
+
+    def _infer(self, req_id: Any, msg: dict[str, Any], lease: Lease) -> None:
+        if not (names_region(msg.get("inputs")) or names_region(msg.get("outputs"))):
+            super()._infer(req_id, msg, lease)
+            return
+        lease.release()  # the frame is small (the tensors are in the regions) and is passed on whole
+        self._forward(req_id, "infer", {k: v for k, v in msg.items() if k != "id"})
+
+    def _forward(self, req_id: Any, op: str, msg: dict[str, Any]) -> None:
         gw = self.gateway
         assert isinstance(gw, RemoteGateway)
-        task = asyncio.get_running_loop().create_task(self._forwarded(gw.remote, req_id, op))
+        task = asyncio.get_running_loop().create_task(self._forwarded(gw.remote, req_id, op, msg))
         gw.background.add(task)
         task.add_done_callback(gw.background.discard)
 
-    async def _forwarded(self, remote: RemoteController, req_id: Any, op: str) -> None:
+    async def _forwarded(self, remote: RemoteController, req_id: Any, op: str, msg: dict[str, Any]) -> None:
         try:
-            status, body, retry = await remote.call(CALL_SOCKET, [op, {}])
+            status, body, retry = await remote.call(CALL_SOCKET, [op, msg])
         except EscapementError as e:
             self.send(error_frame(req_id, e))
             return
@@ -117,6 +133,7 @@ class Worker:
         if host:
             self.http = HttpFrontend(gw)
             self.http.router = worker_router(self.http, self._forward_http)
+            self.http.forward_shm = self._forward_http  # the controller process owns the regions
             await self.http.start(host, port, reuse_port=True)
         if self.socket_fd >= 0:
             self.socket = SocketFrontend(gw, WorkerSocketConnection)

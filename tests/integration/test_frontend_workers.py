@@ -41,6 +41,12 @@ from tests.integration.test_http import (  # noqa: F401 - run again here, throug
     test_tritonclient_errors,
     test_tritonclient_sync_binary_and_json_both_ways,
 )
+from tests.integration.test_shared_memory import (  # noqa: F401 - the controller process answers these
+    regions,
+    test_every_region_check_has_a_clear_error,
+    test_socket_client_shared_memory,
+    test_tritonclient_http_inputs_and_outputs_in_shared_memory,
+)
 from tests.integration.test_socket import (  # noqa: F401
     test_async_client_many_in_flight_on_one_connection,
     test_bad_frames_and_lying_lengths_do_not_disturb_other_clients,
