@@ -64,7 +64,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     daemon_log.setup("info")
     logging.getLogger("escapement.demo").setLevel(logging.INFO)
     built = demo.build(args.out, force=args.force, only=args.only)
-    print(f"demo models in {args.out}: {len(built)} built, {len(demo.MODELS) - len(built)} already there"
+    print(f"demo models in {args.out}: {len(built)} built, {len(demo.MODELS) + 1 - len(built)} already there"
           if not args.only else f"built {built}")
     if args.variants and not args.only:
         from daemon import variants

@@ -5,6 +5,10 @@
 - `mlp_784`: a random-weight 784-1024-1024-10 MLP, the model peers are compared on.
 - `cnn_heavy`: a random-weight CNN on 3x32x32 inputs whose batch-1 run takes a few ms on one
   core and whose throughput more than doubles with batching, so batching matters.
+- `digits_personal`: the digits MLP split Velox-style (docs/personalization.md): outputs `logits`
+  and `features` (the 64 values its last layer reads), the last layer as the shared head
+  (`1/head.npz`), and `users.npz` beside it: users whose labels are permutations of the digits,
+  with a feedback stream and a held-out set to measure what feedback teaches.
 
 Idempotent: a model whose files are already there is left alone unless `force` is given.
 Deterministic: fixed seeds and a fixed train/test split.
@@ -226,7 +230,67 @@ def build(out: str | Path, force: bool = False, only: list[str] | None = None) -
             acc += _build_parity(out, m.name)
         log.info("%s: built in %.1f s%s", m.name, time.perf_counter() - t0, acc)
         built.append(m.name)
+    done = all((out / PERSONAL / f).exists() for f in ("config.toml", "users.npz", "1/model.pt2", "1/head.npz"))
+    if (not only or PERSONAL in only) and (force or not done):
+        t0 = time.perf_counter()
+        note = _build_personal(out)
+        log.info("%s: built in %.1f s%s", PERSONAL, time.perf_counter() - t0, note)
+        built.append(PERSONAL)
+    elif not only or PERSONAL in only:
+        log.info("%s: already built", PERSONAL)
     return built
+
+
+PERSONAL = "digits_personal"
+PERSONAL_USERS = 5  # users in users.npz, each with its own permutation of the ten labels
+
+
+class DigitsSplitMLP(nn.Module):
+    """DigitsMLP answering its logits and the features its last layer reads."""
+
+    def __init__(self, mlp: DigitsMLP) -> None:
+        super().__init__()
+        self.body = mlp.net[:4]
+        self.last = mlp.net[4]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        f = self.body(x / 16.0)
+        return self.last(f), f
+
+
+def personal_config_text(meta: dict[str, object]) -> str:
+    desc = "digits MLP 64-128-64-10 split for per-user weights: logits, and the 64 features its last layer reads"
+    lines = [f"# Built by `escapement demo`. {desc}.", f'description = "{desc}"', "max_batch_size = 32",
+             "slo_ms = 100", "", "[[inputs]]", 'name = "INPUT__0"', 'datatype = "FP32"', "shape = [-1, 64]", "",
+             "[[outputs]]", 'name = "logits"', 'datatype = "FP32"', "shape = [-1, 10]", "",
+             "[[outputs]]", 'name = "features"', 'datatype = "FP32"', "shape = [-1, 64]", "",
+             "[personalization]", 'features = "features"', 'head = "head.npz"', 'output = "personalized"',
+             "prior = 1.0", "", "[metadata]"]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in meta.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _build_personal(out: Path) -> str:
+    """digits_personal: the trained digits MLP, its head (W, bias row, the logits' scale) and the
+    users' evaluation data."""
+    model, meta = _digits_model(_seeded(DigitsMLP), (64,), epochs=60)
+    split = DigitsSplitMLP(model).eval()  # type: ignore[arg-type]
+    model_dir = out / PERSONAL
+    save_model(split, "pt2", torch.zeros((2, 64)), 32, model_dir / "1" / "model.pt2")
+    xtr, ytr, xte, yte = digits_split()
+    with torch.no_grad():
+        logits, _ = split(torch.from_numpy(xtr))
+    last = split.last
+    w = np.vstack([last.weight.detach().numpy().T, last.bias.detach().numpy()[None, :]]).astype(np.float64)
+    scale = float(logits.abs().mean())  # feedback targets are +-scale: the logits' own size
+    np.savez(model_dir / "1" / "head.npz", W=w, scale=np.float64(scale))
+    perms = np.stack([np.random.default_rng(100 + u).permutation(10) for u in range(PERSONAL_USERS)])
+    np.savez(model_dir / "users.npz", users=np.array([f"user{u}" for u in range(PERSONAL_USERS)]), perms=perms,
+             x_feedback=xtr, y_feedback=ytr, x_test=xte, y_test=yte)
+    meta = {**meta, "target_scale": round(scale, 4),
+            "users": "users.npz: user u sees label perms[u][y] for digit y (feedback stream: the train split)"}
+    (model_dir / "config.toml").write_text(personal_config_text(meta), encoding="utf-8")
+    return f", test accuracy {meta['test_accuracy']:.4f}, logits' scale {scale:.3f}"
 
 
 PARITY_DEMO = ("digits_mlp", "digits_cnn")  # the demo classifiers get a parity model (k = 2)

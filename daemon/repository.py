@@ -25,6 +25,13 @@
     default_priority_level = 0   # the level of a request that gives none (0: controller.default_priority)
     [queue_policy.levels.20]     # one priority level's own policy (Triton's priority_queue_policy)
     best_effort = true           # requests of this level start in the best-effort lane
+    [personalization]            # Velox-style per-user weights on a feature output (daemon/apps/personal.py)
+    features = "features"        # the output holding each sample's feature vector, shape [-1, d]
+    head = "head.npz"            # in each version directory: W (d+1, C), the bias as the last row
+    output = "personalized"      # the output added for a request naming a user
+    prior = 1.0                  # RLS: P0 = prior * I (how far feedback may move W from the head)
+    forgetting = 1.0             # RLS forgetting factor lambda in (0, 1]
+    target_scale = 0             # feedback targets are +-s; 0: head.npz's "scale" (else 1.0)
 
 A model directory may instead hold its file bare, as a storage URI (KServe's storage initializer
 or model agent) delivers it: `<repo>/<model>/model.pt2` (or model.ts) is served as version 1, with
@@ -40,6 +47,8 @@ named by 1 to `MAX_VERSION_DIGITS` ASCII digits; every entry it skips costs one 
 
 from __future__ import annotations
 
+import hashlib
+import io
 import logging
 import math
 import os
@@ -50,8 +59,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 from daemon import kserve
-from daemon.datatypes import KNOWN_UNSUPPORTED, WIRE_ONLY, DataType, lookup
+from daemon.datatypes import BY_NAME, KNOWN_UNSUPPORTED, WIRE_ONLY, DataType, lookup
 from daemon.signature import SignatureError, inferred_config
 
 log = logging.getLogger("escapement.repository")
@@ -61,9 +72,11 @@ Layout = Literal["versions", "bare"]  # <model>/<version>/model.pt2, or <model>/
 MODEL_FILES: dict[str, ModelFormat] = {"model.pt2": "pt2", "model.ts": "ts"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _KNOWN_KEYS = {"name", "description", "max_batch_size", "slo_ms", "inputs", "outputs", "metadata", "parity",
-               "preload_replicas", "queue_policy", "response_cache"}
+               "preload_replicas", "queue_policy", "response_cache", "personalization"}
 _QUEUE_KEYS = {"default_timeout_ms", "timeout_action", "allow_timeout_override", "max_queue_size", "max_wait_s"}
 _PARITY_KEYS = {"k", "encoder", "file", "enabled", "flush_ms", "accuracy"}
+_PERSONAL_KEYS = {"features", "head", "output", "prior", "forgetting", "target_scale"}
+MAX_HEAD_BYTES = 256 << 20  # a head is (d+1) x C floats; this only stops a runaway file
 MAX_BATCH_SIZE = 4096
 MAX_CONFIG_BYTES = 1 << 20  # a config.toml is a few hundred bytes; this only stops a runaway file
 # Versions travel as int64 (KServe's version strings, msgpack, metrics labels): 18 digits stay
@@ -182,6 +195,35 @@ class ParitySpec:
 
 
 @dataclass(frozen=True, slots=True)
+class PersonalConfig:
+    """`[personalization]` of a model's config.toml, checked (the head file is read per version)."""
+
+    features: str  # the output holding the feature vectors
+    head: str  # the head's file name in each version directory
+    output: str = "personalized"
+    prior: float = 1.0
+    forgetting: float = 1.0
+    target_scale: float = 0.0  # 0: head.npz's "scale", else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class PersonalSpec:
+    """A version's personalization: its config, and the shared head read from its directory."""
+
+    config: PersonalConfig
+    features_index: int  # of the features output in ModelSpec.outputs
+    dim: int  # d, the feature vector's length (W has d + 1 rows: the bias is the last)
+    classes: int  # C, the personalized output's width
+    scale: float  # s: feedback targets are +s at the label, -s elsewhere (the logits' scale)
+    head_digest: str  # BLAKE2b of the head file: a changed head is a changed version (reloaded)
+    head: np.ndarray = field(compare=False, hash=False, repr=False)  # (d+1, C) float64, read-only
+
+    @property
+    def output(self) -> str:
+        return self.config.output
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     """One servable version of a model, as its config and files describe it."""
 
@@ -201,7 +243,11 @@ class ModelSpec:
     layout: Layout = "versions"
     memory_bytes: int | None = None  # what its KServe TrainedModel declares (spec.model.memory), if any
     response_cache: bool = False  # its answers are kept in the prediction cache (daemon/apps/cache.py)
+    personalization: PersonalSpec | None = None  # per-user weights on a feature output (daemon/apps/personal.py)
     key: str = field(init=False, compare=False)  # "name:version", used on every hot path
+    # What the frontends answer with: the model's outputs, then the personalized one (present in
+    # an answer only when the request named a user). The runtime runs `outputs` only.
+    served_outputs: tuple[TensorSpec, ...] = field(init=False, compare=False, repr=False)
     # Powers of two up to max_batch_size, plus max_batch_size itself if it is not one; and, per
     # sample count, the smallest of them that holds it (the scheduler asks per batch it plans).
     batch_sizes: tuple[int, ...] = field(init=False, compare=False, repr=False)
@@ -209,6 +255,9 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", f"{self.name}:{self.version}")
+        p = self.personalization
+        extra = (TensorSpec(p.output, BY_NAME["FP32"], (-1, p.classes)),) if p is not None else ()
+        object.__setattr__(self, "served_outputs", self.outputs + extra)
         cap = max(self.max_batch_size, 1)
         sizes = [1 << i for i in range(cap.bit_length()) if 1 << i <= cap]
         if sizes[-1] != cap:
@@ -401,10 +450,11 @@ def check_model_config(raw: dict[str, Any], name: str, default_slo_ms: float) ->
     preload = raw.get("preload_replicas", 0)
     if isinstance(preload, bool) or not isinstance(preload, int) or not 0 <= preload <= 64:
         raise ModelConfigError(f"{name}: preload_replicas = {preload!r}: expected an integer in 0..64")
+    outputs = _tensor_specs(raw.get("outputs"), "outputs", name)
     return {
         "name": name,
         "inputs": _tensor_specs(raw.get("inputs"), "inputs", name),
-        "outputs": _tensor_specs(raw.get("outputs"), "outputs", name),
+        "outputs": outputs,
         "max_batch_size": mbs,
         "slo_s": float(slo) / 1000.0,
         "description": desc,
@@ -413,6 +463,8 @@ def check_model_config(raw: dict[str, Any], name: str, default_slo_ms: float) ->
         "preload_replicas": preload,
         "queue_policy": _queue_policy(raw.get("queue_policy"), name),
         "response_cache": _response_cache(raw.get("response_cache"), name),
+        # a PersonalConfig here; _model_versions makes it each version's PersonalSpec (its head file)
+        "personalization": _personal_config(raw.get("personalization"), name, outputs),
     }
 
 
@@ -429,6 +481,77 @@ def _response_cache(raw: Any, name: str) -> bool:
     if not isinstance(enabled, bool):
         raise ModelConfigError(f"{name}: [response_cache] enabled = {enabled!r}: expected true or false")
     return enabled
+
+
+def _personal_config(raw: Any, name: str, outputs: tuple[TensorSpec, ...]) -> PersonalConfig | None:
+    """`[personalization]`: which output holds the features, the head's file, the added output's
+    name and the RLS prior."""
+    if raw is None:
+        return None
+    where = f"{name}: [personalization]"
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f'{where} must be a table, e.g. features = "features" and head = "head.npz"')
+    unknown = set(raw) - _PERSONAL_KEYS
+    if unknown:
+        raise ModelConfigError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(_PERSONAL_KEYS)})")
+    features, head, out = raw.get("features"), raw.get("head"), raw.get("output", "personalized")
+    by_name = {o.name: o for o in outputs}
+    if not isinstance(features, str) or features not in by_name:
+        raise ModelConfigError(f"{where}: features = {features!r}: expected the name of one of the outputs "
+                               f"{sorted(by_name)}")
+    f = by_name[features]
+    if len(f.shape) != 2 or f.datatype.name not in ("FP16", "FP32", "FP64"):
+        raise ModelConfigError(f"{where}: output {features} is {f.datatype.name} {list(f.shape)}: the features "
+                               "must be a floating-point [-1, d] output")
+    if not isinstance(head, str) or "/" in head or head.startswith(".") or not head.endswith(".npz"):
+        raise ModelConfigError(f"{where}: head = {head!r}: expected a .npz file name in the version directory")
+    if not isinstance(out, str) or not _NAME_RE.fullmatch(out) or out in by_name:
+        raise ModelConfigError(f"{where}: output = {out!r}: expected a new output name (letters, digits, '_', "
+                               f"'.', '-'), not one of {sorted(by_name)}")
+
+    def number(key: str, default: float, ok: Any, expected: str) -> float:
+        v = raw.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not ok(v):
+            raise ModelConfigError(f"{where}: {key} = {v!r}: expected {expected}")
+        return float(v)
+
+    return PersonalConfig(features, head, out,
+                          number("prior", 1.0, lambda v: 0 < v <= 1e6, "a number in (0, 1e6]"),
+                          number("forgetting", 1.0, lambda v: 0.5 <= v <= 1, "a number in [0.5, 1]"),
+                          number("target_scale", 0.0, lambda v: 0 <= v <= 1e6, "a number in [0, 1e6] (0: the "
+                                 "head's own)"))
+
+
+def load_head(cfg: PersonalConfig, version_dir: Path, outputs: tuple[TensorSpec, ...]) -> PersonalSpec:
+    """A version's PersonalSpec: its head file read and checked against the features output."""
+    path = version_dir / cfg.head
+    try:
+        raw = read_regular(path, MAX_HEAD_BYTES)
+    except FileNotFoundError:
+        raise ModelConfigError(f"[personalization] head {cfg.head} is missing in {version_dir}") from None
+    except OSError as e:  # RefusedFile included
+        raise ModelConfigError(f"[personalization] head {cfg.head}: {e.strerror or e}") from None
+    try:
+        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except Exception as e:  # np.load raises several types for a file that is not an npz
+        raise ModelConfigError(f"[personalization] head {cfg.head} is not a readable .npz: {e}") from None
+    w = arrays.get("W")
+    index = next(i for i, o in enumerate(outputs) if o.name == cfg.features)
+    dim = outputs[index].shape[1]
+    if not isinstance(w, np.ndarray) or w.ndim != 2 or w.shape[0] != dim + 1 or w.shape[1] < 1 or \
+            w.dtype.kind != "f" or not np.isfinite(w).all():
+        got = f"{w.dtype} {list(w.shape)}" if isinstance(w, np.ndarray) else "nothing"
+        raise ModelConfigError(f"[personalization] head {cfg.head}: W must be finite floats of shape "
+                               f"[{dim + 1}, C] (features {cfg.features} has {dim}, plus the bias row); got {got}")
+    scale = cfg.target_scale
+    if scale == 0:
+        s = arrays.get("scale")
+        scale = float(s) if isinstance(s, np.ndarray) and s.size == 1 and np.isfinite(s).all() and s > 0 else 1.0
+    head = np.array(w, dtype=np.float64, order="C")
+    head.flags.writeable = False
+    return PersonalSpec(cfg, index, dim, int(w.shape[1]), scale, hashlib.blake2b(raw, digest_size=16).hexdigest(),
+                        head)
 
 
 class _SkippedVersion(ModelConfigError):
@@ -609,6 +732,11 @@ def _model_versions(model_dir: Path, default_slo_ms: float) -> list[ModelSpec]:
             if problem is not None:
                 log.warning("%s:%d: parity file %s: served without parity", name, version, problem)
                 cfg_v = {**cfg_v, "parity": None}
+        if cfg["personalization"] is not None:
+            try:
+                cfg_v["personalization"] = load_head(cfg["personalization"], path.parent, cfg["outputs"])
+            except ModelConfigError as e:
+                raise ModelConfigError(f"{name}: version {version}: {e}") from None
         specs.append(ModelSpec(version=version, path=path, format=fmt, **cfg_v))
     return specs
 

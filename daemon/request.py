@@ -60,6 +60,8 @@ class InferenceRequest:
     error: EscapementError | None = None
     reconstructed: bool = False
     cached: bool = False  # answered from the prediction cache (daemon/apps/cache.py), the model not run
+    user: str = ""  # personalized models: whose weights add the personalized output (daemon/apps/personal.py)
+    query_id: str = ""  # personalized answers: the id feedback for this query names
     cold_start: bool = False
     dispatched_at: float = 0.0
     finished_at: float = 0.0
