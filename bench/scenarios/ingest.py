@@ -10,12 +10,20 @@ ratios between worker counts, not absolute figures with other machines).
 `loop_us_per_request`: CPU of the controller process's main thread (its event loop: the one that
 decides) per request answered, from /proc/PID/task/PID/stat. With 0 workers that thread also
 does every frontend's protocol work; with N > 0 only the link records and the controller.
+
+`--shm true` runs the shared-memory variant instead (results under ingest-shm): one large input
+(`image_3x224`, a 3x224x224 FP32 image, 588 KiB; the model only averages it) sent by the
+unmodified tritonclient one request at a time, over HTTP binary, gRPC raw, HTTP with the input
+and output in system shared memory, and gRPC with shared memory: loop CPU per request and
+latency percentiles (the client writes its input into the region before each request: what a
+real client pays).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -32,6 +40,8 @@ from bench.servers import Escapement, cpu_seconds
 from daemon.demo import save_model
 
 MODEL = "null_784"
+IMAGE = "image_3x224"
+SHM_VARIANTS = ("http binary", "grpc raw", "http shm", "grpc shm")
 
 
 def _build_repo(root: Path) -> Path:
@@ -103,7 +113,10 @@ def _closed_loop(protocol: str, server: Escapement, clients: int, seconds: float
 
 
 def run(quick: bool = False, json_out: str | None = None, workers: list[int] | None = None, reps: int = 3,
-        clients: int = 16, seconds: float | None = None) -> dict[str, Any]:
+        clients: int = 16, seconds: float | None = None, shm: bool = False,
+        requests: int | None = None) -> dict[str, Any]:
+    if shm:
+        return run_shm(quick, json_out, reps, requests or (300 if quick else 1000))
     counts = workers if workers is not None else [0, 1, 2]
     seconds = seconds or (3.0 if quick else 8.0)
     rows: list[dict[str, Any]] = []
@@ -146,3 +159,104 @@ def run(quick: bool = False, json_out: str | None = None, workers: list[int] | N
                          rows, summary, json_out, notes=notes,
                          columns=["label", "rep", "requests_per_s", "loop_us_per_request",
                                   "controller_process_cores", "failed"])
+
+
+# ---------------------------------------------------------------- the shared-memory variant
+
+
+def _build_image_repo(root: Path) -> Path:
+    model = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 10)).eval()
+    save_model(model, "ts", torch.zeros(2, 3, 224, 224), 8, root / IMAGE / "1" / "model.ts")
+    (root / IMAGE / "config.toml").write_text(
+        'max_batch_size = 8\nslo_ms = 1000.0\n[[inputs]]\nname = "INPUT__0"\ndatatype = "FP32"\n'
+        'shape = [-1, 3, 224, 224]\n[[outputs]]\nname = "OUTPUT__0"\ndatatype = "FP32"\nshape = [-1, 10]\n',
+        encoding="utf-8")
+    return root
+
+
+def _grpc_port(server: Escapement) -> int:
+    for line in server.log:
+        m = re.search(r"gRPC listening on [^:]+:(\d+)", line)
+        if m:
+            return int(m.group(1))
+    raise RuntimeError("the daemon did not say where gRPC listens")
+
+
+def _shm_point(variant: str, server: Escapement, n: int) -> dict[str, Any]:
+    """`n` sequential batch-1 requests of one variant (after 20 unmeasured): latency and loop CPU."""
+    import numpy as np
+    import tritonclient.grpc as tg
+    import tritonclient.http as th
+    import tritonclient.utils.shared_memory as shm
+
+    proto, how = variant.split()
+    lib: Any = th if proto == "http" else tg
+    client = lib.InferenceServerClient(f"127.0.0.1:{server.port if proto == 'http' else _grpc_port(server)}")
+    x = np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)
+    tag = f"{os.getpid()}-{proto}"
+    regions = []
+    inp = lib.InferInput("INPUT__0", list(x.shape), "FP32")
+    out = lib.InferRequestedOutput("OUTPUT__0")
+    if how == "shm":
+        hin = shm.create_shared_memory_region("in", f"/escb-in-{tag}", x.nbytes)
+        hout = shm.create_shared_memory_region("out", f"/escb-out-{tag}", 40)
+        regions = [hin, hout]
+        client.register_system_shared_memory("in", f"/escb-in-{tag}", x.nbytes)
+        client.register_system_shared_memory("out", f"/escb-out-{tag}", 40)
+        inp.set_shared_memory("in", x.nbytes)
+        out.set_shared_memory("out", 40)
+
+    def one() -> None:
+        if how == "shm":
+            shm.set_shared_memory_region(regions[0], [x])  # the client's input, each time
+            client.infer(IMAGE, [inp], outputs=[out])
+            shm.get_contents_as_numpy(regions[1], np.float32, [1, 10])
+        else:
+            inp.set_data_from_numpy(x)
+            client.infer(IMAGE, [inp], outputs=[out]).as_numpy("OUTPUT__0")
+
+    try:
+        for _ in range(20):
+            one()
+        lat: list[float] = []
+        loop0 = _thread_cpu(server.pid, server.pid)
+        for _ in range(n):
+            t = time.perf_counter()
+            one()
+            lat.append(time.perf_counter() - t)
+        loop_s = _thread_cpu(server.pid, server.pid) - loop0
+    finally:
+        if how == "shm":
+            client.unregister_system_shared_memory()
+            for h in regions:
+                shm.destroy_shared_memory_region(h)
+        client.close()
+    lat.sort()
+    return {"loop_us_per_request": loop_s / n * 1e6, "p50_ms": lat[n // 2] * 1e3,
+            "p99_ms": lat[min(n - 1, int(n * 0.99))] * 1e3, "mean_ms": statistics.fmean(lat) * 1e3}
+
+
+def run_shm(quick: bool, json_out: str | None, reps: int, requests: int) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    extra = {"shm": "true"}
+    with tempfile.TemporaryDirectory(prefix="ingest-shm-") as tmp:
+        repo = _build_image_repo(Path(tmp) / "repo")
+        # No shedding: a machine shared with other runs can hold the loop back tens of ms, and a
+        # one-client sequential loop never overloads the daemon itself.
+        with Escapement(repo, server={"frontend_workers": 0, "grpc": "127.0.0.1:0", "shed_lag_ms": 0}) as server:
+            for rep in range(reps):
+                for variant in SHM_VARIANTS:  # interleaved: the machine's noise falls on every variant alike
+                    rows.append({"label": variant, "rep": rep, **_shm_point(variant, server, requests)})
+    summary: dict[str, Any] = {"model": IMAGE, "input_bytes": 3 * 224 * 224 * 4, "requests": requests, "reps": reps}
+    for key in ("loop_us_per_request", "p50_ms", "p99_ms"):
+        summary[key] = {v: round(statistics.median(r[key] for r in rows if r["label"] == v), 3 if "ms" in key else 1)
+                        for v in SHM_VARIANTS}
+    notes = [f"command: {command('ingest', quick, extra)}",
+             f"one tritonclient (sync) client, {requests} sequential batch-1 requests per variant and rep, {reps} "
+             "reps interleaved; medians. frontend_workers = 0: every frontend runs on the controller's loop.",
+             "shm: the input (and the 40-byte output) in system shared memory, registered once; the client writes "
+             "its input into the region before each request and reads the output from its region after.",
+             "loop_us_per_request: CPU of the daemon's main (event-loop) thread per request."]
+    config = {"command": command("ingest", quick, extra), "requests": requests, "reps": reps}
+    return results.write("ingest-shm", config, rows, summary, json_out, notes=notes,
+                         columns=["label", "rep", "loop_us_per_request", "p50_ms", "p99_ms", "mean_ms"])
