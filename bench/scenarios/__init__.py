@@ -26,6 +26,7 @@ SCENARIOS = {
     "ingest": "bench.scenarios.ingest",
     "sharing": "bench.scenarios.sharing",
     "apps": "bench.scenarios.apps",
+    "rayserve": "bench.scenarios.rayserve",
 }
 
 

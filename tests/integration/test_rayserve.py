@@ -1,0 +1,61 @@
+"""The Ray Serve application (daemon/rayserve.py): skipped where ray[serve] is not installed.
+
+The request translation is tested here without a cluster; the multi-node run (scale, affinity,
+conformance through Serve's proxy, a replica killed mid-load) is `python -m bench run rayserve`,
+and `test_rayserve_on_a_local_cluster` (slow, only with ESCAPEMENT_RAY_CLUSTER_TEST=1) runs its
+quick version.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import orjson
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from daemon import rayserve
+
+
+def test_json_infer_body_becomes_the_socket_message_with_deadline_and_priority() -> None:
+    body = orjson.dumps({"id": "a", "inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 2],
+                                                "data": [1, 2]}],
+                         "parameters": {"timeout": 5000, "priority": 2},
+                         "outputs": [{"name": "OUTPUT__0", "parameters": {"binary_data": True}}]})
+    msg, (binary, binary_all), client_id = rayserve._infer_message("m", None, body, None)
+    assert msg["timeout_us"] == 5000 and msg["priority"] == 2 and msg["outputs"] == ["OUTPUT__0"]
+    assert np.frombuffer(msg["inputs"][0]["data"], np.float32).tolist() == [1.0, 2.0]
+    assert binary == {"OUTPUT__0": True} and not binary_all and client_id == "a"
+
+
+def test_bad_bodies_are_400() -> None:
+    for body in (b"{nope", orjson.dumps({"inputs": []}),
+                 orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1]}]})):
+        with pytest.raises(rayserve.Failed) as e:
+            rayserve._infer_message("m", None, body, None)
+        assert e.value.status == 400
+
+
+def test_answer_as_json_or_binary() -> None:
+    out = np.arange(3, dtype=np.float32).reshape(1, 3)
+    answer = {"model": "m", "version": "1",
+              "outputs": [{"name": "OUTPUT__0", "datatype": "FP32", "shape": [1, 3], "data": out.tobytes()}]}
+    body, headers = rayserve._v2_answer(answer, ({}, False), None)
+    assert orjson.loads(body)["outputs"][0]["data"] == [0.0, 1.0, 2.0] and rayserve.HEADER_LEN not in headers
+    body, headers = rayserve._v2_answer(answer, ({}, True), None)
+    n = int(headers[rayserve.HEADER_LEN])
+    assert np.frombuffer(body[n:], np.float32).tolist() == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not os.environ.get("ESCAPEMENT_RAY_CLUSTER_TEST"),
+                    reason="a 3-node Ray cluster for about a minute: set ESCAPEMENT_RAY_CLUSTER_TEST=1")
+def test_rayserve_on_a_local_cluster(tmp_path: object) -> None:
+    from bench.scenarios import rayserve as scenario
+
+    s = scenario.run(quick=True, json_out=str(tmp_path) + "/rayserve.json")["summary"]  # type: ignore[operator]
+    assert s["conformance_ok"] and s["scale_1_to_2_ok"] and s["models_spread_ok"]
+    assert s["killed_replica_hung"] == 0 and s["recovered_after_kill_ok"]
