@@ -248,3 +248,54 @@ def test_socket_client_shared_memory(demo_daemon: DaemonThread, regions: list[sh
         finally:
             c.unregister_shared_memory()
         assert c.shared_memory_status() == []
+
+
+@pytest.fixture(scope="module")
+def typed_daemon(test_repo: Path) -> Iterator[DaemonThread]:
+    d = short_tmpdir()
+    dt = DaemonThread(settings(test_repo, d, server={"grpc": "127.0.0.1:0"})).start()
+    yield dt
+    dt.stop()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.expect_errors("is not served")
+def test_regions_mix_with_bytes_on_many_inputs(typed_daemon: DaemonThread,
+                                               regions: list[shm.SharedMemoryRegion]) -> None:
+    """all_types: inputs c (INT32) and e (FP16) from one region at two offsets, the others as bytes;
+    out_c into a region, the others as bytes. gRPC's raw_input_contents then holds only the inputs
+    not in shared memory (Triton's rule), and raw_output_contents keeps an empty entry for out_c."""
+    rng = np.random.default_rng(1)
+    data = {"a": rng.random((2, 3)) > 0.5, "b": rng.integers(0, 200, (2, 3), dtype=np.uint8),
+            "c": rng.integers(-9, 9, (2, 3), dtype=np.int32), "d": rng.integers(-9, 9, (2, 3), dtype=np.int64),
+            "e": rng.random((2, 3)).astype(np.float16), "f": rng.random((2, 3))}
+    types = {"a": "BOOL", "b": "UINT8", "c": "INT32", "d": "INT64", "e": "FP16", "f": "FP64"}
+    hin, kin = _region(regions, "t_in", 64)
+    hout, kout = _region(regions, "t_out", 24)
+    shm.set_shared_memory_region(hin, [data["c"]])
+    shm.set_shared_memory_region(hin, [data["e"]], offset=32)
+    for lib, address in ((th, typed_daemon.http), (tg, typed_daemon.grpc)):
+        c = lib.InferenceServerClient(address)
+        c.register_system_shared_memory("t_in", kin, 64)
+        c.register_system_shared_memory("t_out", kout, 24)
+        try:
+            inputs = []
+            for name, arr in data.items():
+                i = lib.InferInput(name, [2, 3], types[name])
+                if name == "c":
+                    i.set_shared_memory("t_in", 24)
+                elif name == "e":
+                    i.set_shared_memory("t_in", 12, offset=32)
+                else:
+                    i.set_data_from_numpy(arr)
+                inputs.append(i)
+            outputs = [lib.InferRequestedOutput(f"out_{n}") for n in data]
+            outputs[2].set_shared_memory("t_out", 24)
+            r = c.infer("all_types", inputs, outputs=outputs)
+            np.testing.assert_array_equal(shm.get_contents_as_numpy(hout, np.int32, [2, 3]), data["c"] * 2)
+            np.testing.assert_array_equal(r.as_numpy("out_e"), data["e"] * 2)
+            np.testing.assert_array_equal(r.as_numpy("out_a"), ~data["a"])
+            np.testing.assert_array_equal(r.as_numpy("out_f"), data["f"] / 2)
+        finally:
+            c.unregister_system_shared_memory()
+            c.close()
