@@ -37,6 +37,7 @@ from bench.scenarios.common import command, demo_repo
 from daemon.client import SocketClient
 
 CLIENT_TIMEOUT_S = 30.0
+_ERRORS: dict[str, int] = {}  # the last load's failures by message
 DIGIT = [0, 0, 5, 13, 9, 1, 0, 0, 0, 0, 13, 15, 10, 15, 5, 0, 0, 3, 15, 2, 0, 11, 8, 0, 0, 4, 12, 0, 0, 8, 8, 0,
          0, 5, 8, 0, 0, 9, 8, 0, 0, 4, 11, 0, 1, 12, 7, 0, 0, 2, 14, 5, 10, 12, 0, 0, 0, 0, 6, 13, 10, 0, 0, 0]
 
@@ -128,20 +129,26 @@ async def _spread(base: str, metas: dict[str, Any], n: int, concurrency: int,
     by_model: dict[str, dict[str, int]] = {m: {} for m in names}
     statuses: dict[int, int] = {}
     lat: list[float] = []
+    errors: dict[str, int] = {}  # what a failed request was told, first 200 characters
     sem = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession() as s:
         async def one(i: int) -> None:
             m = names[i % len(names)]
             async with sem:
-                st, _, h, dt = await _request(s, base, "POST", f"/v2/models/{m}/infer", _infer_body(metas[m]))
+                st, data, h, dt = await _request(s, base, "POST", f"/v2/models/{m}/infer", _infer_body(metas[m]))
             statuses[st] = statuses.get(st, 0) + 1
             if at is not None and sum(statuses.values()) == at[0]:
                 at[1]()
+            if st != 200:
+                msg = f"{st}: {data[:200].decode(errors='replace')}"
+                errors[msg] = errors.get(msg, 0) + 1
             if st == 200:
                 r = h.get("escapement-replica", "?")
                 by_model[m][r] = by_model[m].get(r, 0) + 1
                 lat.append(dt)
         await asyncio.gather(*(one(i) for i in range(n)))
+    _ERRORS.clear()
+    _ERRORS.update(errors)
     return by_model, statuses, lat
 
 
@@ -291,6 +298,7 @@ def run(quick: bool = False, json_out: str | None = None, nodes: int = 3, reques
         _, stk, _ = asyncio.run(_spread(base, metas, kill_requests, 8,
                                         (kill_requests // 4, lambda: os.kill(info["pid"], signal.SIGKILL))))
         kill_s = time.monotonic() - t0
+        kill_errors = dict(_ERRORS)
         time.sleep(2.0)
         daemon_orphaned = _alive(info["daemon_pid"])
         _wait(lambda: _running_replicas() == 2, 240, "the replacement replica")
@@ -317,6 +325,7 @@ def run(quick: bool = False, json_out: str | None = None, nodes: int = 3, reques
             "killed_replica_answered": stk.get(200, 0),
             "killed_replica_failed_cleanly": failed,
             "killed_replica_failed_statuses": {k: v for k, v in stk.items() if k not in (0, 200)},
+            "killed_replica_errors": kill_errors,
             "killed_replica_hung": hung,
             "killed_replica_daemon_orphaned": daemon_orphaned,
             "recovered_after_kill_ok": set(str_) == {200}, "recovery_s": round(recovered_s, 1),

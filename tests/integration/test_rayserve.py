@@ -59,3 +59,16 @@ def test_rayserve_on_a_local_cluster(tmp_path: object) -> None:
     s = scenario.run(quick=True, json_out=str(tmp_path) + "/rayserve.json")["summary"]  # type: ignore[operator]
     assert s["conformance_ok"] and s["scale_1_to_2_ok"] and s["models_spread_ok"]
     assert s["killed_replica_hung"] == 0 and s["recovered_after_kill_ok"]
+
+
+def test_deploy_config_validates_against_serve_schema() -> None:
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    path = Path(__file__).parents[2] / "deploy/ray/serve.yaml"
+    cfg = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+    (application,) = cfg.applications
+    assert application.import_path == "daemon.rayserve:app" and application.args["models"]
+    assert rayserve.app({k: str(v) for k, v in application.args.items()}) is not None  # builds without a cluster
