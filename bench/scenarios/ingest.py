@@ -243,7 +243,11 @@ def _shm_point(variant: str, server: Escapement, n: int) -> dict[str, Any]:
 
 def run_shm(quick: bool, json_out: str | None, reps: int, requests: int) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
-    extra = {"shm": "true"}
+    extra: dict[str, Any] = {"shm": "true"}
+    if reps != 3:
+        extra["reps"] = reps
+    if requests != (300 if quick else 1000):
+        extra["requests"] = requests
     with tempfile.TemporaryDirectory(prefix="ingest-shm-") as tmp:
         repo = _build_image_repo(Path(tmp) / "repo")
         # No shedding: a machine shared with other runs can hold the loop back tens of ms, and a
