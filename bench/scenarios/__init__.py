@@ -31,8 +31,9 @@ SCENARIOS = {
 
 
 # Run on their own, not by `python -m bench all`: a calibration whose result is written into code, and a
-# long reliability run (fuzz and overload) whose findings are inputs to fix, not figures to compare.
-NOT_IN_ALL = frozenset({"peers-tuning", "soak"})
+# long reliability run (fuzz and overload) whose findings are inputs to fix, not figures to compare; and
+# rayserve, which needs the optional `ray` extra and starts a 3-node Ray cluster.
+NOT_IN_ALL = frozenset({"peers-tuning", "soak", "rayserve"})
 
 
 def get(name: str) -> Callable[..., dict[str, Any]]:

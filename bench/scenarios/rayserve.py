@@ -192,7 +192,7 @@ def _running_replicas() -> int:
     return int(dep.replica_states.get("RUNNING", 0)) if dep.status == "HEALTHY" else -1
 
 
-def _replica_infos(n_calls: int = 12) -> dict[str, dict[str, Any]]:
+def _replica_infos(n_calls: int = 16) -> dict[str, dict[str, Any]]:
     from ray import serve
 
     h = serve.get_deployment_handle("EscapementReplica", "escapement")
@@ -291,8 +291,8 @@ def run(quick: bool = False, json_out: str | None = None, nodes: int = 3, reques
             rows.append({"label": f"latency, {label}", "requests": len(lat), "p50_ms": p50, "p99_ms": p99})
 
         # 5. a replica killed mid-load
-        victim = max(two_replicas, key=lambda r: sum(c.get(r, 0) for c in by2.values()))
-        info = infos.get(victim) or next(iter(infos.values()))
+        victim = max(infos, key=lambda r: sum(c.get(r, 0) for c in by2.values()))
+        info = infos[victim]
 
         t0 = time.monotonic()
         _, stk, _ = asyncio.run(_spread(base, metas, kill_requests, 8,
@@ -303,6 +303,7 @@ def run(quick: bool = False, json_out: str | None = None, nodes: int = 3, reques
         daemon_orphaned = _alive(info["daemon_pid"])
         _wait(lambda: _running_replicas() == 2, 240, "the replacement replica")
         recovered_s = time.monotonic() - t0
+        replaced = victim not in _replica_infos() and not _alive(info["pid"])
         _, str_, _ = asyncio.run(_spread(base, metas, 4 * len(metas), concurrency))
         hung = stk.get(0, 0)
         failed = sum(v for k, v in stk.items() if k not in (0, 200))
@@ -327,6 +328,8 @@ def run(quick: bool = False, json_out: str | None = None, nodes: int = 3, reques
             "killed_replica_failed_statuses": {k: v for k, v in stk.items() if k not in (0, 200)},
             "killed_replica_errors": kill_errors,
             "killed_replica_hung": hung,
+            "killed_replica": victim,
+            "killed_replica_replaced": replaced,
             "killed_replica_daemon_orphaned": daemon_orphaned,
             "recovered_after_kill_ok": set(str_) == {200}, "recovery_s": round(recovered_s, 1),
             "p50_ms": round(p50, 2), "p99_ms": round(p99, 2),
