@@ -214,7 +214,10 @@ def run(quick: bool = False, json_out: str | None = None, nodes: int = 3, reques
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
     from ray import serve
+    from ray._private import ray_constants
     from ray.cluster_utils import Cluster
+
+    ray_constants.ENABLE_RAY_CLUSTER = False  # the same, where ray was imported before the variable was set
 
     from daemon.rayserve import build
 
