@@ -113,6 +113,16 @@ class Escapement:
         assert self.proc is not None
         return self.proc.pid
 
+    def kill(self) -> None:
+        """SIGKILL the daemon (no drain, no close): `start()` starts it again on the same files."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+        if self._drainer is not None:
+            self._drainer.join(10)  # it ends at the pipe's EOF
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

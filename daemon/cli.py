@@ -1,4 +1,4 @@
-"""`escapement serve | infer | models | profile | train-parity | demo | config`."""
+"""`escapement serve | infer | feedback | user | models | profile | train-parity | demo | config`."""
 
 from __future__ import annotations
 
@@ -240,7 +240,8 @@ def cmd_infer(args: argparse.Namespace) -> int:
                 else:
                     inputs = _random_inputs(meta, args.batch)
             timeout = int(args.timeout_ms * 1000) if args.timeout_ms is not None else None
-            r = c.infer(args.model, inputs, version=args.version, timeout_us=timeout)
+            user = {"user": args.user} if args.user else {}  # a personalized model's user (docs/personalization.md)
+            r = c.infer(args.model, inputs, version=args.version, timeout_us=timeout, **user)
         except InferenceServerError as e:
             print(f"error {e.status}: {e.message}", file=sys.stderr)
             return 1
@@ -249,9 +250,12 @@ def cmd_infer(args: argparse.Namespace) -> int:
             return 1
     if args.json:
         print(json.dumps({"model": r.model, "version": r.version, "reconstructed": r.reconstructed,
+                          **({"query_id": r.query_id} if r.query_id else {}),
                           "outputs": {k: v.tolist() for k, v in r.outputs.items()}}))
         return 0
     print(f"model {r.model} version {r.version}" + (" (reconstructed)" if r.reconstructed else ""))
+    if r.query_id:
+        print(f"query_id: {r.query_id}  (escapement feedback {r.model} {r.query_id} LABEL)")
     for name, arr in r.outputs.items():
         print(f"{name}: shape {list(arr.shape)} {arr.dtype}")
         if arr.ndim == 2:
@@ -261,6 +265,30 @@ def cmd_infer(args: argparse.Namespace) -> int:
                 print(f"  labels: {labels.tolist()}  ({int((pred == labels).sum())}/{len(labels)} correct)")
         with np.printoptions(precision=4, suppress=True, threshold=40):
             print("  " + str(arr).replace("\n", "\n  "))
+    return 0
+
+
+def cmd_feedback(args: argparse.Namespace) -> int:
+    """The true label of a personalized answer: updates that user's weights (docs/personalization.md)."""
+    from daemon.client import InferenceServerError
+
+    try:
+        with _client(args) as c:
+            if args.cmd == "feedback":
+                label: Any = [int(v) for v in args.label.split(",")] if "," in args.label else int(args.label)
+                answer = c.feedback(args.model, args.query_id, label, version=args.version)
+            else:
+                answer = c.user(args.model, args.user, version=args.version)
+    except ValueError:
+        print(f"LABEL must be an integer (or integers separated by commas), got {args.label!r}", file=sys.stderr)
+        return 2
+    except InferenceServerError as e:
+        print(f"error {e.status}: {e.message}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"cannot reach the daemon: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(answer))
     return 0
 
 
@@ -355,7 +383,21 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument("--batch", type=int, default=1, help="batch of random inputs (default 1)")
             p.add_argument("--timeout-ms", type=float, help="deadline for this request")
             p.add_argument("--json", action="store_true", help="print the result as JSON")
+            p.add_argument("--user", help="a personalized model's user: adds its output and a query_id")
         p.set_defaults(fn=fn)
+    for name, text in (("feedback", "give a personalized answer's true label (updates its user's weights)"),
+                       ("user", "a personalized model's user: updates so far, the last one's time")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--socket", help=f"unix socket of the daemon (default: {DEFAULT_SOCKET})")
+        p.add_argument("--http", metavar="HOST:PORT", help="use HTTP instead of the socket")
+        p.add_argument("--version", help="the model version (default: the query's, or the newest)")
+        p.add_argument("model")
+        if name == "feedback":
+            p.add_argument("query_id", help="the query_id of the answer")
+            p.add_argument("label", help="its true class (a batch: one per sample, comma-separated)")
+        else:
+            p.add_argument("user")
+        p.set_defaults(fn=cmd_feedback)
     return ap
 
 

@@ -29,6 +29,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import msgpack
 import numpy as np
@@ -55,6 +56,7 @@ class InferResult:
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
     reconstructed: bool = False
     cached: bool = False  # answered from the daemon's prediction cache (docs/cache.md)
+    query_id: str = ""  # a personalized answer: what its feedback names (docs/personalization.md)
     in_regions: dict[str, dict[str, Any]] = field(default_factory=dict)  # outputs written to shared memory
 
 
@@ -110,7 +112,8 @@ def _wire_array(raw: bytes | memoryview, datatype: str, shape: list[int]) -> np.
 
 def infer_message(model: str, inputs: Mapping[str, np.ndarray | ShmInput],
                   outputs: Sequence[str | ShmOutput] | None = None, version: str | int | None = None,
-                  timeout_us: int | None = None, priority: int | None = None) -> dict[str, Any]:
+                  timeout_us: int | None = None, priority: int | None = None, user: str | None = None
+                  ) -> dict[str, Any]:
     """The msgpack map of an infer request (without its id)."""
     msg: dict[str, Any] = {
         "op": "infer", "model": model,
@@ -126,6 +129,8 @@ def infer_message(model: str, inputs: Mapping[str, np.ndarray | ShmInput],
         msg["timeout_us"] = int(timeout_us)
     if priority is not None:
         msg["priority"] = int(priority)
+    if user is not None:
+        msg["user"] = user
     return msg
 
 
@@ -146,7 +151,15 @@ def infer_result(msg: dict[str, Any]) -> InferResult:
         else:
             in_regions[o["name"]] = {"datatype": o["datatype"], "shape": o["shape"], "parameters": o["parameters"]}
     return InferResult(msg.get("model", ""), msg.get("version", ""), outs, bool(msg.get("reconstructed")),
-                       bool(msg.get("cached")), in_regions)
+                       bool(msg.get("cached")), str(msg.get("query_id", "")), in_regions)
+
+
+def _version_field(version: str | int | None) -> dict[str, str]:
+    return {"version": str(version)} if version is not None else {}
+
+
+def _feedback_message(model: str, query_id: str, label: int | list[int], version: str | int | None) -> dict[str, Any]:
+    return {"op": "feedback", "model": model, "query_id": query_id, "label": label, **_version_field(version)}
 
 
 def _frame(obj: dict[str, Any]) -> bytes:
@@ -204,8 +217,18 @@ class SocketClient:
 
     def infer(self, model: str, inputs: Mapping[str, np.ndarray | ShmInput],
               outputs: Sequence[str | ShmOutput] | None = None, version: str | int | None = None,
-              timeout_us: int | None = None, priority: int | None = None) -> InferResult:
-        return infer_result(self.call(infer_message(model, inputs, outputs, version, timeout_us, priority)))
+              timeout_us: int | None = None, priority: int | None = None, user: str | None = None) -> InferResult:
+        """`user`: a personalized model's user (its output and a query_id, docs/personalization.md)."""
+        return infer_result(self.call(infer_message(model, inputs, outputs, version, timeout_us, priority, user)))
+
+    def feedback(self, model: str, query_id: str, label: int | list[int],
+                 version: str | int | None = None) -> dict[str, Any]:
+        """The true label of a personalized answer; returns once the user's update is committed."""
+        return self.call(_feedback_message(model, query_id, label, version))
+
+    def user(self, model: str, user: str, version: str | int | None = None) -> dict[str, Any]:
+        """A personalized model's user: updates so far, the last one's time (404 if it gave none)."""
+        return self.call({"op": "user", "model": model, "user": user, **_version_field(version)})
 
     def register_shared_memory(self, name: str, key: str, byte_size: int, offset: int = 0) -> None:
         """Register `byte_size` bytes at `offset` of the POSIX shared-memory object `key` as region `name`."""
@@ -299,8 +322,14 @@ class AsyncSocketClient:
 
     async def infer(self, model: str, inputs: Mapping[str, np.ndarray | ShmInput],
                     outputs: Sequence[str | ShmOutput] | None = None, version: str | int | None = None,
-                    timeout_us: int | None = None, priority: int | None = None) -> InferResult:
-        return infer_result(await self.call(infer_message(model, inputs, outputs, version, timeout_us, priority)))
+                    timeout_us: int | None = None, priority: int | None = None,
+                    user: str | None = None) -> InferResult:
+        return infer_result(await self.call(infer_message(model, inputs, outputs, version, timeout_us, priority,
+                                                          user)))
+
+    async def feedback(self, model: str, query_id: str, label: int | list[int],
+                       version: str | int | None = None) -> dict[str, Any]:
+        return await self.call(_feedback_message(model, query_id, label, version))
 
     async def ready(self) -> bool:
         return bool((await self.call({"op": "ready"}))["ready"])
@@ -310,7 +339,8 @@ class AsyncSocketClient:
 
 
 def http_infer_body(inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None,
-                    timeout_us: int | None = None, priority: int | None = None) -> tuple[bytes, int]:
+                    timeout_us: int | None = None, priority: int | None = None,
+                    user: str | None = None) -> tuple[bytes, int]:
     """A KServe v2 binary body: JSON header + tensor bytes; returns (body, header length)."""
     chunks = [_le_bytes(a) for a in inputs.values()]
     header: dict[str, Any] = {"inputs": [
@@ -323,6 +353,8 @@ def http_infer_body(inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | N
         params["timeout"] = int(timeout_us)
     if priority:
         params["priority"] = int(priority)
+    if user is not None:
+        params["user"] = user
     if params:
         header["parameters"] = params
     h = orjson.dumps(header)
@@ -346,7 +378,7 @@ def http_infer_result(body: bytes, header_len: str | None) -> InferResult:
             outs[o["name"]] = np.array(o["data"], dtype=dt).reshape(o["shape"])
     params = obj.get("parameters") or {}
     return InferResult(obj.get("model_name", ""), obj.get("model_version", ""), outs,
-                       bool(params.get("reconstructed")), bool(params.get("cached")))
+                       bool(params.get("reconstructed")), bool(params.get("cached")), str(params.get("query_id", "")))
 
 
 def _http_error(status: int, body: bytes) -> InferenceServerError:
@@ -386,12 +418,25 @@ class HttpClient:
 
     def infer(self, model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None,
               version: str | int | None = None, timeout_us: int | None = None,
-              priority: int | None = None) -> InferResult:
-        body, hlen = http_infer_body(inputs, outputs, timeout_us, priority)
+              priority: int | None = None, user: str | None = None) -> InferResult:
+        body, hlen = http_infer_body(inputs, outputs, timeout_us, priority, user)
         status, data, resp = self.request("POST", _infer_path(model, version), body, {HEADER_LEN: str(hlen)})
         if status != 200:
             raise _http_error(status, data)
         return http_infer_result(data, resp.getheader(HEADER_LEN))
+
+    def feedback(self, model: str, query_id: str, label: int | list[int],
+                 version: str | int | None = None) -> dict[str, Any]:
+        """The true label of a personalized answer; returns once the user's update is committed."""
+        path = _infer_path(model, version).removesuffix("/infer") + "/feedback"
+        status, data, _ = self.request("POST", path, orjson.dumps({"query_id": query_id, "label": label}))
+        if status != 200:
+            raise _http_error(status, data)
+        return dict(orjson.loads(data))
+
+    def user(self, model: str, user: str, version: str | int | None = None) -> dict[str, Any]:
+        base = _infer_path(model, version).removesuffix("/infer")
+        return dict(self.get_json(f"{base}/users/{quote(user, safe='')}"))
 
     def get_json(self, path: str) -> Any:
         status, data, _ = self.request("GET", path)

@@ -252,6 +252,34 @@ class CacheSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class PersonalizationSettings:
+    """Personalized models (daemon/apps/personal.py): where users' weights are stored, and how many
+    users and answered queries are kept in memory."""
+
+    db_path: str = doc("The users' weights: an SQLite file (WAL mode; created on first use). Empty: "
+                       "$STATE_DIRECTORY/personalization.sqlite3 under systemd (StateDirectory=), else "
+                       "state/personalization.sqlite3 under the working directory.", "")
+    users_in_memory: int = doc("Most users' weights kept in memory (least recently used leave memory, not the "
+                               "database).", 10_000)
+    user_memory_bytes: int = doc("Bytes of users' weights kept in memory (bytes or '512MiB'; one user of a head "
+                                 "of d features costs ~8 (d+1)^2 bytes).", 512 * 2**20)
+    queries: int = doc("Most answered queries remembered for their feedback (oldest forgotten first).", 100_000)
+    query_memory_bytes: int = doc("Bytes of remembered queries (their feature vectors; bytes or '64MiB').",
+                                  64 * 2**20)
+    query_ttl_s: float = doc("How long an answered query takes feedback (s).", 3600.0)
+
+    def __post_init__(self) -> None:
+        _need(self.users_in_memory >= 1, "personalization.users_in_memory", self.users_in_memory, "must be >= 1")
+        _need(self.queries >= 1, "personalization.queries", self.queries, "must be >= 1")
+        _need(self.user_memory_bytes >= 1, "personalization.user_memory_bytes", self.user_memory_bytes,
+              "must be >= 1")
+        _need(self.query_memory_bytes >= 1, "personalization.query_memory_bytes", self.query_memory_bytes,
+              "must be >= 1")
+        _need(0 < self.query_ttl_s <= 30 * 86_400, "personalization.query_ttl_s", self.query_ttl_s,
+              "must be in (0, 2592000]")
+
+
+@dataclass(frozen=True, slots=True)
 class SharedMemorySettings:
     """Triton's system shared-memory extension (daemon/api/sharedmem.py): regions local clients
     register by the key of a POSIX shared-memory object in /dev/shm, then name in requests."""
@@ -371,6 +399,8 @@ class Settings:
     runtime: RuntimeSettings = doc("Devices and executors.", default_factory=RuntimeSettings)
     controller: ControllerSettings = doc("Scheduling.", default_factory=ControllerSettings)
     cache: CacheSettings = doc("The prediction cache.", default_factory=CacheSettings)
+    personalization: PersonalizationSettings = doc("Personalized models' users and feedback.",
+                                                   default_factory=PersonalizationSettings)
     shared_memory: SharedMemorySettings = doc("Shared-memory tensors for local clients.",
                                               default_factory=SharedMemorySettings)
     faults: tuple[FaultSettings, ...] = doc("Injected faults, one [[faults]] table each; none by default.",
@@ -391,6 +421,7 @@ _SIZE_FIELDS = {("server", "max_body_bytes"), ("server", "request_memory_bytes")
                 ("runtime", "weight_budget"), ("runtime", "device_workspace"),
                 ("runtime", "host_pinned_budget"), ("runtime.emucuda", "capacity"),
                 ("controller", "best_effort_bytes"), ("cache", "bytes"), ("cache", "max_entry_bytes"),
+                ("personalization", "user_memory_bytes"), ("personalization", "query_memory_bytes"),
                 ("shared_memory", "max_bytes")}
 
 
@@ -520,6 +551,7 @@ def with_overrides(
     faults = [dataclasses.asdict(f) for f in settings.faults]
     return settings_from_dict({"server": server, "runtime": runtime, "models": model_s, "controller": ctrl,
                                "cache": dataclasses.asdict(settings.cache),
+                               "personalization": dataclasses.asdict(settings.personalization),
                                "shared_memory": dataclasses.asdict(settings.shared_memory), "faults": faults})
 
 

@@ -43,7 +43,7 @@ from daemon.api.http import HttpFrontend
 from daemon.api.httpserver import Request
 from daemon.api.link import CALL, CANCEL, DONE, DRAIN, HELLO, MODELS, READY, REPLY, STATE, STOP, SUBMIT, Link
 from daemon.api.slots import pool_bytes, pool_classes
-from daemon.api.uds import SocketFrontend, control_answer, infer_answer
+from daemon.api.uds import ASYNC_OPS, SocketFrontend, async_answer, control_answer, infer_answer
 from daemon.api.worker import CALL_HTTP
 from daemon.config import Settings, parse_hostport
 from daemon.errors import Cancelled, EscapementError, InternalError, message_of, retry_after_of, status_of
@@ -227,8 +227,11 @@ class FrontendWorkers:
         link = w.link
         if kind != CALL_HTTP:  # a socket op
             op, msg = payload
-            if op == "infer":  # it names a shared-memory region: answered here, where the regions are
+            if op == "infer":  # it names a shared-memory region or a user: answered here, where they are
                 self._spawn(self._socket_infer(link, cid, msg), "forwarded socket infer")
+                return
+            if op in ASYNC_OPS:  # feedback: answered once committed
+                self._spawn(self._socket_async(link, cid, op, msg), f"forwarded socket {op}")
                 return
             try:
                 link.send([REPLY, cid, [200, control_answer(self.gateway, op, msg), None]])
@@ -256,6 +259,14 @@ class FrontendWorkers:
         except Exception as e:  # every failure is answered: the worker waits for this reply
             if not isinstance(e, EscapementError):
                 log.exception("a forwarded socket infer failed")
+            link.send([REPLY, cid, [status_of(e), message_of(e), retry_after_of(e)]])
+
+    async def _socket_async(self, link: Link, cid: int, op: str, msg: dict[str, Any]) -> None:
+        try:
+            link.send([REPLY, cid, [200, await async_answer(self.gateway, op, msg), None]])
+        except Exception as e:  # every failure is answered: the worker waits for this reply
+            if not isinstance(e, EscapementError):
+                log.exception("a forwarded socket %s failed", op)
             link.send([REPLY, cid, [status_of(e), message_of(e), retry_after_of(e)]])
 
     # ---------------------------------------------------------------- what workers are told

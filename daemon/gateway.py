@@ -9,7 +9,9 @@ the daemon, the scheduler or the executors. What it may ask:
 - models: `model`, `versions`, `index`, and the repository's `load_model` / `unload_model`;
 - health and observability: `health`, `statistics`, `model_statistics`, `metrics`;
 - management: the fault-injection hooks (`faults`, `set_fault`, `clear_fault`);
-- shared memory: `shared_memory`, the registered regions (daemon/api/sharedmem.py).
+- shared memory: `shared_memory`, the registered regions (daemon/api/sharedmem.py);
+- personalized models: `feedback` and `user` (daemon/apps/personal.py); a request naming a
+  user (`InferenceRequest.user`) gets its personalized output through `submit`.
 
 Tests build a `Gateway` over a fake controller to drive a frontend without a daemon.
 """
@@ -17,6 +19,7 @@ Tests build a `Gateway` over a fake controller to drive a frontend without a dae
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,6 +32,8 @@ from daemon.api.budget import RequestMemory
 from daemon.api.sharedmem import SharedMemoryRegions
 from daemon.api.throttle import RenderBudget
 from daemon.apps.cache import PredictionCache
+from daemon.apps.personal import Personalizer, default_db_path
+from daemon.apps.userdb import UserDB
 from daemon.clock import Clock, MonotonicClock
 from daemon.config import Settings
 from daemon.controller.classes import classify, priority_rank
@@ -76,7 +81,8 @@ class Gateway:
                  clock: Clock | None = None, overload: LagTracker | None = None,
                  request_memory: RequestMemory | None = None, models: RepositoryControl | None = None,
                  executors: Mapping[str, Executor] | None = None, health: Callable[[], Health] = _always_ready,
-                 admin_token: str = "", cache: PredictionCache | None = None) -> None:
+                 admin_token: str = "", cache: PredictionCache | None = None,
+                 personal: Personalizer | None = None) -> None:
         s = settings.server
         self.settings = settings
         self.registry = registry
@@ -90,6 +96,11 @@ class Gateway:
         self._health = health
         c = settings.cache
         self.cache = cache or PredictionCache(c.bytes, c.entries, c.max_entry_bytes)
+        p = settings.personalization
+        # its database is opened on first use (a user named, feedback): none is created otherwise
+        self.personal = personal or Personalizer(
+            UserDB(p.db_path or default_db_path()), max_users=p.users_in_memory, max_user_bytes=p.user_memory_bytes,
+            max_queries=p.queries, max_query_bytes=p.query_memory_bytes, query_ttl_s=p.query_ttl_s, clock=self.clock)
         # Shared-memory regions (Triton's extension): one registry, in the controller process (a
         # frontend worker forwards what names a region).
         self.shared_memory = SharedMemoryRegions(settings.shared_memory)
@@ -129,6 +140,8 @@ class Gateway:
         if self.registry.resolve(spec.name, spec.version) is not spec:
             raise Unavailable(f"model {spec.name} version {spec.version} was reloaded while the request was "
                               "read; retry")
+        if req.user and spec.personalization is not None:  # first: a cached answer is personalized too
+            self.personal.attach(req)
         # Inputs over max_entry_bytes are not hashed: hashing holds the loop (~2 ms per MiB).
         cache = self.cache
         if spec.response_cache and cache.enabled and req.nbytes <= cache.max_entry_bytes and \
@@ -187,6 +200,17 @@ class Gateway:
             raise req.error
         return req
 
+    # ---------------------------------------------------------------- personalized models
+
+    async def feedback(self, name: str, version: str | int | None, query_id: Any, label: Any) -> dict[str, Any]:
+        """The true label(s) of a personalized answer: its user's weights are updated, and the answer
+        comes once that is committed. NotFound (model, query), BadRequest (label, not personalized)."""
+        return await self.personal.feedback(self.registry.resolve(name, version), query_id, label)
+
+    async def user(self, name: str, version: str | int | None, user: Any) -> dict[str, Any]:
+        """A personalized model's user: updates so far and the last one's time; NotFound if none."""
+        return await self.personal.user_status(self.registry.resolve(name, version), user)
+
     # ---------------------------------------------------------------- models
 
     def model(self, name: str, version: str | int | None = None) -> VersionEntry:
@@ -229,7 +253,8 @@ class Gateway:
         return {**self._scheduler().statistics(),
                 "loop": {"lag_ms": o.lag_s * 1e3, "max_lag_ms": o.max_s * 1e3, "shed": o.shed},
                 "request_memory": {"held_bytes": m.held, "peak_bytes": m.peak, "limit_bytes": m.limit,
-                                   "refused": m.refused}}
+                                   "refused": m.refused},
+                "personalization": dataclasses.asdict(self.personal.stats())}
 
     def model_statistics(self, name: str | None = None, version: str | int | None = None) -> list[dict[str, Any]]:
         """Triton's statistics extension (`model_stats`), for every ready version, one model's ready

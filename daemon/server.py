@@ -351,6 +351,8 @@ class Daemon:
                 await fe.close()
         if self._gateway is not None:
             self._gateway.shared_memory.close()  # the regions' descriptors (the frontends are closed)
+            # users' weights: what feedback queued is committed (acknowledged feedback already is)
+            await asyncio.to_thread(self._gateway.personal.close)
         # Last: systemd keeps watching the loop until everything above is done.
         await self._cancel(list(self._tasks))
         self._watchdog = None

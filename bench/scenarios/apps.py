@@ -1,4 +1,4 @@
-"""`apps`: Clipper's and Velox's parts of escapement. Built so far: the prediction cache.
+"""`apps`: Clipper's and Velox's parts of escapement: the prediction cache and personalized models.
 
 Two copies of one MLP (784 -> 2048 -> 2048 -> 10, built here; ~2 ms a sample on one CPU thread)
 in one daemon: `mlp_cached` opts in to the prediction cache (`[response_cache] enabled = true`),
@@ -12,8 +12,9 @@ in one daemon: `mlp_cached` opts in to the prediction cache (`[response_cache] e
   other request repeats one of 64 hot inputs (warmed first: hits), the others are fresh inputs
   (misses, run by the model); the same stream against `mlp_plain`, where all of them run.
 
-Not built yet (issue 18, items 2-6), so their summary keys are absent: `update_p50_ms`,
-`update_p99_ms`, `accuracy_by_feedback`, `survives_kill`.
+Then, in the same daemon, Velox's personalized models (bench/scenarios/personal.py, on the demo's
+`digits_personal`): `accuracy_by_feedback`, `update_p50_ms` / `update_p99_ms`, `feedback_per_s`
+and `survives_kill` (the daemon is killed with SIGKILL and started again on its database).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import uvloop
 from torch import nn
 
 from bench import results
+from bench.scenarios import personal
 from bench.scenarios.common import command
 from bench.servers import Escapement
 from daemon.demo import save_model
@@ -228,12 +230,16 @@ def run(quick: bool = False, json_out: str | None = None, reps: int | None = Non
     n = requests or (1000 if quick else 5000)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="apps-") as tmp:
-        repo = _build_repo(Path(tmp) / "repo")
+        repo = personal.build_repo(_build_repo(Path(tmp) / "repo"))
         # frontend workers off: one process, so the figures are the cache's, not the link's
-        with Escapement(repo, server={"frontend_workers": 0}) as server:
+        with Escapement(repo, server={"frontend_workers": 0},
+                        personalization={"db_path": str(Path(tmp) / "users.sqlite3")}) as server:
             for rep in range(reps):
                 rows += _latency_rows(server, n, rep)
                 rows += _throughput_rows(server, clients, seconds, rep)
+            # last: it kills the daemon (kill -9) and starts it again
+            personal_rows, personal_summary = personal.run_all(server, repo, quick, clients)
+            rows += personal_rows
 
     def med(label: str, key: str) -> float:
         return statistics.median(r[key] for r in rows if r["label"] == label)
@@ -258,15 +264,22 @@ def run(quick: bool = False, json_out: str | None = None, reps: int | None = Non
         "hit_ratio_50pct_workload": med("50% repeats, cache", "hit_ratio"),
         "p99_ms_50pct_hits": med("50% repeats, cache", "p99_ms"),
         "p99_ms_no_cache": med("50% repeats, no cache", "p99_ms"),
-        "not_built": ["update_p50_ms", "update_p99_ms", "accuracy_by_feedback", "survives_kill"],
+        **personal_summary,
     }
     notes = [f"command: {command('apps', quick)}",
              f"MLP 784-2048-2048-10 (TorchScript, cpu:0), batch 1; latencies: one client, {n} requests "
              f"one after another; throughput: {clients} closed-loop socket clients, {seconds:g} s after a warm-up; "
              f"{reps} rep(s), medians. The generator shares the machine's cores with the daemon.",
              "wire: the socket's `live` op / HTTP GET /v2/health/live on the same connection (no model).",
-             "Not built yet (issue 18 items 2-6): update_p50_ms, update_p99_ms, accuracy_by_feedback, survives_kill."]
+             "personalization (digits_personal, cpu:0, SQLite WAL synchronous=NORMAL on the local disk): "
+             "accuracy_by_feedback = mean held-out accuracy of permuted-label users through the daemon after "
+             "0 (global head) / 10 / 50 / 200 feedback items; update_p50/p99_ms = the feedback round trip over "
+             "the socket, one at a time (RLS + commit + ack); update_alone = the RLS step the daemon timed; "
+             "update_durable = the step plus its commit; feedback_per_s: closed-loop clients, one user each; "
+             "survives_kill: 50 acknowledged items, kill -9, restart, held-out predictions byte-identical."]
     config = {"command": command("apps", quick), "reps": reps, "clients": clients, "seconds": seconds,
               "requests": n}
     return results.write("apps", config, rows, summary, json_out, notes=notes,
-                         columns=["label", "rep", "requests", "p50_ms", "p99_ms", "requests_per_s", "hit_ratio"])
+                         columns=["label", "rep", "requests", "p50_ms", "p99_ms", "requests_per_s", "hit_ratio",
+                                  "after_0", "after_10", "after_50", "after_200", "feedback_per_s",
+                                  "survives_kill"])

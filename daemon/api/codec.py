@@ -222,15 +222,19 @@ def _leaf_is_float(data: list[Any]) -> bool:
     return type(x) is float
 
 
-def select_outputs(spec: ModelSpec, names: Sequence[str] | None) -> list[int]:
-    """Indices of the requested outputs (all of them when `names` is None)."""
+def select_outputs(spec: ModelSpec, names: Sequence[str] | None, personalized: bool = False) -> list[int]:
+    """Indices (in `spec.served_outputs`) of the requested outputs (all of them when `names` is
+    None). The personalized output exists only for a request naming a user (`personalized`)."""
     if names is None:
-        return list(range(len(spec.outputs)))
-    index = {o.name: i for i, o in enumerate(spec.outputs)}
+        return list(range(len(spec.served_outputs) if personalized else len(spec.outputs)))
+    index = {o.name: i for i, o in enumerate(spec.served_outputs)}
     picked: list[int] = []
     for n in names:
         if n not in index:
             raise BadRequest(f"unknown output {n!r} for model {spec.name}; it gives {list(index)}")
+        if index[n] >= len(spec.outputs) and not personalized:
+            raise BadRequest(f"output {n} of model {spec.name} is a user's answer: name the user (the request "
+                             "parameter user)")
         if index[n] in picked:
             raise BadRequest(f"output {n} is requested twice")
         picked.append(index[n])

@@ -44,6 +44,7 @@ from daemon.api.codec import (
 from daemon.api.http import EXTENSIONS, is_loopback
 from daemon.api.metadata import model_config_json
 from daemon.api.sharedmem import OutputTargets, SharedMemoryRegions, shm_ref
+from daemon.apps.personal import check_user
 from daemon.datatypes import BY_NAME
 from daemon.errors import (
     BadRequest,
@@ -263,8 +264,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                           arrays: tuple[np.ndarray, ...], samples: int,
                           targets: OutputTargets) -> pb.ModelInferResponse:
         gw = self.gateway
-        out_idx = self._wanted_outputs(spec, request, targets)
         params = {k: _param(v) for k, v in request.parameters.items()}
+        user = check_user(params["user"], "parameter user") if "user" in params and spec.personalization else ""
+        out_idx = self._wanted_outputs(spec, request, targets, bool(user))
         if len(request.id.encode()) > self.settings.max_request_id_bytes:
             raise BadRequest(f"id is longer than {self.settings.max_request_id_bytes} bytes "
                              "(server.max_request_id_bytes)")
@@ -274,6 +276,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             grpc_us = max(0, int(left * 1e6))
             timeout_us = grpc_us if timeout_us is None else min(timeout_us, grpc_us)
         req = gw.new_request(spec, arrays, samples, timeout_us, priority, request.id)
+        req.user = user
         await gw.infer(req)  # a cancelled RPC (client gone, deadline passed) cancels it
         return self._response(spec, req, out_idx, targets)
 
@@ -315,13 +318,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return tensors
 
     @staticmethod
-    def _wanted_outputs(spec: ModelSpec, request: pb.ModelInferRequest, targets: OutputTargets) -> list[int]:
+    def _wanted_outputs(spec: ModelSpec, request: pb.ModelInferRequest, targets: OutputTargets,
+                        personalized: bool = False) -> list[int]:
         if not request.outputs:
-            return list(range(len(spec.outputs)))
+            return select_outputs(spec, None, personalized)
         for o in request.outputs:
             if "classification" in o.parameters and _param(o.parameters["classification"]):
                 raise NotImplementedByServer("the classification extension is not supported")
-        idx = select_outputs(spec, [o.name for o in request.outputs])
+        idx = select_outputs(spec, [o.name for o in request.outputs], personalized)
         for i, o in zip(idx, request.outputs, strict=True):
             ref = shm_ref({k: _param(v) for k, v in o.parameters.items()}, f"output {o.name}")
             if ref is not None:
@@ -334,7 +338,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         assert req.outputs is not None
         resp = pb.ModelInferResponse(model_name=spec.name, model_version=str(spec.version), id=req.client_id)
         for i in out_idx:
-            o = spec.outputs[i]
+            o = spec.served_outputs[i]
             arr = req.outputs[i]
             out = resp.outputs.add(name=o.name, datatype=o.datatype.name, shape=list(arr.shape))
             written = targets.write(i, arr, f"output {o.name}") if targets else None
@@ -352,6 +356,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             resp.parameters["reconstructed"].bool_param = True
         if req.cached:
             resp.parameters["cached"].bool_param = True
+        if req.query_id:  # personalized: feedback names this query
+            resp.parameters["query_id"].string_param = req.query_id
         return resp
 
 

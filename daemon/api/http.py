@@ -32,6 +32,7 @@ from daemon.api.codec import (
 from daemon.api.httpserver import HttpServer, Request, Response, Router, error_response
 from daemon.api.metadata import model_config_json, model_metadata_json
 from daemon.api.sharedmem import OutputTargets, SharedMemoryRegions, ShmRef, names_region, shm_ref
+from daemon.apps.personal import check_user
 from daemon.datatypes import BY_NAME
 from daemon.errors import (
     BadRequest,
@@ -107,6 +108,9 @@ class HttpFrontend:
         r.add("GET", "/v2", self.server_metadata)
         r.add("GET", "/v2/health/live", self.live)
         r.add("GET", "/v2/health/ready", self.ready)
+        for base in bases:
+            r.add("POST", base + "/feedback", self.feedback)  # personalized models (docs/personalization.md)
+            r.add("GET", base + "/users/{user}", self.user)
         for base in bases:
             r.add("GET", base, self.model_metadata)
             r.add("GET", base + "/ready", self.model_ready)
@@ -202,6 +206,23 @@ class HttpFrontend:
 
     async def model_config(self, request: Request) -> Response:
         return json_response(model_config_json(self._entry(request).spec))
+
+    # ---------------------------------------------------------------- personalized models
+
+    async def feedback(self, request: Request) -> Response:
+        """`{"query_id": ..., "label": 3}`: the true label of a personalized answer; 200 once committed."""
+        obj = _parse_json(request.body, "the feedback body", self.settings.max_json_bytes)
+        if not isinstance(obj, dict) or "label" not in obj:
+            raise BadRequest('a feedback body is a JSON object: {"query_id": "<from the answer>", "label": 3}')
+        unknown = set(obj) - {"query_id", "label"}
+        if unknown:
+            raise BadRequest(f"unknown keys in the feedback body: {sorted(unknown)} (known: label, query_id)")
+        return json_response(await self.gateway.feedback(request.params["model"], request.params.get("version"),
+                                                         obj.get("query_id"), obj["label"]))
+
+    async def user(self, request: Request) -> Response:
+        return json_response(await self.gateway.user(request.params["model"], request.params.get("version"),
+                                                     request.params["user"]))
 
     async def repository_index(self, request: Request) -> Response:
         body = request.body
@@ -365,8 +386,9 @@ class HttpFrontend:
             obj, binary = _parse_json(body, "the request body", max_json), memoryview(b"")
         if not isinstance(obj, dict):
             raise BadRequest("the inference request must be a JSON object")
-        if self.forward_shm is not None and (names_region(obj.get("inputs")) or names_region(obj.get("outputs"))):
-            return await self.forward_shm(request)
+        if self.forward_shm is not None and (names_region(obj.get("inputs")) or names_region(obj.get("outputs"))
+                                             or (spec.personalization is not None and _names_user(obj))):
+            return await self.forward_shm(request)  # the controller process owns the regions and the users
         regions = gw.shared_memory
         tensors = self._wire_inputs(obj.get("inputs"), binary, regions)
         arrays, samples = assemble_inputs(spec, tensors)
@@ -381,10 +403,12 @@ class HttpFrontend:
     async def _infer(self, spec: ModelSpec, obj: dict[str, Any], arrays: tuple[np.ndarray, ...], samples: int,
                      targets: OutputTargets) -> Response:
         gw = self.gateway
-        outputs = self._wanted_outputs(spec, obj, targets)
         params = obj.get("parameters") or {}
         if not isinstance(params, dict):
             raise BadRequest("parameters must be a JSON object")
+        # a model without [personalization] ignores a user, as Triton ignores parameters it does not know
+        user = check_user(params["user"], "parameters.user") if "user" in params and spec.personalization else ""
+        outputs = self._wanted_outputs(spec, obj, targets, bool(user))
         req_id = obj.get("id")
         if req_id is not None and not isinstance(req_id, str):
             raise BadRequest("id must be a string")
@@ -393,6 +417,7 @@ class HttpFrontend:
                              "(server.max_request_id_bytes)")
         timeout_us, priority = request_options(params.get("timeout"), params.get("priority"))
         req = gw.new_request(spec, arrays, samples, timeout_us, priority, req_id or "")
+        req.user = user
         await gw.infer(req)
         return self._response(spec, req, outputs, targets)
 
@@ -445,12 +470,13 @@ class HttpFrontend:
         return tensors
 
     @staticmethod
-    def _wanted_outputs(spec: ModelSpec, obj: dict[str, Any], targets: OutputTargets) -> list[tuple[int, bool]]:
+    def _wanted_outputs(spec: ModelSpec, obj: dict[str, Any], targets: OutputTargets,
+                        personalized: bool = False) -> list[tuple[int, bool]]:
         params = obj.get("parameters") or {}
         binary_all = bool(params.get("binary_data_output", False)) if isinstance(params, dict) else False
         raw = obj.get("outputs")
         if raw is None:
-            return [(i, binary_all) for i in range(len(spec.outputs))]
+            return [(i, binary_all) for i in select_outputs(spec, None, personalized)]
         if not isinstance(raw, list):
             raise BadRequest("outputs must be a list")
         names: list[str] = []
@@ -467,10 +493,10 @@ class HttpFrontend:
             names.append(o["name"])
             flags.append(bool(p.get("binary_data", binary_all)))
             refs.append(shm_ref(p, f"output {o['name']}"))
-        idx = select_outputs(spec, names)
+        idx = select_outputs(spec, names, personalized)
         for i, ref in zip(idx, refs, strict=True):
             if ref is not None:
-                targets.add(i, ref, f"output {spec.outputs[i].name}")
+                targets.add(i, ref, f"output {spec.served_outputs[i].name}")
         return list(zip(idx, flags, strict=True))
 
     @staticmethod
@@ -480,7 +506,7 @@ class HttpFrontend:
         out_json: list[dict[str, Any]] = []
         chunks: list[bytes] = []
         for i, binary in outputs:
-            o = spec.outputs[i]
+            o = spec.served_outputs[i]
             arr = req.outputs[i]
             item: dict[str, Any] = {"name": o.name, "datatype": o.datatype.name, "shape": list(arr.shape)}
             written = targets.write(i, arr, f"output {o.name}") if targets else None
@@ -496,15 +522,26 @@ class HttpFrontend:
         resp: dict[str, Any] = {"model_name": spec.name, "model_version": str(spec.version), "outputs": out_json}
         if req.client_id:
             resp["id"] = req.client_id
+        params: dict[str, Any] = {}
         if req.reconstructed:
-            resp["parameters"] = {"reconstructed": True}
+            params["reconstructed"] = True
         elif req.cached:
-            resp["parameters"] = {"cached": True}
+            params["cached"] = True
+        if req.query_id:  # personalized: feedback names this query
+            params["query_id"] = req.query_id
+            params["user"] = req.user
+        if params:
+            resp["parameters"] = params
         header = orjson.dumps(resp, option=_NUMPY)
         if not chunks:
             return Response(header)
         return Response(b"".join([header, *chunks]), 200, "application/octet-stream",
                         {HEADER_LEN: str(len(header))})
+
+
+def _names_user(obj: dict[str, Any]) -> bool:
+    params = obj.get("parameters")
+    return isinstance(params, dict) and "user" in params
 
 
 def decoded_bytes(t: WireTensor) -> int:

@@ -14,7 +14,7 @@ from daemon.repository import ModelSpec, TensorSpec
 def model_metadata_json(spec: ModelSpec, versions: list[int]) -> dict[str, Any]:
     return {
         "name": spec.name, "versions": [str(v) for v in versions], "platform": spec.platform,
-        "inputs": [t.as_json() for t in spec.inputs], "outputs": [t.as_json() for t in spec.outputs],
+        "inputs": [t.as_json() for t in spec.inputs], "outputs": [t.as_json() for t in spec.served_outputs],
     }
 
 
@@ -35,7 +35,7 @@ def model_config_json(spec: ModelSpec) -> dict[str, Any]:
         "version_policy": {"all": {}},
         "max_batch_size": spec.max_batch_size,
         "input": [io(t) for t in spec.inputs],
-        "output": [io(t) for t in spec.outputs],
+        "output": [io(t) for t in spec.served_outputs],  # a personalized output only answers a user
         "dynamic_batching": {"preferred_batch_size": list(spec.batch_sizes)},
         "parameters": {"slo_ms": {"string_value": f"{spec.slo_s * 1000:g}"}},
         "escapement": {"slo_ms": spec.slo_s * 1000, "batch_sizes": list(spec.batch_sizes),

@@ -40,6 +40,7 @@ from daemon.api.codec import (
 )
 from daemon.api.metadata import model_config_json, model_metadata_json
 from daemon.api.sharedmem import OutputTargets, ShmRef, shm_ref
+from daemon.apps.personal import check_user
 from daemon.errors import (
     BadRequest,
     EscapementError,
@@ -134,6 +135,7 @@ class SocketConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._buf = bytearray()
         self._inflight: dict[int, InferenceRequest] = {}  # internal request id -> request
+        self._tasks: set[asyncio.Task[None]] = set()  # ops answered later (feedback)
         self.share = frontend.gateway.request_memory.share()
         self._frame_lease: Lease | None = None  # the frame being received, charged whole from its length
         self._starved = False  # the daemon's request memory cannot take the next frame: not reading
@@ -357,7 +359,10 @@ class SocketConnection(asyncio.Protocol):
             if op == "infer":
                 self._infer(req_id, msg, lease)
                 return
-            self._control_op(req_id, op, msg)
+            if op in ASYNC_OPS:
+                self._async_op(req_id, op, msg)
+            else:
+                self._control_op(req_id, op, msg)
         except EscapementError as e:
             self.send(error_frame(req_id, e))
         except Exception as e:  # never let one frame kill the connection's other requests
@@ -369,6 +374,24 @@ class SocketConnection(asyncio.Protocol):
         """Answer a control op (a frontend worker forwards some to the controller process instead)."""
         self.send({"id": req_id, "status": 200, **control_answer(self.gateway, op, msg)})
 
+    def _async_op(self, req_id: Any, op: str, msg: dict[str, Any]) -> None:
+        """An op answered later (feedback waits for its commit): the connection goes on meanwhile."""
+        task = asyncio.get_running_loop().create_task(self._answer_later(req_id, op, msg), name=f"socket {op}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer_later(self, req_id: Any, op: str, msg: dict[str, Any]) -> None:
+        try:
+            body = await async_answer(self.gateway, op, msg)
+        except EscapementError as e:
+            self.send(error_frame(req_id, e))
+            return
+        except Exception as e:  # answered, whatever happened: the client waits for this id
+            log.exception("socket op %s failed", op)
+            self.send(error_frame(req_id, e))
+            return
+        self.send({"id": req_id, "status": 200, **body})
+
     # ---------------------------------------------------------------- inference
 
     def _infer(self, req_id: Any, msg: dict[str, Any], lease: Lease) -> None:
@@ -377,6 +400,7 @@ class SocketConnection(asyncio.Protocol):
         try:
             lease.force(p.copied)  # read from shared memory: new memory (bytes inputs view the frame)
             req = self.gateway.new_request(p.spec, p.arrays, p.samples, p.timeout_us, p.priority, "")
+            req.user = p.user
             req.context = (req_id, p.out_idx, lease, targets)
             req.on_finish = self._finished
             self._inflight[req.id] = req
@@ -436,6 +460,7 @@ class ParsedInfer:
     timeout_us: int | None
     priority: int | None
     copied: int  # bytes of inputs read from shared memory
+    user: str = ""  # a personalized model's user (daemon/apps/personal.py)
 
 
 def parse_infer(gw: Gateway, msg: dict[str, Any]) -> ParsedInfer:
@@ -484,17 +509,19 @@ def parse_infer(gw: Gateway, msg: dict[str, Any]) -> ParsedInfer:
                 refs.append(None)
             else:
                 raise BadRequest("outputs must be a list of names (or of maps with a name and parameters)")
-    out_idx = select_outputs(spec, names)
+    # a model without [personalization] ignores a user, as it does keys it does not know
+    user = check_user(msg["user"]) if msg.get("user") is not None and spec.personalization else ""
+    out_idx = select_outputs(spec, names, bool(user))
     timeout_us, priority = request_options(msg.get("timeout_us"), msg.get("priority"))
     targets = OutputTargets(gw.shared_memory)
     try:
         for i, ref in zip(out_idx, refs, strict=False):
             if ref is not None:
-                targets.add(i, ref, f"output {spec.outputs[i].name}")
+                targets.add(i, ref, f"output {spec.served_outputs[i].name}")
     except BaseException:
         targets.release()
         raise
-    return ParsedInfer(spec, arrays, samples, out_idx, targets, timeout_us, priority, copied)
+    return ParsedInfer(spec, arrays, samples, out_idx, targets, timeout_us, priority, copied, user)
 
 
 def _params(t: dict[str, Any], what: str) -> dict[str, Any]:
@@ -511,7 +538,7 @@ def answer_body(req: InferenceRequest, out_idx: list[int], targets: OutputTarget
     spec = req.model
     outputs: list[dict[str, Any]] = []
     for i in out_idx:
-        o, arr = spec.outputs[i], req.outputs[i]
+        o, arr = spec.served_outputs[i], req.outputs[i]
         item: dict[str, Any] = {"name": o.name, "datatype": o.datatype.name, "shape": list(arr.shape)}
         written = targets.write(i, arr, f"output {o.name}") if targets else None
         if written is None:
@@ -519,8 +546,11 @@ def answer_body(req: InferenceRequest, out_idx: list[int], targets: OutputTarget
         else:
             item["parameters"] = written
         outputs.append(item)
-    return {"model": spec.name, "version": str(spec.version), "outputs": outputs, "reconstructed": req.reconstructed,
+    body = {"model": spec.name, "version": str(spec.version), "outputs": outputs, "reconstructed": req.reconstructed,
             "cached": req.cached}
+    if req.query_id:  # personalized: feedback names this query
+        body["query_id"] = req.query_id
+    return body
 
 
 async def infer_answer(gw: Gateway, msg: dict[str, Any]) -> dict[str, Any]:
@@ -528,10 +558,26 @@ async def infer_answer(gw: Gateway, msg: dict[str, Any]) -> dict[str, Any]:
     p = parse_infer(gw, msg)
     try:
         req = gw.new_request(p.spec, p.arrays, p.samples, p.timeout_us, p.priority, "")
+        req.user = p.user
         await gw.infer(req)
         return answer_body(req, p.out_idx, p.targets)
     finally:
         p.targets.release()
+
+
+ASYNC_OPS = ("feedback", "user")  # answered when done (async_answer), not at once
+
+
+async def async_answer(gw: Gateway, op: str, msg: dict[str, Any]) -> dict[str, Any]:
+    """The answer to a personalized model's op: `feedback` (query_id, label) or `user` (user)."""
+    name = msg.get("model")
+    if not isinstance(name, str):
+        raise BadRequest(f"op {op} needs a model name")
+    if op == "feedback":
+        if "label" not in msg:
+            raise BadRequest("op feedback needs a query_id and a label")
+        return await gw.feedback(name, _version(msg), msg.get("query_id"), msg["label"])
+    return await gw.user(name, _version(msg), msg.get("user"))
 
 
 def control_answer(gw: Gateway, op: Any, msg: dict[str, Any]) -> dict[str, Any]:
@@ -558,7 +604,7 @@ def control_answer(gw: Gateway, op: Any, msg: dict[str, Any]) -> dict[str, Any]:
             return {"config": model_config_json(spec)}
         return model_metadata_json(spec, gw.versions(spec.name))
     raise BadRequest(f"unknown op {op!r}; ops are infer, live, ready, index, stats, metadata, model_ready, config, "
-                     "shm_register, shm_unregister, shm_status")
+                     "shm_register, shm_unregister, shm_status, feedback, user")
 
 
 def _shm_op(gw: Gateway, op: str, msg: dict[str, Any]) -> dict[str, Any]:

@@ -64,8 +64,12 @@ class WorkerSocketConnection(SocketConnection):
             return
         self._forward(req_id, op, {k: v for k, v in msg.items() if k != "id"} if op != "stats" else {})
 
+    def _async_op(self, req_id: Any, op: str, msg: dict[str, Any]) -> None:
+        self._forward(req_id, op, {k: v for k, v in msg.items() if k != "id"})  # the users are there
+
     def _infer(self, req_id: Any, msg: dict[str, Any], lease: Lease) -> None:
-        if not (names_region(msg.get("inputs")) or names_region(msg.get("outputs"))):
+        # a user's request: the controller process owns the users (their weights, the queries)
+        if not (names_region(msg.get("inputs")) or names_region(msg.get("outputs")) or msg.get("user") is not None):
             super()._infer(req_id, msg, lease)
             return
         lease.release()  # the frame is small (the tensors are in the regions) and is passed on whole

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,6 +49,13 @@ log = logging.getLogger("escapement.personal")
 USER_OVERHEAD = 256  # bytes a user in memory costs beyond its arrays
 QUERY_OVERHEAD = 192  # bytes a remembered query costs beyond its features
 MAX_USER_ID_BYTES = 256
+
+
+def default_db_path() -> str:
+    """Where users' weights go when `personalization.db_path` is empty: the state directory systemd
+    gives the unit (StateDirectory=, $STATE_DIRECTORY), else state/ under the working directory."""
+    state = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
+    return str(Path(state) / "personalization.sqlite3") if state else "state/personalization.sqlite3"
 
 
 # ---------------------------------------------------------------- recursive least squares
@@ -263,6 +272,15 @@ class Personalizer:
         self.predictions = 0
         self.feedback_count = 0
 
+    def close(self) -> None:
+        """Commit what is queued and close the database (blocking: call it in a thread)."""
+        self.db.close()
+
+    def _open(self) -> None:
+        # The file is opened on first use: a daemon with no personalized traffic creates none.
+        if not self.db.started:
+            self.db.start(wait=False)
+
     def stats(self) -> PersonalStats:
         d = self.db.stats()
         return PersonalStats(self.predictions, self.feedback_count, len(self.users), self.users.bytes,
@@ -324,6 +342,7 @@ class Personalizer:
         fut = self._loading.get(key)
         if fut is not None:
             return fut
+        self._open()
         fut = asyncio.wrap_future(self.db.get(spec.name, spec.version, user))
         out: asyncio.Future[UserState] = asyncio.get_running_loop().create_future()
         self._loading[key] = out
@@ -383,6 +402,7 @@ class Personalizer:
         update_s = time.perf_counter() - t0
         self.users.put((spec.key, q.user), st)  # new predictions use it at once
         self.feedback_count += 1
+        self._open()
         try:
             await asyncio.wrap_future(self.db.put(spec.name, spec.version, q.user,
                                                   StoredUser(w, pm, st.updates, st.updated_at)))

@@ -93,14 +93,19 @@ class UserDB:
 
     # ---------------------------------------------------------------- lifecycle
 
-    def start(self) -> None:
-        """Open the database in the writer thread; raises what opening raised (a path that cannot be
-        created, a file that is not a database)."""
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, name="escapement-userdb", daemon=True)
-        self._thread.start()
-        self._ready.result()
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def start(self, wait: bool = True) -> None:
+        """Open the database in the writer thread. `wait`: until it is open, raising what opening
+        raised (a path that cannot be created, a file that is not a database); else at once, and
+        such an error fails every operation instead (the event loop never waits for the file)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="escapement-userdb", daemon=True)
+            self._thread.start()
+        if wait:
+            self._ready.result()
 
     def close(self) -> None:
         """Commit what is queued, then close the file (blocks until the thread is done)."""
@@ -141,8 +146,12 @@ class UserDB:
     def _run(self) -> None:
         try:
             conn = self._open()
-        except BaseException as e:
+        except Exception as e:
+            log.error("user database %s cannot be opened: %s", self.path, e)
             self._ready.set_exception(e)
+            while not isinstance(item := self._queue.get(), _Stop):  # every operation fails with why
+                item[2].set_exception(e)
+                self._queued -= 1
             return
         self._ready.set_result(None)
         stop = False

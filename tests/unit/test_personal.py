@@ -177,10 +177,16 @@ def test_userdb_round_trip_order_and_reopen(tmp_path: Path) -> None:
     assert UserDB(path).get("m", 1, "u").exception() is not None  # not started: refused, not hung
 
 
+@pytest.mark.expect_errors("cannot be opened")
 def test_userdb_that_cannot_open_says_so(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(OSError):
         UserDB(tmp_path / "file" / "users.sqlite3").start()
+    late = UserDB(tmp_path / "file" / "users.sqlite3")
+    late.start(wait=False)  # the loop's way: the error comes with every operation
+    with pytest.raises(OSError):
+        late.get("m", 1, "u").result(timeout=10)
+    late.close()
 
 
 # ------------------------------------------------------------------ the loop's side
