@@ -230,9 +230,10 @@ def run(quick: bool = False, json_out: str | None = None, nodes: int = 3, reques
     port, direct_port = _free_port(), _free_port()
     base, direct = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{direct_port}"
     sock = os.path.join(tmp, "direct.sock")
-    direct_proc = subprocess.Popen([sys.executable, "-m", "daemon", "serve", "--models", repo, "--http",
-                                    f"127.0.0.1:{direct_port}", "--grpc", "", "--socket", sock],
-                                   stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "direct.log", "wb"))  # noqa: SIM115
+    with open(Path(tmp) / "direct.log", "wb") as log:  # the child keeps its own descriptor
+        direct_proc = subprocess.Popen([sys.executable, "-m", "daemon", "serve", "--models", repo, "--http",
+                                        f"127.0.0.1:{direct_port}", "--grpc", "", "--socket", sock],
+                                       stdout=subprocess.DEVNULL, stderr=log)
     node_args = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 200 * 2**20}
     cluster = None
     rows: list[dict[str, Any]] = []
