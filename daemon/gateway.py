@@ -283,7 +283,7 @@ class Gateway:
         return self._metrics.get()
 
     def _scheduler(self) -> Scheduler:
-        return self.controller.scheduler  # type: ignore[attr-defined, no-any-return]  # the real service's
+        return self.controller.scheduler  # type: ignore[attr-defined]  # the real service's
 
     # ---------------------------------------------------------------- management (fault injection)
 

@@ -346,9 +346,9 @@ class Daemon:
             self._controller.close()
         if self._trace is not None:
             await asyncio.to_thread(self._trace.close)
-        for fe in (self.http, self.grpc, self.socket, self.frontends):
-            if fe is not None:
-                await fe.close()
+        for closer in (self.http, self.grpc, self.socket, self.frontends):
+            if closer is not None:
+                await closer.close()
         if self._gateway is not None:
             self._gateway.shared_memory.close()  # the regions' descriptors (the frontends are closed)
             # users' weights: what feedback queued is committed (acknowledged feedback already is)

@@ -60,7 +60,7 @@ def check_shape(shape: Any, name: str) -> list[int]:
 
 def region_tensor(name: str, datatype: str, shape: list[int], raw: np.ndarray) -> WireTensor:
     """An input read from a shared-memory region (its bytes copied into the request's memory)."""
-    return WireTensor(name, datatype, shape, raw=memoryview(raw), owned=True)
+    return WireTensor(name, datatype, shape, raw=raw.data, owned=True)
 
 
 def assemble_inputs(spec: ModelSpec, tensors: Sequence[WireTensor]) -> tuple[tuple[np.ndarray, ...], int]:
@@ -77,9 +77,10 @@ def assemble_inputs(spec: ModelSpec, tensors: Sequence[WireTensor]) -> tuple[tup
     arrays: list[np.ndarray] = []
     batch = -1
     for s in spec.inputs:
-        t = by_name.get(s.name)
-        if t is None:
+        found = by_name.get(s.name)
+        if found is None:
             raise BadRequest(f"missing input {s.name!r} for model {spec.name}; it takes {expected}")
+        t = found
         if t.datatype != s.datatype.name:
             known = "" if t.datatype in BY_NAME else " (unknown datatype)"
             raise BadRequest(f"input {s.name}: datatype {t.datatype}{known} does not match the model's "

@@ -537,8 +537,8 @@ class HttpServer:
         self._server = await self.loop.create_server(lambda: HttpConnection(self), host, port, backlog=1024,
                                                      reuse_address=True, reuse_port=reuse_port or None)
         self._sweeper = self.loop.create_task(self._sweep(), name="http-sweeper")
-        sockets = self._server.sockets or []
-        return int(sockets[0].getsockname()[1]) if sockets else port
+        bound = list(self._server.sockets or ())
+        return int(bound[0].getsockname()[1]) if bound else port
 
     async def inflate_and_dispatch(self, req: Request) -> Response:
         """Inflate a compressed body in a worker thread (at most INFLATORS at a time, so what is

@@ -183,7 +183,7 @@ class SharedMemoryRegions:
         r = self._get(ref.region)
         self._check_range(r, ref, what)
         buf = np.empty(ref.byte_size, np.uint8)
-        got = os.preadv(r.fd, [buf], r.offset + ref.offset) if ref.byte_size else 0
+        got = os.preadv(r.fd, [buf.data], r.offset + ref.offset) if ref.byte_size else 0
         if got != ref.byte_size:
             raise BadRequest(f"{what}: the object behind region {ref.region!r} ({r.key}) is shorter than when it "
                              f"was registered: {got} of {ref.byte_size} bytes read")

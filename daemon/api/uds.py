@@ -156,7 +156,7 @@ class SocketConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not subclasses
-        transport.set_write_buffer_limits(high=HIGH_WATER)
+        self.transport.set_write_buffer_limits(high=HIGH_WATER)  # type: ignore[union-attr]  # set just above
         limit = self.settings.max_connections
         if len(self.frontend.connections) >= limit:
             self.frontend.refused += 1

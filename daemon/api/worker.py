@@ -114,12 +114,14 @@ class Worker:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        self._hello = loop.create_future()
+        hello: asyncio.Future[list[Any]] = loop.create_future()
+        self._hello = hello
         sock = socket.socket(fileno=self.link_fd)
         _, self.link = await loop.connect_accepted_socket(
             lambda: Link(self._on_record, self._on_lost, max_record=self.max_record), sock=sock)
         stopped = loop.create_task(self._stop.wait())
-        await asyncio.wait({self._hello, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        waiters: list[asyncio.Future[Any]] = [hello, stopped]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
         if not self._hello.done():
             return 1
