@@ -220,20 +220,22 @@ def _infer_message(model: str, version: str | None, body: bytes,
         raise Failed(400, f"malformed inference request: {e}") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("inputs"), list) or not obj["inputs"]:
         raise Failed(400, "the inference request must be a JSON object with a non-empty inputs list")
-    binary, offset = memoryview(body)[n:], 0
+    payload, offset = memoryview(body)[n:], 0
     inputs: list[dict[str, Any]] = []
     for i, t in enumerate(obj["inputs"]):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str) or t.get("datatype") not in BY_NAME:
             raise Failed(400, f"inputs[{i}] needs a name and a known datatype")
         shape = t.get("shape")
+        if not isinstance(shape, list):
+            raise Failed(400, f"inputs[{i}] needs a shape (a list of dimensions)")
         size = (t.get("parameters") or {}).get("binary_data_size")
         if size is not None:
-            raw = bytes(binary[offset:offset + int(size)])
+            raw = bytes(payload[offset:offset + int(size)])
             offset += int(size)
         else:  # JSON data: decoded here with the daemon's own rules, then sent as bytes
             try:
-                arr = decode_tensor(t["name"], BY_NAME[t["datatype"]], list(shape),
-                                    WireTensor(t["name"], t["datatype"], list(shape), data=t.get("data")))
+                arr = decode_tensor(t["name"], BY_NAME[t["datatype"]], shape,
+                                    WireTensor(t["name"], t["datatype"], shape, data=t.get("data")))
             except Exception as e:  # BadRequest, or a shape that is not a list
                 raise Failed(getattr(e, "status", 400), str(e)) from None
             raw = tensor_bytes(arr)
@@ -342,11 +344,11 @@ def build(models: str, num_replicas: int = 1, config: str | None = None, extra_a
           models_per_replica: int = MODELS_PER_REPLICA) -> Any:
     """The application: `num_replicas` daemons (each `num_gpus` GPUs) behind a KServe v2 ingress."""
     env = {"ESCAPEMENT_RAY_MODELS_PER_REPLICA": str(models_per_replica)}
-    backend = EscapementReplica.options(
+    backend = EscapementReplica.options(  # type: ignore[attr-defined]  # @serve.deployment adds it
         num_replicas=num_replicas,
         ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus, "runtime_env": {"env_vars": env}},
     ).bind(str(Path(models).resolve()), config, extra_args, max_wait_s=max_wait_s)
-    return V2Ingress.bind(backend, max_wait_s)
+    return V2Ingress.bind(backend, max_wait_s)  # type: ignore[attr-defined]  # @serve.deployment adds it
 
 
 def app(args: dict[str, str]) -> Any:
