@@ -154,6 +154,11 @@ def infer_result(msg: dict[str, Any]) -> InferResult:
                        bool(msg.get("cached")), str(msg.get("query_id", "")), in_regions)
 
 
+def _body(answer: dict[str, Any]) -> dict[str, Any]:
+    """An answer without the frame's own keys (what HTTP's body holds)."""
+    return {k: v for k, v in answer.items() if k not in ("id", "status")}
+
+
 def _version_field(version: str | int | None) -> dict[str, str]:
     return {"version": str(version)} if version is not None else {}
 
@@ -224,11 +229,11 @@ class SocketClient:
     def feedback(self, model: str, query_id: str, label: int | list[int],
                  version: str | int | None = None) -> dict[str, Any]:
         """The true label of a personalized answer; returns once the user's update is committed."""
-        return self.call(_feedback_message(model, query_id, label, version))
+        return _body(self.call(_feedback_message(model, query_id, label, version)))
 
     def user(self, model: str, user: str, version: str | int | None = None) -> dict[str, Any]:
         """A personalized model's user: updates so far, the last one's time (404 if it gave none)."""
-        return self.call({"op": "user", "model": model, "user": user, **_version_field(version)})
+        return _body(self.call({"op": "user", "model": model, "user": user, **_version_field(version)}))
 
     def register_shared_memory(self, name: str, key: str, byte_size: int, offset: int = 0) -> None:
         """Register `byte_size` bytes at `offset` of the POSIX shared-memory object `key` as region `name`."""
@@ -329,7 +334,7 @@ class AsyncSocketClient:
 
     async def feedback(self, model: str, query_id: str, label: int | list[int],
                        version: str | int | None = None) -> dict[str, Any]:
-        return await self.call(_feedback_message(model, query_id, label, version))
+        return _body(await self.call(_feedback_message(model, query_id, label, version)))
 
     async def ready(self) -> bool:
         return bool((await self.call({"op": "ready"}))["ready"])
