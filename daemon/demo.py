@@ -251,7 +251,9 @@ class DigitsSplitMLP(nn.Module):
     def __init__(self, mlp: DigitsMLP) -> None:
         super().__init__()
         self.body = mlp.net[:4]
-        self.last = mlp.net[4]
+        last = mlp.net[4]
+        assert isinstance(last, nn.Linear)
+        self.last: nn.Linear = last
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         f = self.body(x / 16.0)
@@ -274,7 +276,8 @@ def _build_personal(out: Path) -> str:
     """digits_personal: the trained digits MLP, its head (W, bias row, the logits' scale) and the
     users' evaluation data."""
     model, meta = _digits_model(_seeded(DigitsMLP), (64,), epochs=60)
-    split = DigitsSplitMLP(model).eval()  # type: ignore[arg-type]
+    assert isinstance(model, DigitsMLP)
+    split = DigitsSplitMLP(model).eval()
     model_dir = out / PERSONAL
     save_model(split, "pt2", torch.zeros((2, 64)), 32, model_dir / "1" / "model.pt2")
     xtr, ytr, xte, yte = digits_split()

@@ -339,11 +339,11 @@ class Personalizer:
         p = spec.personalization
         assert p is not None
         key = (spec.key, user)
-        fut = self._loading.get(key)
-        if fut is not None:
-            return fut
+        pending = self._loading.get(key)
+        if pending is not None:
+            return pending
         self._open()
-        fut = asyncio.wrap_future(self.db.get(spec.name, spec.version, user))
+        fut: asyncio.Future[StoredUser | None] = asyncio.wrap_future(self.db.get(spec.name, spec.version, user))
         out: asyncio.Future[UserState] = asyncio.get_running_loop().create_future()
         self._loading[key] = out
 
