@@ -27,7 +27,8 @@ run: $(MODELS)/.demo-built
 
 # The demo models are built first (as for `make run`), outside any test's time limit.
 test: $(MODELS)/.demo-built
-	ESCAPEMENT_TEST_DEMO=$(MODELS) $(PY) -m pytest
+	ESCAPEMENT_TEST_DEMO=$(MODELS) $(PY) -m pytest -m "not slow"
+	ESCAPEMENT_TEST_DEMO=$(MODELS) $(PY) -m pytest -m slow  # what paces or asserts in wall-clock time
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check daemon tests bench

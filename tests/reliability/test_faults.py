@@ -30,6 +30,9 @@ from daemon.demo import digits_split
 from tests.reliability.helpers import FrameConnection, frame, percentile, record
 from tests.support import DaemonThread, parity_daemon_on_three_cpus
 
+# It paces requests and asserts how late answers come, in wall-clock time: `make test` runs it second.
+pytestmark = pytest.mark.slow
+
 MARGIN_S = 0.050
 SOCKET_REQUESTS = 120
 HTTP_REQUESTS = 24

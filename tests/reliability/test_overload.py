@@ -33,6 +33,9 @@ import pytest
 from tests.reliability.helpers import DaemonProcess, FrameConnection, percentile, record, wide_repo, write_config
 from tests.support import short_tmpdir
 
+# It asserts latency percentiles and goodput in wall-clock time: `make test` runs it second.
+pytestmark = pytest.mark.slow
+
 WIDTH = 16384  # FP32 values per request: 64 KiB
 SLO_S = 0.100
 DEVICE_MS = 5.0
