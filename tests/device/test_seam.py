@@ -206,6 +206,7 @@ def test_a_hung_kernel_is_reported_by_the_deadline(standin: EmuCuda) -> None:
     ev.wait(deadline())
 
 
+@pytest.mark.slow  # asserts elapsed wall-clock time
 def test_a_copy_queued_behind_a_long_copy_waits_for_it_on_its_engine() -> None:
     emu = EmuCuda(0, EmuSettings(capacity=64 << 20, timed=True, h2d_gbps=1.0))
     big_s, small_s = emu.stream("load"), emu.stream("io", priority=-1)
@@ -220,6 +221,7 @@ def test_a_copy_queued_behind_a_long_copy_waits_for_it_on_its_engine() -> None:
     assert time.monotonic() - t0 > 0.016
 
 
+@pytest.mark.slow  # the modelled time plus wall-clock gaps between launches
 def test_elapsed_time_is_the_modelled_device_time() -> None:
     emu = EmuCuda(0, EmuSettings(capacity=64 << 20, kernel_s=0.004))
     s = emu.stream("s")

@@ -202,6 +202,7 @@ def test_full_shared_memory_slots_refuse_with_503(test_repo: Path) -> None:
 
 
 @pytest.mark.expect_errors(BROKEN_MODELS)
+@pytest.mark.slow  # bounds the drain in wall-clock time
 def test_shutdown_with_workers_answers_what_was_accepted_and_is_bounded(test_repo: Path) -> None:
     d_dir = short_tmpdir()
     d = DaemonThread(settings(test_repo, d_dir, server={"frontend_workers": 2})).start()
