@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import orjson
 
-from daemon.actions import ActionKind, Result, ResultStatus
+from daemon.actions import Action, ActionKind, Result, ResultStatus
 from daemon.errors import Cancelled, DeadlineExceeded, EscapementError, InternalError, Overloaded, Unavailable
 from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest, RequestClass, RequestStatus
@@ -598,7 +598,7 @@ class Telemetry:
         for k, v in prediction.items():
             self._prediction_error[k].add_many(np.array(v))
 
-    def _executed(self, a: Any, begin: float, end: float, infer_s: float, n: int) -> None:
+    def _executed(self, a: Action, begin: float, end: float, infer_s: float, n: int) -> None:
         """An INFER that ran: one execution of its batch size, and its times for each of the `n`
         requests it answered."""
         m = self.model(a.model)
