@@ -203,7 +203,8 @@ class DaemonThread:
 
     def stop(self, timeout: float = 60) -> None:
         if self.loop is not None and self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self.daemon.request_stop)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the daemon stopped itself
+                self.loop.call_soon_threadsafe(self.daemon.request_stop)
         self._thread.join(timeout)
         logging.getLogger("escapement").removeHandler(self.log)
 

@@ -159,8 +159,10 @@ def test_stop_drains_accepted_requests_and_says_so(demo_repo: Path, run_dir: Pat
         assert draining and set(draining) == {b"STATUS=stopping: draining 1 request(s)"}, msgs
         assert rest == [b"STATUS=stopping: executors", b"STATUS=stopped"]
     finally:
-        dt.stop()
-        notify.close()
+        try:
+            dt.stop()
+        finally:
+            notify.close()
 
 
 # ------------------------------------------------------------------ the unit files
