@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -18,6 +19,7 @@ from daemon.clock import Clock
 from daemon.controller.driver import Driver
 from daemon.controller.scheduler import Decision, Scheduler
 from daemon.errors import Unavailable
+from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest
 
 log = logging.getLogger("escapement.controller")
@@ -64,6 +66,31 @@ class ControllerService:
     def cancel(self, req: InferenceRequest) -> None:
         self._deliver(self.driver.cancel(req, self.clock.now()))
         self._kick()
+
+    def expected_finish(self, spec: ModelSpec, samples: int) -> float:
+        """Read-only forecast: the clock time at which a request of `samples` samples of `spec`
+        submitted now would be answered at the earliest; inf when the model is not served. Its best
+        case on a device holding the model, after the samples queued or running ahead of it, plus a
+        LOAD when no device holds it. Applications ask it to leave out members that cannot make a
+        deadline (daemon/apps/router.py); nothing here changes the scheduler's state."""
+        sched = self.scheduler
+        entry = sched.models.get(spec.key)
+        if entry is None:
+            return math.inf
+        now = self.clock.now()
+        probe = InferenceRequest(spec, (), samples, now, now)
+        best = sched.best_case(probe)
+        ready = sched.ready_on.get(spec.key, ())
+        ahead = entry.queue.samples + entry.running
+        wait = 0.0
+        if ahead:  # the queue runs in whole batches, spread over the devices holding the model
+            batch = spec.max_batch_size
+            per_batch = max((sched.estimate(spec.key, batch, k) for k in sched.kinds), default=0.0)
+            wait = -(-ahead // batch) * per_batch / max(1, len(ready))
+        if not ready:
+            loads = [e for k in sched.kinds if (e := sched.estimator.load(spec.key, k)) is not None]
+            wait += min(loads, default=0.0)
+        return now + wait + best
 
     # ---------------------------------------------------------------- from executors
 
