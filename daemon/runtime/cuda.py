@@ -44,7 +44,7 @@ import torch
 from daemon.errors import ConfigError
 from daemon.runtime.arena import Arena, Extent, Move, aligned
 from daemon.runtime.backend import Fill, IOBuffers, NoMemory, Resident
-from daemon.runtime.devapi import Buffer, CaptureError, DeviceApi, DeviceFault, Graph, Region, Where
+from daemon.runtime.devapi import Buffer, CaptureError, DeviceApi, DeviceFault, Event, Graph, Region, Where
 from daemon.runtime.devices import Device
 from daemon.runtime.hostmem import HostPins, pages
 from daemon.runtime.program import Program
@@ -149,6 +149,9 @@ class CudaResident:
     ring: OutputRing | None = None
     steps: dict[int, Callable[[], None]] = field(default_factory=dict)  # batch size -> the eager kernel
     graphs: dict[int, Graph] = field(default_factory=dict)
+    # batch size -> events its graph records as its first and last nodes: the graph's own device
+    # time, where events around the replay would also count the host's launch of it
+    graph_timing: dict[int, tuple[Event, Event]] = field(default_factory=dict)
     pinned: list[Buffer] = field(default_factory=list)  # to unpin at UNLOAD
     pinned_bytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)  # held by an INFER, or by a compaction moving it
@@ -446,6 +449,15 @@ class CudaBackend:
         step.__name__ = f"{res.key} b={b}"
         return step
 
+    def _timed_step(self, step: Callable[[], None], reads: list[Region], writes: list[Region],
+                    timing: tuple[Event, Event] | None) -> None:
+        """What a capture records: the step, between two timing nodes when the device has them."""
+        if timing is not None:
+            self.api.record(timing[0], self.capture_s)
+        self.api.launch(self.capture_s, step, reads, writes)
+        if timing is not None:
+            self.api.record(timing[1], self.capture_s)
+
     def _touches(self, st: CudaResident, b: int) -> tuple[list[Region], list[Region]]:
         reads = [st.weights] + [r.sub(0, b * n) for r, n in zip(st.inputs, st.in_row_bytes, strict=True)]
         writes = [r.sub(0, b * n) for r, n in zip(st.outputs, st.out_row_bytes, strict=True)]
@@ -472,9 +484,10 @@ class CudaBackend:
             if why:
                 break
             reads, writes = self._touches(st, b)
+            timing = (api.event(external=True), api.event(external=True)) if api.graph_events else None
             try:
-                graph = api.capture(self.capture_s, functools.partial(  # (captured at once)
-                    api.launch, self.capture_s, st.steps[b], reads, writes))
+                graph = api.capture(self.capture_s, functools.partial(
+                    self._timed_step, st.steps[b], reads, writes, timing))
             except (CaptureError, torch.OutOfMemoryError) as e:
                 why = f"capture failed at batch {b}: {e}"
                 break
@@ -485,10 +498,13 @@ class CudaBackend:
                        f"(runtime.device_workspace = {self.device.workspace})")
                 continue
             st.graphs[b] = graph
+            if timing is not None:
+                st.graph_timing[b] = timing
         if why:
             for g in st.graphs.values():
                 g.close()
             st.graphs.clear()
+            st.graph_timing.clear()
             if self._said.get(program.spec.key) != why:  # once per model, not at every LOAD
                 log.info("%s on %s runs eagerly: %s", program.spec.key, self.device.name, why)
                 self._said[program.spec.key] = why
@@ -507,6 +523,7 @@ class CudaBackend:
         for g in st.graphs.values():
             g.close()
         st.graphs.clear()
+        st.graph_timing.clear()
         res.program.release(f"{self.device.name}/{res.key}")
         res.runner = _unbound
         try:
@@ -551,8 +568,10 @@ class CudaBackend:
                     api.copy(dst.sub(0, b * n), stage.region(st.staging_offsets[k], b * n), self.h2d)
             api.record(self.ev_in, self.h2d)
             api.wait_event(self.exec, self.ev_in)
-            api.record(self.ev_begin, self.exec)
             graph = st.graphs.get(b)
+            timing = st.graph_timing.get(b) if graph is not None else None
+            if timing is None:
+                api.record(self.ev_begin, self.exec)
             if graph is not None:
                 graph.replay(self.exec)
             else:
@@ -569,7 +588,8 @@ class CudaBackend:
             self.ev_out.wait(deadline)
             for r in dst_regions:
                 api.host_read(r)
-            duration = self.ev_begin.elapsed_s(self.ev_end)
+            begin, end = timing if timing is not None else (self.ev_begin, self.ev_end)
+            duration = begin.elapsed_s(end)
             outputs = st.ring.hand_out(slot, rows)
         except DeviceFault as e:
             self._fault(e)

@@ -137,9 +137,16 @@ class DeviceApi(Protocol):
 
     def stream(self, name: str, priority: int = 0) -> Stream: ...
 
-    def event(self, timing: bool = True) -> Event: ...
+    # Whether an `external` event recorded inside a capture becomes a node of the graph, so that
+    # every replay records it: a graph's own device time, without the host's launch of it.
+    graph_events: bool
 
-    def record(self, event: Event, stream: Stream) -> None: ...
+    def event(self, timing: bool = True, external: bool = False) -> Event: ...
+
+    def record(self, event: Event, stream: Stream) -> None:
+        """Enqueue the event on `stream`; inside a capture only an `external` event may be recorded
+        (CaptureError otherwise), and then each replay of the graph records it."""
+        ...
 
     def wait_event(self, stream: Stream, event: Event) -> None:
         """Work enqueued on `stream` after this waits for `event` (the host does not wait)."""

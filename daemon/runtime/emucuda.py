@@ -115,9 +115,10 @@ class EmuStream:
 
 
 class EmuEvent:
-    def __init__(self, dev: EmuCuda, timing: bool) -> None:
+    def __init__(self, dev: EmuCuda, timing: bool, external: bool = False) -> None:
         self._dev = dev
         self.timing = timing
+        self.external = external  # recorded inside a capture as a node of the graph
         self.op: _Op | None = None
         self.clock: Clock = {}
 
@@ -144,6 +145,7 @@ class _Captured:
     nbytes: int
     reads: tuple[Region, ...]
     writes: tuple[Region, ...]
+    event: EmuEvent | None = None  # a record node: the external event each replay records
 
 
 class EmuGraph:
@@ -197,6 +199,10 @@ class _Activations(TorchDispatchMode):
         self.live -= n
 
 
+def _nothing() -> None:
+    """A record node's effect: recording is the op itself."""
+
+
 def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for a in (*args, *(kwargs or {}).values()):
@@ -218,6 +224,7 @@ class EmuCuda:
     """The stand-in device `emucuda:N`; see the module docstring."""
 
     kind = "emucuda"
+    graph_events = True
 
     def __init__(self, index: int = 0, settings: EmuSettings | None = None) -> None:
         self.settings = settings or EmuSettings()
@@ -287,18 +294,22 @@ class EmuCuda:
             self.allocations += 1
             return s
 
-    def event(self, timing: bool = True) -> EmuEvent:
+    def event(self, timing: bool = True, external: bool = False) -> EmuEvent:
         with self._lock:
             self.allocations += 1
-            return EmuEvent(self, timing)
+            return EmuEvent(self, timing, external)
 
-    def record(self, event: EmuEvent, stream: EmuStream) -> None:
+    def record(self, event: EmuEvent, stream: EmuStream, submitted: float | None = None) -> None:
         with self._lock:
             self._usable()
-            if self._capture_of(stream) is not None:
-                raise CaptureError("events are not recorded inside a capture here")
+            cap = self._capture_of(stream)
+            if cap is not None:
+                if not event.external:  # CUDA would make it a fork/join edge, which we never mean
+                    raise CaptureError("only an external event is recorded inside a capture")
+                cap[1].items.append(_Captured("record", "event record", _nothing, "", 0, (), (), event))
+                return
             op = _Op(stream, "record", "event record", event=event)
-            event.clock = self._enqueue(op)
+            event.clock = self._enqueue(op, submitted=submitted)
             event.op = op
 
     def wait_event(self, stream: EmuStream, event: EmuEvent) -> None:
@@ -454,7 +465,7 @@ class EmuCuda:
                               f"host {'write' if write else 'read'} of {region.buffer.label}")
 
     def _work(self, stream: EmuStream, kind: str, what: str, effect: Callable[[], None], engine: str, nbytes: int,
-              reads: tuple[Region, ...], writes: tuple[Region, ...]) -> None:
+              reads: tuple[Region, ...], writes: tuple[Region, ...], submitted: float | None = None) -> None:
         with self._lock:
             self._usable()
             cap = self._capture_of(stream)
@@ -468,7 +479,7 @@ class EmuCuda:
                     op.hang = True
                 else:
                     op.fail = fault.partition(":")[2]
-            clock = self._enqueue(op, check=False)
+            clock = self._enqueue(op, check=False, submitted=submitted)
             for r in reads:
                 self.races.access(stream.name, clock, r.buffer.id, r.offset, r.end, False, what)
             for r in writes:
@@ -483,8 +494,8 @@ class EmuCuda:
                 # host-side errors do (a kernel run later raises a sticky device fault instead).
                 raise op.error
 
-    def _enqueue(self, op: _Op, check: bool = True) -> Clock:
-        op.submitted = time.monotonic()
+    def _enqueue(self, op: _Op, check: bool = True, submitted: float | None = None) -> Clock:
+        op.submitted = time.monotonic() if submitted is None else submitted
         clock = self.races.enqueue(op.stream.name)
         op.stream.queue.append(op)
         op.stream.last = op
@@ -701,9 +712,13 @@ class EmuCuda:
     def _replay(self, graph: EmuGraph, stream: EmuStream) -> None:
         if graph.closed:
             raise RuntimeError(f"{self.name}: replay of a closed graph")
+        launched = time.monotonic()  # a graph is launched as one unit: its nodes wait for no host
         for item in graph.items:
-            self._work(stream, item.kind, f"graph {item.what}", item.effect, item.engine, item.nbytes, item.reads,
-                       item.writes)
+            if item.event is not None:
+                self.record(item.event, stream, submitted=launched)
+            else:
+                self._work(stream, item.kind, f"graph {item.what}", item.effect, item.engine, item.nbytes,
+                           item.reads, item.writes, submitted=launched)
 
     def _close_graph(self, graph: EmuGraph) -> None:
         with self._lock:

@@ -17,6 +17,7 @@ Notes on what torch does by default and why this module does otherwise:
 from __future__ import annotations
 
 import ctypes
+import inspect
 import os
 import threading
 import time
@@ -90,10 +91,17 @@ class CudaStream:
         self.raw = raw
 
 
+# torch >= 2.9 records an `external` event inside a capture as a node of the graph (each replay
+# records it); before that it had no such flag and an in-capture record was a fork/join edge.
+_GRAPH_EVENTS = "external" in inspect.signature(torch.cuda.Event.__new__).parameters
+
+
 class CudaEvent:
-    def __init__(self, dev: TorchCuda, timing: bool) -> None:
+    def __init__(self, dev: TorchCuda, timing: bool, external: bool = False) -> None:
         self._dev = dev
-        self.raw = torch.cuda.Event(enable_timing=timing)
+        self.external = external and _GRAPH_EVENTS
+        self.raw = (torch.cuda.Event(enable_timing=timing, external=True) if self.external
+                    else torch.cuda.Event(enable_timing=timing))
         self.recorded = False
 
     def query(self) -> bool:
@@ -139,6 +147,7 @@ class TorchCuda:
     """One CUDA device of this process; see the module docstring."""
 
     kind = "cuda"
+    graph_events = _GRAPH_EVENTS
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -212,11 +221,13 @@ class TorchCuda:
             self.allocations += 1
             return s
 
-    def event(self, timing: bool = True) -> CudaEvent:
+    def event(self, timing: bool = True, external: bool = False) -> CudaEvent:
         self.allocations += 1
-        return CudaEvent(self, timing)
+        return CudaEvent(self, timing, external)
 
     def record(self, event: CudaEvent, stream: CudaStream) -> None:
+        if threading.get_ident() in self._capturing and not event.external:
+            raise CaptureError(f"{self.name}: only an external event is recorded inside a capture")
         self._guard(lambda: event.raw.record(stream.raw))
         event.recorded = True
 
