@@ -280,6 +280,68 @@ class PersonalizationSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class AppsSettings:
+    """Applications (daemon/apps/router.py, docs/applications.md): where their policies' learned
+    state is stored, and how many answered queries are remembered for feedback."""
+
+    db_path: str = doc("The policies' state: an SQLite file (WAL mode; created on first use). Empty: "
+                       "$STATE_DIRECTORY/applications.sqlite3 under systemd (StateDirectory=), else "
+                       "state/applications.sqlite3 under the working directory.", "")
+    queries: int = doc("Most answered application queries remembered for their feedback (oldest forgotten first).",
+                       100_000)
+    query_memory_bytes: int = doc("Bytes of remembered queries (the members' outputs; bytes or '64MiB').", 64 * 2**20)
+    query_ttl_s: float = doc("How long an answered query takes feedback (s).", 3600.0)
+
+    def __post_init__(self) -> None:
+        _need(self.queries >= 1, "apps.queries", self.queries, "must be >= 1")
+        _need(self.query_memory_bytes >= 1, "apps.query_memory_bytes", self.query_memory_bytes, "must be >= 1")
+        _need(0 < self.query_ttl_s <= 30 * 86_400, "apps.query_ttl_s", self.query_ttl_s, "must be in (0, 2592000]")
+
+
+@dataclass(frozen=True, slots=True)
+class ApplicationSettings:
+    """One application: a name over models that take the same input, with a selection (exp3) or
+    ensemble (exp4) policy that learns from feedback (docs/applications.md)."""
+
+    name: str = doc("The application's name (letters, digits, '_', '.', '-').", "")
+    models: tuple[str, ...] = doc("Its models, by name (each query uses each one's newest ready version).",
+                                  default_factory=tuple)
+    policy: Literal["exp3", "exp4"] = doc("exp3: one model per query (bandit selection); exp4: every model that "
+                                          "can make the deadline, their outputs combined by learned weight.", "exp3")
+    output: str = doc("The models' output it answers with; empty: each model's first output.", "")
+    combine: Literal["softmax", "mean", "vote"] = doc("exp4: how outputs are combined: weighted mean of softmax "
+                                                      "probabilities, of raw outputs, or weighted class votes.",
+                                                      "softmax")
+    slo_ms: float = doc("Its deadline (ms) for queries without a timeout; 0: its models' smallest SLO.", 0.0)
+    default_output: tuple[float, ...] = doc("One sample's answer when no model can answer by the deadline "
+                                            "(flagged default); empty: such a query gets the error (504).",
+                                            default_factory=tuple)
+    exploration: float = doc("exp3: the share of picks spread evenly over the models (gamma), in (0, 1].", 0.1)
+    learning_rate: float = doc("exp4: how fast a wrong answer costs a model weight (eta).", 1.0)
+    share: float = doc("The share of weight given back to every model after each update (fixed share): a model "
+                       "that was bad can come back, one that was best can be overtaken.", 0.01)
+    seed: int = doc("Seed of exp3's random picks.", 0)
+
+    def __post_init__(self) -> None:
+        try:
+            self.definition()
+        except ValueError as e:
+            raise ConfigError(f"applications: {e}") from None
+
+    def definition(self) -> Any:
+        """The application (daemon/apps/application.py AppDefinition); ValueError if it is not valid."""
+        from daemon.apps.application import AppDefinition
+
+        return AppDefinition(self.name, self.models, self.policy, self.output, self.combine, self.slo_ms,
+                             self.default_output, self.exploration, self.learning_rate, self.share, self.seed)
+
+
+def application_from_dict(table: dict[str, Any], where: str = "applications") -> ApplicationSettings:
+    """An application from a TOML table or a JSON object (the repository API); ConfigError if bad."""
+    return typing.cast(ApplicationSettings, _build(ApplicationSettings, table, where))
+
+
+@dataclass(frozen=True, slots=True)
 class SharedMemorySettings:
     """Triton's system shared-memory extension (daemon/api/sharedmem.py): regions local clients
     register by the key of a POSIX shared-memory object in /dev/shm, then name in requests."""
@@ -405,6 +467,9 @@ class Settings:
                                               default_factory=SharedMemorySettings)
     faults: tuple[FaultSettings, ...] = doc("Injected faults, one [[faults]] table each; none by default.",
                                             default_factory=tuple)
+    apps: AppsSettings = doc("Applications' learned state and feedback.", default_factory=AppsSettings)
+    applications: tuple[ApplicationSettings, ...] = doc("Applications, one [[applications]] table each; none by "
+                                                        "default.", default_factory=tuple)
 
 
 def parse_hostport(value: str, key: str) -> tuple[str, int]:
@@ -422,6 +487,7 @@ _SIZE_FIELDS = {("server", "max_body_bytes"), ("server", "request_memory_bytes")
                 ("runtime", "host_pinned_budget"), ("runtime.emucuda", "capacity"),
                 ("controller", "best_effort_bytes"), ("cache", "bytes"), ("cache", "max_entry_bytes"),
                 ("personalization", "user_memory_bytes"), ("personalization", "query_memory_bytes"),
+                ("apps", "query_memory_bytes"),
                 ("shared_memory", "max_bytes")}
 
 
@@ -552,7 +618,11 @@ def with_overrides(
     return settings_from_dict({"server": server, "runtime": runtime, "models": model_s, "controller": ctrl,
                                "cache": dataclasses.asdict(settings.cache),
                                "personalization": dataclasses.asdict(settings.personalization),
-                               "shared_memory": dataclasses.asdict(settings.shared_memory), "faults": faults})
+                               "shared_memory": dataclasses.asdict(settings.shared_memory), "faults": faults,
+                               "apps": dataclasses.asdict(settings.apps),
+                               "applications": [{k: list(v) if isinstance(v, tuple) else v
+                                                 for k, v in dataclasses.asdict(a).items()}
+                                                for a in settings.applications]})
 
 
 def describe(cls: Any = Settings, prefix: str = "") -> list[tuple[str, Any, str]]:
@@ -560,7 +630,7 @@ def describe(cls: Any = Settings, prefix: str = "") -> list[tuple[str, Any, str]
     out: list[tuple[str, Any, str]] = []
     for f in dataclasses.fields(cls):
         key = f"{prefix}.{f.name}" if prefix else f.name
-        if f.name == "faults":
+        if f.name in ("faults", "applications"):
             continue  # an array of tables, none by default
         if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type.endswith("Settings")):
             sub = typing.get_type_hints(cls)[f.name]
