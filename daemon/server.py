@@ -108,6 +108,7 @@ class Daemon:
         self.request_memory = RequestMemory(settings.server.request_memory_bytes, settings.server.connection_share)
         self._monitor: LoopMonitor | None = None
         self._stop = asyncio.Event()
+        self.started = asyncio.Event()  # set once start() is done and the daemon RUNNING (a harness waits on it)
         self._signals = 0
         self._tasks: set[asyncio.Task[Any]] = set()  # every background task, cancelled on shutdown
         self._watchdog: asyncio.Task[None] | None = None
@@ -251,6 +252,7 @@ class Daemon:
         self._monitor = LoopMonitor(self.overload, clock=time.monotonic)
         self._monitor.start()
         self.state = State.RUNNING
+        self.started.set()
         log.info("ready: %d model version(s) serving", self._models.serving())
         self.notifier.ready(self._status_line())
         if self._reload_pending:  # a SIGHUP during start-up
@@ -404,12 +406,15 @@ class Daemon:
 
     async def serve(self) -> None:
         """Run until SIGTERM / SIGINT (or `request_stop`), then shut down in order. SIGHUP reloads
-        the model repository."""
+        the model repository. Signals are the process's: a daemon served on another thread than the
+        main one (a test harness) takes none, and stops by `request_stop` (as uvicorn does)."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_signal, sig)
-        # Before start-up: SIGHUP's default action would kill the daemon.
-        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        signals = threading.current_thread() is threading.main_thread()
+        if signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+            # Before start-up: SIGHUP's default action would kill the daemon.
+            loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         try:
             # A stop asked for during start-up (a warm-up or a preload can take minutes, or hang)
             # ends the start-up: systemd's stop timeout must hold from any state.
@@ -430,5 +435,5 @@ class Daemon:
                 await stopping
         finally:
             await self.stop()
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) if signals else ():
                 loop.remove_signal_handler(sig)
