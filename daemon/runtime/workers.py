@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 log = logging.getLogger("escapement.workers")
@@ -22,15 +22,20 @@ log = logging.getLogger("escapement.workers")
 _Job = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
-class WorkerPool(Executor):
-    """Up to `max_workers` daemon threads, started as jobs come; `shutdown` waits `timeout_s` at most."""
+class WorkerPool(ThreadPoolExecutor):
+    """Up to `max_workers` daemon threads, started as jobs come; `shutdown` waits `timeout_s` at most.
+
+    A ThreadPoolExecutor by type only, for asyncio's `set_default_executor` (which takes nothing
+    else; uvloop's takes any Executor): `submit` and `shutdown` are its own, the parent's threads
+    never start."""
 
     def __init__(self, max_workers: int = 8, name: str = "worker", timeout_s: float = 5.0) -> None:
+        super().__init__(max_workers, thread_name_prefix=name)
         self.max_workers = max_workers
         self.name = name
         self.timeout_s = timeout_s
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
+        self._workers: list[threading.Thread] = []
         self._idle = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -43,9 +48,9 @@ class WorkerPool(Executor):
             self._jobs.put((fut, fn, args, kwargs))
             if self._idle > 0:
                 self._idle -= 1  # a waiting thread takes it
-            elif len(self._threads) < self.max_workers:
-                t = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)
-                self._threads.append(t)
+            elif len(self._workers) < self.max_workers:
+                t = threading.Thread(target=self._work, name=f"{self.name}-{len(self._workers)}", daemon=True)
+                self._workers.append(t)
                 t.start()
         return fut
 
@@ -67,13 +72,13 @@ class WorkerPool(Executor):
     def join(self, timeout_s: float) -> None:
         """Wait up to `timeout_s` for the threads of a shut-down pool to end."""
         deadline = time.monotonic() + timeout_s
-        for t in self._threads:
+        for t in self._workers:
             t.join(max(0.0, deadline - time.monotonic()))
 
     @property
     def stuck(self) -> list[str]:
         """Threads still running after shutdown (inside a job that never returned)."""
-        return [t.name for t in self._threads if t.is_alive()] if self._closed else []
+        return [t.name for t in self._workers if t.is_alive()] if self._closed else []
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._lock:
@@ -88,12 +93,12 @@ class WorkerPool(Executor):
                     break
                 if job is not None:
                     job[0].cancel()
-        for _ in self._threads:
+        for _ in self._workers:
             self._jobs.put(None)
         if not wait:
             return
         deadline = time.monotonic() + self.timeout_s
-        for t in self._threads:
+        for t in self._workers:
             t.join(max(0.0, deadline - time.monotonic()))
         if self.stuck:
             log.warning("worker threads still inside a job after %.1f s, left behind: %s", self.timeout_s,
