@@ -4,7 +4,12 @@
 leaves `aten._assert_tensor_metadata(..., device=cpu)`, and `arange/zeros/ones/full` carry
 `device=cpu`. Run on CUDA tensors such a graph fails (or builds tensors on the wrong device).
 `to_device` rewrites every baked device in a copy of the graph, the graph-only part of
-torch's `move_to_device_pass` (which also moves the weights, and so needs the device).
+torch's `move_to_device_pass` (which also moves the weights, and so needs the device). For a
+device other than the CPU it also turns `aten.view` into `aten.reshape`: a view traced on the
+CPU assumes the CPU kernels' output strides, and CUDA's differ (its attention returns heads
+interleaved, so the view after `scaled_dot_product_attention` in a transformer cannot be taken).
+A reshape is that same view where the strides allow one and a copy where they do not; an
+exported inference graph is functional, so nothing depends on the aliasing a view would keep.
 
 `check_runs_on` runs a graph on fake tensors of a device (FakeTensorMode: no memory, no
 device needed), so a CPU machine can tell whether it would run on `cuda`.
@@ -45,13 +50,24 @@ def baked_devices(gm: torch.fx.GraphModule) -> set[str]:
     return out
 
 
+def _has_views(gm: torch.fx.GraphModule) -> bool:
+    return any(node.op == "call_function" and node.target is torch.ops.aten.view.default
+               for m in _graph_modules(gm) for node in m.graph.nodes)
+
+
 def to_device(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
-    """A copy of `gm` with every baked device replaced by `device` (`gm` itself is untouched)."""
-    if not baked_devices(gm) - {str(device)}:
+    """A copy of `gm` with every baked device replaced by `device`, and its views made reshapes
+    off the CPU (`gm` itself is untouched)."""
+    reshape = device.type != "cpu" and _has_views(gm)
+    if not baked_devices(gm) - {str(device)} and not reshape:
         return gm
-    moved = copy.deepcopy(gm)
+    with warnings.catch_warnings():  # torch's own pytree specs warn about themselves when copied
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+        moved = copy.deepcopy(gm)
     for m in _graph_modules(moved):
         for node in m.graph.nodes:
+            if reshape and node.op == "call_function" and node.target is torch.ops.aten.view.default:
+                node.target = torch.ops.aten.reshape.default
             if "device" in node.kwargs and node.kwargs["device"] is not None:
                 kwargs = dict(node.kwargs)
                 kwargs["device"] = device
