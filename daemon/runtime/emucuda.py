@@ -729,6 +729,11 @@ class EmuCuda:
     def graphs(self) -> int:
         return len(self._graphs)
 
+    @property
+    def streams(self) -> int:
+        """Streams made on this device (each once per process, whoever asks for it again)."""
+        return len(self._streams)
+
     # ---------------------------------------------------------------- state
 
     def _capture_of(self, stream: EmuStream) -> tuple[EmuStream, EmuGraph] | None:
