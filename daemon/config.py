@@ -215,6 +215,12 @@ class RuntimeSettings:
     gil_switch_interval_us: int = doc(
         "Python's GIL switch interval. The default 5000 µs lets busy frontend code delay an "
         "executor thread by milliseconds; a shorter interval keeps action starts on time.", 200)
+    share_weights: bool = doc("Count a weight tensor several models hold once in a device's budget (CPU devices); "
+                              "off: every model is charged in full, as black-box serving (for comparisons).", True)
+    prefix_cache_entries: int = doc("CPU devices: outputs of a shared leading stage kept per device, by input, so "
+                                    "the same input sent to several models that share it runs it once; 0 disables.",
+                                    4096)
+    prefix_cache_bytes: int = doc("CPU devices: bytes those kept outputs may hold (or '64MiB').", 64 << 20)
 
     def __post_init__(self) -> None:
         _need(len(self.devices) > 0, "runtime.devices", self.devices, "list at least one device")
@@ -227,6 +233,10 @@ class RuntimeSettings:
         _need(1 <= self.warmup_reps <= 1000, "runtime.warmup_reps", self.warmup_reps, "must be in 1..1000")
         _need(50 <= self.gil_switch_interval_us <= 100_000, "runtime.gil_switch_interval_us",
               self.gil_switch_interval_us, "must be in 50..100000")
+        _need(0 <= self.prefix_cache_entries <= 1 << 24, "runtime.prefix_cache_entries", self.prefix_cache_entries,
+              "must be in 0..16777216")
+        _need(0 <= self.prefix_cache_bytes <= 1 << 40, "runtime.prefix_cache_bytes", self.prefix_cache_bytes,
+              "must be in 0..1TiB")
         _need(0.01 <= self.hang_timeout_s <= 3600, "runtime.hang_timeout_s", self.hang_timeout_s,
               "must be in [0.01, 3600]")
         _need(1 <= self.warmup_timeout_s <= 86_400, "runtime.warmup_timeout_s", self.warmup_timeout_s,
@@ -371,6 +381,8 @@ class ControllerSettings:
     batch_wait_ms: float = doc("clockwork: how long a batch may wait for more requests of a model arriving fast "
                                "enough to fill it (at most a tenth of its SLO, never past a deadline; 0 is "
                                "work-conserving).", 4.0)
+    cross_model_batching: bool = doc("clockwork: run a leading stage that models declared as plans of stages share "
+                                     "once for their queued requests together (docs/controller.md).", True)
     default_priority: int = doc("The priority of requests that give none (or 0); smaller is more urgent.", 10)
     client_priorities: bool = doc("Honour a priority more urgent than default_priority when a client asks for it "
                                   "(off: a client may lower its own priority, never jump everyone else's).", False)
@@ -485,6 +497,7 @@ _SIZE_FIELDS = {("server", "max_body_bytes"), ("server", "request_memory_bytes")
                 ("server", "connection_memory_bytes"), ("server", "max_json_bytes"),
                 ("runtime", "weight_budget"), ("runtime", "device_workspace"),
                 ("runtime", "host_pinned_budget"), ("runtime.emucuda", "capacity"),
+                ("runtime", "prefix_cache_bytes"),
                 ("controller", "best_effort_bytes"), ("cache", "bytes"), ("cache", "max_entry_bytes"),
                 ("personalization", "user_memory_bytes"), ("personalization", "query_memory_bytes"),
                 ("apps", "query_memory_bytes"),

@@ -101,6 +101,14 @@ class DeviceMemory:
         self._clock += 1
         self._used_at[key] = self._clock
 
+    def size(self, key: str) -> int:
+        """A placed model's whole footprint, its shared blocks included."""
+        return self._models[key][1]
+
+    def blocks_of(self, key: str) -> Blocks:
+        """A placed model's shared weight blocks (none if it shares nothing)."""
+        return self._blocks_of.get(key, ())
+
     def own(self, key: str) -> int:
         """Bytes an UNLOAD of `key` alone would free: its blocks no other placed model holds."""
         blocks = self._blocks_of.get(key)
