@@ -66,6 +66,10 @@ class Action:
     encoder: str = ""
     replica_of: int = 0  # a replica of this action (the same requests, on another device)
     best_effort: bool = False  # a batch of the best-effort lane (no parity, no replica, no deadline)
+    # A cross-model batch: models sharing a leading stage, lead (`model`) first, each with how many
+    # of `requests` are its own (in order). The shared stage runs once on every row, then each
+    # model's other stages on its own rows (runtime/backend.py).
+    group: tuple[tuple[ModelSpec, int], ...] | None = None
     # Warm-ups run on a serving executor outside the scheduler: they name their program, the key
     # its weights are held under there, and where their results go.
     program: Any = None
@@ -89,6 +93,7 @@ class Action:
     def __repr__(self) -> str:
         extra = f" b={self.batch_size} n={self.samples}" if self.kind == ActionKind.INFER else ""
         extra += " parity" if self.coded is not None else " replica" if self.replica_of else ""
+        extra += f" group={len(self.group)}" if self.group else ""
         return (f"<{self.kind.name} #{self.id} {self.model.key} on {self.device}{extra} "
                 f"[{self.earliest:.6f}, {self.latest:.6f}]>")
 
@@ -106,6 +111,9 @@ class Result:
     weight_bytes: int = 0  # LOAD / UNLOAD: bytes placed or freed
     ready_at: float = 0.0  # when it could have started: its earliest, its arrival, its lane free
     failure: Failure = Failure.NONE
+    parts: tuple[tuple[np.ndarray, ...], ...] | None = None  # a cross-model batch: each member's outputs
+    # Stages of a plan run by this INFER: (estimate key, rows, seconds) each (controller/sharing.py)
+    stage_runs: tuple[tuple[str, int, float], ...] = ()
 
     @property
     def ok(self) -> bool:

@@ -90,7 +90,7 @@ class _NotServed(Exception):
 
 
 def _stamp(spec: ModelSpec) -> Stamp:
-    files = [spec.config_file, spec.path]
+    files = [spec.config_file, *(spec.stages or (spec.path,))]  # a plan of stages: each stage's file
     if spec.parity is not None:
         files.append(spec.path.parent / spec.parity.file)
     out: list[tuple[int, int]] = []
@@ -478,9 +478,15 @@ class ModelManager:
                 continue
             self.programs[item.spec.key] = item.program
             # its weights by content: devices that share blocks hold a backbone its variants share once
-            sched.add_model(item.spec, self._footprint(item.program), blocks=item.program.blocks)
+            # (runtime.share_weights off: every model charged in full, as black-box serving)
+            shared = self.settings.runtime.share_weights
+            sched.add_model(item.spec, self._footprint(item.program), blocks=item.program.blocks if shared else (),
+                            prefix=item.program.prefix if shared else "")
             for kind, (infer, load) in item.seeds.items():
                 sched.seed(item.spec.key, kind, infer, load)
+            if item.program.prefix and shared:  # per-stage estimates (cross-model batches), from the host's runs
+                for kind in {d.kind for d in self.devices if d.shares_weights}:
+                    sched.seed_stages(item.spec.key, kind, item.program.stage_timings)
         served = Served(spec, p.stamp, p.parity.spec.key if p.parity is not None else None)
         self._served[spec.key] = served
         if spec.preload_replicas:

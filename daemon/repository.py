@@ -33,6 +33,11 @@
     forgetting = 1.0             # RLS forgetting factor lambda in (0, 1]
     target_scale = 0             # feedback targets are +-s; 0: head.npz's "scale" (else 1.0)
 
+A model may instead be a plan of stages (Pretzel): `stages = ["../../.stages/backbone.pt2",
+"head.pt2"]` lists torch.export programs, relative to each version directory, that run in turn
+(each takes the previous one's outputs); its version directories then hold no model file.
+Stages identical across models (same graph, same weights) are found by content at load.
+
 A model directory may instead hold its file bare, as a storage URI (KServe's storage initializer
 or model agent) delivers it: `<repo>/<model>/model.pt2` (or model.ts) is served as version 1, with
 a config.toml beside it or, for model.pt2 without one, the config its exported program implies
@@ -72,7 +77,9 @@ Layout = Literal["versions", "bare"]  # <model>/<version>/model.pt2, or <model>/
 MODEL_FILES: dict[str, ModelFormat] = {"model.pt2": "pt2", "model.ts": "ts"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _KNOWN_KEYS = {"name", "description", "max_batch_size", "slo_ms", "inputs", "outputs", "metadata", "parity",
-               "preload_replicas", "queue_policy", "response_cache", "personalization"}
+               "preload_replicas", "queue_policy", "response_cache", "personalization", "stages"}
+MAX_STAGES = 8
+STAGED_FILE = "model.stages"  # a staged version's `path`: a name in its directory, never a file
 _QUEUE_KEYS = {"default_timeout_ms", "timeout_action", "allow_timeout_override", "max_queue_size", "max_wait_s"}
 _PARITY_KEYS = {"k", "encoder", "file", "enabled", "flush_ms", "accuracy"}
 _PERSONAL_KEYS = {"features", "head", "output", "prior", "forgetting", "target_scale"}
@@ -244,6 +251,8 @@ class ModelSpec:
     memory_bytes: int | None = None  # what its KServe TrainedModel declares (spec.model.memory), if any
     response_cache: bool = False  # its answers are kept in the prediction cache (daemon/apps/cache.py)
     personalization: PersonalSpec | None = None  # per-user weights on a feature output (daemon/apps/personal.py)
+    # A plan of stages: the programs run in turn, resolved (empty: one program at `path`).
+    stages: tuple[Path, ...] = field(default=(), compare=False)
     key: str = field(init=False, compare=False)  # "name:version", used on every hot path
     # What the frontends answer with: the model's outputs, then the personalized one (present in
     # an answer only when the request named a user). The runtime runs `outputs` only.
@@ -447,6 +456,9 @@ def check_model_config(raw: dict[str, Any], name: str, default_slo_ms: float) ->
     if not isinstance(desc, str):
         raise ModelConfigError(f"{name}: description must be a string")
     parity = _parity(raw.get("parity"), name, float(slo))
+    stages = _stages(raw.get("stages"), name)
+    if stages and (parity is not None or raw.get("personalization") is not None):
+        raise ModelConfigError(f"{name}: a model of stages cannot have [parity] or [personalization] yet")
     preload = raw.get("preload_replicas", 0)
     if isinstance(preload, bool) or not isinstance(preload, int) or not 0 <= preload <= 64:
         raise ModelConfigError(f"{name}: preload_replicas = {preload!r}: expected an integer in 0..64")
@@ -465,7 +477,54 @@ def check_model_config(raw: dict[str, Any], name: str, default_slo_ms: float) ->
         "response_cache": _response_cache(raw.get("response_cache"), name),
         # a PersonalConfig here; _model_versions makes it each version's PersonalSpec (its head file)
         "personalization": _personal_config(raw.get("personalization"), name, outputs),
+        "stages": stages,  # relative paths here; _model_versions resolves them per version
     }
+
+
+def _stages(raw: Any, name: str) -> tuple[str, ...]:
+    """`stages`: 2..MAX_STAGES relative paths of .pt2 programs (an absent key: none)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not 2 <= len(raw) <= MAX_STAGES or not all(isinstance(p, str) for p in raw):
+        raise ModelConfigError(f"{name}: stages = {raw!r}: expected a list of 2 to {MAX_STAGES} file paths "
+                               "(torch.export programs, relative to each version directory)")
+    for p in raw:
+        if not p.endswith(".pt2") or os.path.isabs(p) or "\\" in p or "\0" in p:
+            raise ModelConfigError(f"{name}: stage {p!r}: expected a relative path of a .pt2 file")
+    return tuple(raw)
+
+
+def _staged_version(version_dir: Path, stages: tuple[str, ...], root: Path) -> tuple[Path, ...]:
+    """The stage files of one version, resolved; _SkippedVersion when one is missing, unreadable or
+    outside the repository (a config may share stages between models, but not reach past `root`)."""
+    out = []
+    for rel in stages:
+        path = (version_dir / rel).resolve()
+        if not path.is_relative_to(root.resolve()):
+            raise _SkippedVersion(f"version {version_dir.name} is skipped: stage {rel!r} is outside the "
+                                  "model repository")
+        problem = file_problem(path)
+        if problem is not None:
+            raise _SkippedVersion(f"version {version_dir.name} is skipped: stage {rel!r}: {problem}")
+        out.append(path)
+    return tuple(out)
+
+
+def _staged_versions(model_dir: Path, stages: tuple[str, ...]) -> list[tuple[int, Path, tuple[Path, ...]]]:
+    """The servable versions of a model of stages: version directories whose stage files all exist."""
+    skipped: list[str] = []
+    found = []
+    for version, d in sorted(_version_dirs(model_dir, skipped).items()):
+        try:
+            found.append((version, d / STAGED_FILE, _staged_version(d, stages, model_dir.parent)))
+        except _SkippedVersion as e:
+            skipped.append(str(e))
+    if not found:
+        why = f" ({'; '.join(skipped)})" if skipped else ""
+        raise ModelConfigError(f"{model_dir.name}: no version directory holds every stage{why}")
+    for why in skipped:
+        log.warning("model %s: %s", model_dir.name, why)
+    return found
 
 
 def _response_cache(raw: Any, name: str) -> bool:
@@ -703,6 +762,15 @@ def _model_versions(model_dir: Path, default_slo_ms: float) -> list[ModelSpec]:
     name = model_dir.name
     if not _NAME_RE.fullmatch(name):
         raise ModelConfigError(f"{name!r}: model names must be letters, digits, '_', '.', '-'")
+    if os.path.lexists(model_dir / "config.toml"):
+        cfg = parse_model_config(model_dir, default_slo_ms)
+        if cfg["stages"]:  # a plan of stages: its version directories hold stage files, not a model file
+            try:
+                memory = kserve.declared_memory(model_dir)
+            except kserve.AgentFileError as e:
+                raise ModelConfigError(f"{name}: KServe's agent file {e}") from None
+            return [ModelSpec(version=v, path=path, format="pt2", **{**cfg, "stages": files, "memory_bytes": memory})
+                    for v, path, files in _staged_versions(model_dir, cfg["stages"])]
     try:
         layout, versions = _versions(model_dir)
     except ModelConfigError:
@@ -726,7 +794,7 @@ def _model_versions(model_dir: Path, default_slo_ms: float) -> list[ModelSpec]:
         raise ModelConfigError(f"{name}: KServe's agent file {e}") from None
     specs: list[ModelSpec] = []
     for version, path, fmt in versions:
-        cfg_v = {**cfg, "layout": layout, "memory_bytes": memory}
+        cfg_v = {**cfg, "layout": layout, "memory_bytes": memory, "stages": ()}
         if cfg["parity"] is not None:
             problem = file_problem(path.parent / cfg["parity"].file)
             if problem is not None:

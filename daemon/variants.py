@@ -7,6 +7,12 @@ customer's own categories would). Every variant is a complete model file of its 
 user would export it: the daemon finds the backbone they share by content (runtime/objstore.py)
 and keeps it once in host memory and on each device.
 
+The same family is also written as plans of stages (`<out>-staged`): one backbone program in
+`.stages/backbone.pt2` and, per variant, its head as `head.pt2` with `stages = [backbone, head]`
+in its config. The daemon does not split a monolithic program into a shared prefix and the rest
+(that would need matching sub-graphs across exported programs), so this form is the one whose
+shared stage the controller runs once for several variants (cross-model batching).
+
 Deterministic (fixed seeds and split); idempotent (a variant already built is left alone).
 """
 
@@ -137,11 +143,29 @@ def model_name(task: Task) -> str:
     return f"digits_head_{task.name}"
 
 
-def build(out: str | Path, n: int = DEFAULT_VARIANTS, force: bool = False) -> list[str]:
-    """Write `n` variants as a model repository under `out`; returns the names built."""
+STAGES_DIR = ".stages"  # the staged repository's shared stage files (a dot: the scan skips it)
+BACKBONE_FILE = "backbone.pt2"
+HEAD_FILE = "head.pt2"
+
+
+def staged_out(out: str | Path) -> Path:
+    """Where the staged form of the variants in `out` goes."""
+    p = Path(out)
+    return p.with_name(f"{p.name}-staged")
+
+
+def build(out: str | Path, n: int = DEFAULT_VARIANTS, force: bool = False, staged: Path | None = None) -> list[str]:
+    """Write `n` variants as a model repository under `out`, and their staged form under `staged`
+    (default: `staged_out(out)`); returns the names built."""
     out = Path(out)
-    todo = [t for t in tasks(n) if force or not (out / model_name(t) / "1" / "model.pt2").exists()
-            or not (out / model_name(t) / "config.toml").exists()]
+    staged = staged or staged_out(out)
+
+    def missing(t: Task) -> bool:
+        return force or not all(p.exists() for p in (
+            out / model_name(t) / "1" / "model.pt2", out / model_name(t) / "config.toml",
+            staged / model_name(t) / "1" / HEAD_FILE, staged / model_name(t) / "config.toml",
+            staged / STAGES_DIR / BACKBONE_FILE))
+    todo = [t for t in tasks(n) if missing(t)]
     if not todo:
         log.info("%d variants: already built in %s", n, out)
         return []
@@ -159,11 +183,24 @@ def build(out: str | Path, n: int = DEFAULT_VARIANTS, force: bool = False) -> li
             "test_accuracy": round(acc, 4), "task": task.name, "labels": list(task.labels),
             "backbone": "digits 64-512-256, trained on digit identity, frozen for every head"}
         (out / name / "config.toml").write_text(config_text(spec, meta), encoding="utf-8")
+        _write_staged(staged, spec, model, meta)
         built.append(name)
     log.info("%d variants built in %s in %.1f s (%s)", len(built), out, time.perf_counter() - t0,
              ", ".join(f"{model_name(t)} {family[t.name][1]:.3f}" for t in todo[:4])
              + (" ..." if len(todo) > 4 else ""))
     return built
+
+
+def _write_staged(root: Path, spec: DemoModel, model: Variant, meta: dict[str, object]) -> None:
+    """One variant as a plan of two stages: the shared backbone program, then its own head."""
+    backbone = root / STAGES_DIR / BACKBONE_FILE
+    if not backbone.exists():  # every variant's backbone is the same module: written once
+        save_model(model.backbone, "pt2", torch.zeros((2, 64)), spec.max_batch_size, backbone)
+    save_model(model.head, "pt2", torch.zeros((2, HIDDEN[-1])), spec.max_batch_size,
+               root / spec.name / "1" / HEAD_FILE)
+    text = config_text(spec, meta).replace(
+        "\nmax_batch_size", f'\nstages = ["../../{STAGES_DIR}/{BACKBONE_FILE}", "{HEAD_FILE}"]\nmax_batch_size', 1)
+    (root / spec.name / "config.toml").write_text(text, encoding="utf-8")
 
 
 def _built(model: nn.Module) -> tuple[nn.Module, dict[str, object]]:

@@ -36,6 +36,9 @@ class Infer:
     encoder: str = ""
     replica_of: int = 0
     best_effort: bool = False  # requests of the best-effort lane (taken from `ModelEntry.late`)
+    # A cross-model batch: other models sharing `spec`'s leading stage, each with its requests
+    # (taken from their queues), after `spec`'s own; `expected` covers them all.
+    group: list[tuple[ModelSpec, list[InferenceRequest]]] | None = None
 
 
 @dataclass(slots=True)

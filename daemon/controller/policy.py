@@ -61,5 +61,6 @@ def make_policy(settings: ControllerSettings) -> Policy:
         from daemon.controller.policies.clockwork import ClockworkPolicy
 
         return ClockworkPolicy(schedule_ahead=settings.schedule_ahead_ms / 1000.0,
-                               batch_wait=settings.batch_wait_ms / 1000.0)
+                               batch_wait=settings.batch_wait_ms / 1000.0,
+                               cross_model=settings.cross_model_batching)
     raise ValueError(f"unknown policy {settings.policy!r}")

@@ -46,6 +46,7 @@ from daemon.errors import DeadlineExceeded, EscapementError, InternalError, NotF
 from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest, RequestClass, RequestStatus
 from daemon.runtime.devices import Device
+from daemon.runtime.program import prefix_key, tail_key
 
 if TYPE_CHECKING:
     from daemon.controller.policy import Policy
@@ -76,7 +77,7 @@ class Scheduler:
         self.inflight: dict[int, Action] = {}
         self._active: set[str] = set()  # models that may have queued requests (pruned lazily)
         self._rates: dict[str, tuple[float, int, int, float]] = {}  # model -> drain rate, version, holders, until
-        self._running: dict[int, tuple[str, int]] = {}  # INFER id -> (model, samples) counted in its `running`
+        self._running: dict[int, list[tuple[str, int]]] = {}  # INFER id -> (model, samples) counted in `running`
         # Where each model's weights are, derived from the devices' memory maps and kept with them.
         self.ready_on: dict[str, set[str]] = {}  # model key -> devices holding it ready
         self.placed_on: dict[str, set[str]] = {}  # model key -> devices holding or loading it
@@ -102,11 +103,21 @@ class Scheduler:
     # ---------------------------------------------------------------- models
 
     def add_model(self, spec: ModelSpec, weight_bytes: int, seeds: dict[int, float] | None = None,
-                  seed_kind: str = "cpu", blocks: Blocks = ()) -> None:
-        """`blocks`: the model's weights by content; devices that share blocks hold each once."""
-        self.models[spec.key] = ModelEntry(spec, weight_bytes, blocks)
+                  seed_kind: str = "cpu", blocks: Blocks = (), prefix: str = "") -> None:
+        """`blocks`: the model's weights by content; devices that share blocks hold each once.
+        `prefix`: a plan of stages' leading stage (models with one prefix may batch it together)."""
+        self.models[spec.key] = ModelEntry(spec, weight_bytes, blocks, prefix=prefix)
         if seeds:
             self.estimator.seed_infer(spec.key, seed_kind, seeds, spec.batch_sizes)
+
+    def seed_stages(self, key: str, kind: str, timings: dict[int, tuple[float, float]]) -> None:
+        """Seed a plan's per-stage estimates (its prefix, shared, and the rest, its own) on a kind."""
+        entry = self.models[key]
+        if not entry.prefix or not timings:
+            return
+        sizes = entry.spec.batch_sizes
+        self.estimator.seed_infer(prefix_key(entry.prefix), kind, {b: t[0] for b, t in timings.items()}, sizes)
+        self.estimator.seed_infer(tail_key(key), kind, {b: t[1] for b, t in timings.items()}, sizes)
 
     def preload(self, key: str, replicas: int, now: float, avoid: set[str] | None = None) -> list[str]:
         """Load a model onto up to `replicas` devices with room (not those in `avoid`), least used
@@ -459,6 +470,8 @@ class Scheduler:
             q = entry.late if step.best_effort else entry.queue
             for r in step.requests:
                 q.take(r)
+            if step.group:
+                return self._issue_group(step, dev, now)
             return self.issue_infer(step.spec, dev, step.requests, step.batch_size, now, earliest=now,
                                     latest=step.latest, expected=step.expected, best_effort=step.best_effort)
         if t is Drop:
@@ -654,11 +667,49 @@ class Scheduler:
         action = self.issue(Action(ActionKind.INFER, spec, dev.name, earliest, latest, expected, batch_size,
                                    requests, expected_start=earliest, best_effort=best_effort), now)
         self.models[spec.key].running += samples
-        self._running[action.id] = (spec.key, samples)
+        self._running[action.id] = [(spec.key, samples)]
         if requests:
             heapq.heappush(self._overdue, (due + OVERDUE_GRACE, action.id, action))
         if spec.parity is not None and not best_effort:  # (ParM protects on-time work only)
             self._run(self.parm.issued(self, action, now), now)
+        return action
+
+    def _issue_group(self, step: Infer, dev: DeviceState, now: float) -> Action:
+        """A cross-model batch (controller/sharing.py): the lead's requests (already taken) and each
+        member's, out of their queues, in one INFER that runs their shared prefix once."""
+        assert step.group
+        members = [(step.spec, step.requests), *step.group]
+        requests: list[InferenceRequest] = []
+        counted: list[tuple[str, int]] = []
+        due = math.inf
+        for spec, reqs in members:
+            entry = self.models[spec.key]
+            samples = 0
+            for r in reqs:
+                if spec is not step.spec:
+                    entry.queue.take(r)
+                r.status = RequestStatus.RUNNING
+                r.dispatched_at = now
+                samples += r.samples
+                due = min(due, r.deadline)
+            requests.extend(reqs)
+            entry.running += samples
+            counted.append((spec.key, samples))
+            dev.busy[spec.key] += 1
+            dev.memory.touch(spec.key)
+        dev.infer_inflight += 1
+        counters = self.counters
+        samples = sum(n for _, n in counted)
+        counters["infer_actions"] += 1
+        counters["infer_samples"] += samples
+        counters["infer_slots"] += step.batch_size
+        counters["cross_model_batches"] += 1
+        counters["cross_model_members"] += len(members)
+        action = self.issue(Action(ActionKind.INFER, step.spec, dev.name, now, step.latest, step.expected,
+                                   step.batch_size, requests, expected_start=now,
+                                   group=tuple((spec, len(reqs)) for spec, reqs in members)), now)
+        self._running[action.id] = counted
+        heapq.heappush(self._overdue, (due + OVERDUE_GRACE, action.id, action))
         return action
 
     def _issue_extra(self, step: Infer, dev: DeviceState, now: float) -> Action:
@@ -735,20 +786,26 @@ class Scheduler:
         return self._take()
 
     def _not_running(self, action_id: int) -> None:
-        counted = self._running.pop(action_id, None)
-        if counted is not None and counted[0] in self.models:
-            self.models[counted[0]].running -= counted[1]
+        for key, samples in self._running.pop(action_id, ()):
+            if key in self.models:
+                self.models[key].running -= samples
 
     def _infer_done(self, action: Action, dev: DeviceState, result: Result, now: float) -> None:
         self._not_running(action.id)
         dev.infer_inflight -= 1
-        dev.busy[action.model.key] -= 1
         key = action.model.key
+        if action.group:
+            self._group_done(action, dev, result, now)
+            return
+        dev.busy[key] -= 1
         role = self.parm.role(action) if self.parm.coding.role or self.parm.coding.replicas else Role.NONE
         if result.ok:
             assert result.outputs is not None
             rows = action.samples if dev.kind in EXACT_ROW_KINDS else action.batch_size
-            self.estimator.observe_infer(key, rows, dev.kind, result.end - result.begin, dev.name)
+            self._observe_stages(result, dev)
+            # (a run whose prefix came from the prefix cache in part is no measure of the whole model)
+            if not result.stage_runs or result.stage_runs[0][1] == action.samples:
+                self.estimator.observe_infer(key, rows, dev.kind, result.end - result.begin, dev.name)
         if action.coded is not None:  # a parity batch (its group may be gone: members all answered)
             self._run(self.parm.parity_result(action, result, now), now)
             return
@@ -769,12 +826,43 @@ class Scheduler:
             return  # its requests wait for a reconstruction
         self._lost(action, result, now)
 
+    def _observe_stages(self, result: Result, dev: DeviceState) -> None:
+        for key, rows, seconds in result.stage_runs:
+            if rows:
+                self.estimator.observe_infer(key, rows, dev.kind, seconds, dev.name)
+
+    def _group_done(self, action: Action, dev: DeviceState, result: Result, now: float) -> None:
+        """A cross-model batch came back: each member's requests get their rows of its outputs, or,
+        if it did not run, go back to their own queues (or fail) as any lost batch's do."""
+        assert action.group
+        for spec, _ in action.group:
+            dev.busy[spec.key] -= 1
+        if not result.ok or result.parts is None:
+            self.counters[f"infer_{result.status.name.lower()}"] += 1
+            self._lost(action, result, now)
+            return
+        self._observe_stages(result, dev)
+        at = 0
+        for (spec, count), outputs in zip(action.group, result.parts, strict=True):
+            reqs = action.requests[at : at + count]
+            at += count
+            entry = self.models.get(spec.key)
+            if entry is not None and entry.backlog_since:
+                self._drained(entry, sum(r.samples for r in reqs), now)
+            self._answer_rows(reqs, outputs, now, result.duration)
+
     def _answer(self, action: Action, outputs: tuple[np.ndarray, ...], now: float, compute_s: float = 0.0,
                 reconstructed: bool = False, counter: str = "") -> None:
         """Finish an action's requests that are still running with their rows of `outputs`."""
+        answered = self._answer_rows(action.requests, outputs, now, compute_s, reconstructed)
+        if counter and answered:
+            self.counters[counter] += answered
+
+    def _answer_rows(self, requests: list[InferenceRequest], outputs: tuple[np.ndarray, ...], now: float,
+                     compute_s: float = 0.0, reconstructed: bool = False) -> int:
+        """Finish those of `requests` still running with their rows of `outputs`; how many."""
         off = 0
         answered = 0
-        requests = action.requests
         whole = len(requests) == 1 and all(len(o) == requests[0].samples for o in outputs)
         for r in requests:
             n = r.samples
@@ -786,13 +874,22 @@ class Scheduler:
                 self._finish(r, RequestStatus.SUCCEEDED, None, now)
                 answered += 1
             off += n
-        if counter and answered:
-            self.counters[counter] += answered
+        return answered
 
     def _lost(self, action: Action, result: Result, now: float) -> None:
         """An INFER that did not run, or failed: retry or fail its requests still running."""
-        key = action.model.key
-        live = [r for r in action.requests if r.status == RequestStatus.RUNNING]
+        if action.group:  # a cross-model batch: each member's requests as a batch of their own
+            at = 0
+            for spec, count in action.group:
+                part = action.requests[at : at + count]
+                at += count
+                self._lost_requests(spec.key, part, action, result, now)
+            return
+        self._lost_requests(action.model.key, action.requests, action, result, now)
+
+    def _lost_requests(self, key: str, requests: list[InferenceRequest], action: Action, result: Result,
+                       now: float) -> None:
+        live = [r for r in requests if r.status == RequestStatus.RUNNING]
         entry = self.models.get(key)
         if result.status == ResultStatus.FAILED:
             log.error("%r failed: %s", action, result.error)

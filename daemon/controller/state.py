@@ -85,6 +85,7 @@ class ModelEntry:
     backlog_samples: int = 0  # samples run in the current window
     drain_seen: float = 0.0  # the last full window's measured rate (samples/s); 0 when none
     running: int = 0  # samples of its INFERs in flight (they run before anything queued)
+    prefix: str = ""  # a plan of stages: its leading stage's identity (shared with other models), else ""
 
     def backlog_ended(self) -> None:
         """Its queue ran dry: what was measured while it kept its devices saturated no longer holds."""

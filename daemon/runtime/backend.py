@@ -21,7 +21,8 @@ import torch
 from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest
 from daemon.runtime.devices import Device
-from daemon.runtime.program import Program, Runner
+from daemon.runtime.prefixcache import PrefixCache
+from daemon.runtime.program import Chain, Program, Runner, prefix_key, tail_key
 
 
 @dataclass(slots=True, eq=False)
@@ -163,8 +164,10 @@ class CpuBackend:
     holds (the controller's memory map accounts the same way: controller/memory.py).
     """
 
-    def __init__(self, device: Device, threads: int = 1, core: int | None = None) -> None:
+    def __init__(self, device: Device, threads: int = 1, core: int | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.device = device
+        self.prefix_cache = prefix_cache or PrefixCache(0, 0)
         self.threads = threads
         self.core = core  # the core the INFER thread is pinned to, if any
         self.pool = BlockPool()
@@ -282,6 +285,73 @@ class CpuBackend:
         return tuple(
             (o.clone() if o.untyped_storage().data_ptr() in io.input_ptrs else o).numpy() for o in outs
         ), duration
+
+    def infer_staged(self, members: Sequence[tuple[Resident, Sequence[InferenceRequest]]], io: IOBuffers
+                     ) -> tuple[list[tuple[np.ndarray, ...]], float, tuple[tuple[str, int, float], ...]]:
+        """Plans of stages sharing their first (one model, or a cross-model batch): the first stage
+        once on every request's rows (in `io`, the first member's buffers), minus those whose
+        output the prefix cache holds and repeats of one input; then each member's other stages on
+        its own rows. (each member's outputs, device seconds, (estimate key, rows, seconds) per
+        stage run)."""
+        lead = members[0][0]
+        assert isinstance(lead.runner, Chain) and lead.program.stages
+        sid = lead.program.stages[0].sid
+        cache = self.prefix_cache
+        run: list[InferenceRequest] = []  # requests whose prefix is computed (each distinct input once)
+        fresh: list[bytes | None] = []  # per request of `run`: its cache key (None: no cache)
+        pending: dict[bytes, int] = {}  # key -> its position in `run`
+        sources: list[tuple[int, tuple[torch.Tensor, ...] | None]] = []  # per request: its row in `run`, or held
+        for _, reqs in members:
+            for r in reqs:
+                k = cache.key(sid, r.inputs) if cache.enabled else None
+                if k is not None:
+                    j = pending.get(k)
+                    if j is not None:  # the same input earlier in this batch
+                        sources.append((j, None))
+                        continue
+                    held = cache.get(k)
+                    if held is not None:
+                        sources.append((-1, held))
+                        continue
+                    pending[k] = len(run)
+                sources.append((len(run), None))
+                fresh.append(k)
+                run.append(r)
+        t0 = time.perf_counter()
+        rows = io.fill(run) if run else 0
+        computed: tuple[torch.Tensor, ...] = ()
+        if rows:
+            xs = io.device if rows == io.batch_size else [t[:rows] for t in io.device]
+            with torch.inference_mode():
+                computed = lead.runner.stages[0](xs)
+            if any(o.untyped_storage().data_ptr() in io.input_ptrs for o in computed):
+                computed = tuple(o.clone() for o in computed)  # the next batch overwrites the buffers
+        t1 = time.perf_counter()
+        starts: list[int] = []
+        at = 0
+        for r, k in zip(run, fresh, strict=True):
+            starts.append(at)
+            if k is not None:  # copies: a view would keep the whole batch's output alive
+                cache.put(k, tuple(o[at : at + r.samples].clone() for o in computed))
+            at += r.samples
+        out: list[tuple[np.ndarray, ...]] = []
+        stage_runs = [(prefix_key(sid), rows, t1 - t0)]
+        i = 0
+        for res, reqs in members:
+            parts: list[tuple[torch.Tensor, ...]] = []
+            for r in reqs:
+                j, held = sources[i]
+                i += 1
+                parts.append(held if held is not None else tuple(o[starts[j] : starts[j] + r.samples]
+                                                                 for o in computed))
+            xs2 = parts[0] if len(parts) == 1 else tuple(torch.cat(c) for c in zip(*parts, strict=True))
+            assert isinstance(res.runner, Chain)
+            t2 = time.perf_counter()
+            with torch.inference_mode():
+                outs = res.runner.tail(xs2)
+            stage_runs.append((tail_key(res.program.spec.key), sum(r.samples for r in reqs), time.perf_counter() - t2))
+            out.append(tuple(o.numpy() for o in outs))
+        return out, time.perf_counter() - t0, tuple(stage_runs)
 
     def close(self) -> None:
         self.pool.trim(0)

@@ -23,11 +23,12 @@ import torch
 
 from daemon.actions import LOAD_FLOOR_BPS, Action, ActionKind, Failure, Result, ResultStatus
 from daemon.clock import Clock
+from daemon.request import InferenceRequest
 from daemon.runtime.backend import Backend, IOBuffers, NoMemory, Resident
 from daemon.runtime.devapi import DeviceFault
 from daemon.runtime.devices import Device
 from daemon.runtime.faults import Faults
-from daemon.runtime.program import Program
+from daemon.runtime.program import Chain, Program
 
 log = logging.getLogger("escapement.executor")
 
@@ -234,6 +235,9 @@ class Executor:
             return Result(action, ResultStatus.FAILED, received, begin, begin, failure=Failure.ERROR,
                           error=f"invalid batch: {action.samples} samples at batch size {action.batch_size}")
         self.faults.before()
+        staged = getattr(self.backend, "infer_staged", None)
+        if action.group or (staged is not None and isinstance(res.runner, Chain) and action.coded is None):
+            return self._infer_staged(action, received, begin, res, io)
         coded, encoder, requests = action.coded, action.encoder, action.requests
 
         def fill(io: IOBuffers) -> int:
@@ -244,6 +248,30 @@ class Executor:
         if extra > 0:
             time.sleep(extra)  # an injected slowdown holds the device, as a slow device would
         return Result(action, ResultStatus.OK, received, begin, self.clock.now(), duration, outputs)
+
+    def _infer_staged(self, action: Action, received: float, begin: float, lead: Resident, io: IOBuffers) -> Result:
+        """A plan of stages on a backend that runs them one by one (CPU): alone, or a cross-model
+        batch whose members share the first stage (it runs once; the prefix cache may serve it)."""
+        staged = getattr(self.backend, "infer_staged", None)
+        if staged is None:
+            return Result(action, ResultStatus.FAILED, received, begin, begin, failure=Failure.ERROR,
+                          error=f"{self.device.name} does not run cross-model batches")
+        members: list[tuple[Resident, list[InferenceRequest]]] = []
+        at = 0
+        for spec, count in action.group or ((action.model, len(action.requests)),):
+            res = lead if spec.key == action.model.key else self.resident.get(spec.key)
+            if res is None or not isinstance(res.runner, Chain) or \
+                    res.program.prefix != lead.program.prefix:
+                return Result(action, ResultStatus.FAILED, received, begin, begin, failure=Failure.ERROR,
+                              error=f"{spec.key} is not on {self.device.name} with the batch's shared stage")
+            members.append((res, action.requests[at : at + count]))
+            at += count
+        parts, duration, stage_runs = staged(members, io)
+        extra = self.faults.extra(self.clock.now() - begin, begin)
+        if extra > 0:
+            time.sleep(extra)
+        return Result(action, ResultStatus.OK, received, begin, self.clock.now(), duration, parts[0],
+                      parts=tuple(parts) if action.group else None, stage_runs=stage_runs)
 
     def _load_or_unload(self, action: Action, received: float) -> Result:
         return self._load(action, received) if action.kind == ActionKind.LOAD else self._unload(action, received)
@@ -275,8 +303,10 @@ class Executor:
 
 
 def make_backend(device: Device, cpu_threads: int, core: int | None = None, *, host: object | None = None,
-                 graphs: bool = True, hang_timeout_s: float = 2.0, emucuda: object | None = None) -> Backend:
-    """The backend of a device; CUDA and stand-in devices share `host` (the process's pinned memory)."""
+                 graphs: bool = True, hang_timeout_s: float = 2.0, emucuda: object | None = None,
+                 prefix_cache: tuple[int, int] = (0, 0)) -> Backend:
+    """The backend of a device; CUDA and stand-in devices share `host` (the process's pinned memory).
+    `prefix_cache`: (entries, bytes) of a CPU device's cache of shared stages' outputs."""
     if device.kind in ("cuda", "emucuda"):
         from daemon.runtime.cuda import CudaBackend
         from daemon.runtime.hostmem import HostPins
@@ -294,8 +324,9 @@ def make_backend(device: Device, cpu_threads: int, core: int | None = None, *, h
         return CudaBackend(device, api, pins, graphs=graphs, hang_timeout_s=hang_timeout_s)  # type: ignore[arg-type]
     if device.kind == "cpu":
         from daemon.runtime.backend import CpuBackend
+        from daemon.runtime.prefixcache import PrefixCache
 
-        return CpuBackend(device, cpu_threads, core)
+        return CpuBackend(device, cpu_threads, core, PrefixCache(*prefix_cache))
     raise ValueError(f"no backend for {device.kind} devices in a real executor")
 
 

@@ -20,11 +20,19 @@ Two kinds of runner exist for a `model.pt2` (torch.export) program:
   reference and the fallback.)
 
 `model.ts` (TorchScript) files are served by a native runner over their own weights.
+
+A model declared as a plan of stages (`stages` in config.toml, Pretzel's model plans) is one
+program made of its stages' programs run in turn: its weights are theirs, in stage order, and
+its runner a `Chain` of stage runners. Each stage has an identity, `sid`: a hash of its graph's
+code, its signature and its weights' content ids, so two models whose leading stages are the
+same program over the same weights share a `prefix`, which the controller may run once for
+both (cross-model batching) and the runtime may cache by input (`prefixcache.py`).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import threading
 import time
@@ -51,8 +59,51 @@ class Binder(Protocol):
                  device: torch.device | None = None) -> Runner: ...
 
 
+def prefix_key(sid: str) -> str:
+    """The controller's estimate key of a shared leading stage (one for every model that has it)."""
+    return f"prefix:{sid}"
+
+
+def tail_key(model_key: str) -> str:
+    """The controller's estimate key of a model's stages after its shared leading one."""
+    return f"tail:{model_key}"
+
+
 class ProgramError(ValueError):
     """The model file cannot be served as its config describes; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One stage of a plan: its identity, and which of the plan's weight entries are its own."""
+
+    sid: str  # graph code, signature and weights' content ids, hashed: equal means interchangeable
+    first: int  # its first weight entry in the plan's layout
+    count: int  # how many entries it has
+    program: Program
+
+
+class Chain:
+    """A plan's runner: each stage's runner on the previous one's outputs (`stages` lets the
+    runtime run the first stage for several models at once and the rest for each)."""
+
+    __slots__ = ("stages",)
+
+    def __init__(self, stages: list[Runner]) -> None:
+        self.stages = stages
+
+    def __call__(self, xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        out = tuple(xs)
+        for run in self.stages:
+            out = run(out)
+        return out
+
+    def tail(self, xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Every stage after the first (the prefix's outputs in)."""
+        out = tuple(xs)
+        for run in self.stages[1:]:
+            out = run(out)
+        return out
 
 
 @dataclass(slots=True, eq=False)
@@ -72,6 +123,10 @@ class Program:
     blocks: tuple[tuple[str, int], ...] = field(init=False)
     packed: torch.Tensor | None = None  # the packed host block, once a CUDA device asked for it
     _pack_lock: threading.Lock = field(default_factory=threading.Lock)
+    stages: tuple[Stage, ...] = ()  # a plan of stages (empty: one program)
+    # A plan: batch size -> seconds of its first stage and of the rest, host CPU (seeds the
+    # controller's per-stage estimates, which plan cross-model batches).
+    stage_timings: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         seen: dict[str, int] = {}
@@ -80,6 +135,12 @@ class Program:
                 seen[cid] = block_bytes(t)
         self.blocks = tuple(seen.items())
         self.host_runner = self.bind(list(self.host_tensors), native=True)
+
+    @property
+    def prefix(self) -> str:
+        """The identity of its leading stage when it has more than one ("" otherwise): models with
+        one prefix may run it once for all their requests."""
+        return self.stages[0].sid if len(self.stages) > 1 else ""
 
     @property
     def weight_bytes(self) -> int:
@@ -300,6 +361,70 @@ def _trace_binder(ep: torch.export.ExportedProgram, spec: ModelSpec, layout: Wei
         return None
 
 
+# ------------------------------------------------------------------ a plan of stages
+
+
+def stage_id(gm: torch.fx.GraphModule, cids: tuple[str, ...], spec: ModelSpec) -> str:
+    """A stage's identity: its graph's code, its inputs' and outputs' types and its weights by content."""
+    h = hashlib.blake2b(gm.code.encode(), digest_size=16)
+    for t in (*spec.inputs, *spec.outputs):
+        h.update(f"|{t.datatype.name}{t.sample_shape}".encode())
+    h.update("|".join(cids).encode())
+    return h.hexdigest()
+
+
+def _stage_specs(spec: ModelSpec) -> list[ModelSpec]:
+    """Each stage's own spec: the model's inputs in, the model's outputs out, what the programs
+    record in between (each stage must take what the one before returns)."""
+    from daemon.repository import ModelConfigError, check_model_config
+    from daemon.signature import SignatureError, inferred_config
+
+    out: list[ModelSpec] = []
+    for i, path in enumerate(spec.stages):
+        try:
+            cfg = check_model_config(inferred_config(path), spec.name, spec.slo_s * 1e3)
+        except (SignatureError, ModelConfigError) as e:
+            raise ProgramError(f"{spec.key}: stage {i} ({path.name}): {e}") from None
+        inputs = spec.inputs if i == 0 else cfg["inputs"]
+        outputs = spec.outputs if i == len(spec.stages) - 1 else cfg["outputs"]
+        if i > 0:
+            before = [(t.datatype, t.sample_shape) for t in out[-1].outputs]
+            if before != [(t.datatype, t.sample_shape) for t in inputs]:
+                raise ProgramError(f"{spec.key}: stage {i} ({path.name}) takes "
+                                   f"{[(t.datatype.name, t.sample_shape) for t in inputs]}, but stage {i - 1} returns "
+                                   f"{[(d.name, s) for d, s in before]}")
+        out.append(ModelSpec(f"{spec.name}.stage{i}", spec.version, path, "pt2", inputs, outputs,
+                             spec.max_batch_size, spec.slo_s))
+    return out
+
+
+def _load_staged(spec: ModelSpec, store: ObjectStore) -> Program:
+    programs = [_load_exported(s, store) for s in _stage_specs(spec)]
+    stages: list[Stage] = []
+    entries: list[tuple[str, torch.Tensor]] = []
+    first = 0
+    for i, p in enumerate(programs):
+        assert p.graph is not None
+        stages.append(Stage(stage_id(p.graph, p.cids, p.spec), first, len(p.layout.entries), p))
+        entries.extend((f"s{i}.{e.name}", t) for e, t in zip(p.layout.entries, p.host_tensors, strict=True))
+        first += len(p.layout.entries)
+    layout = WeightLayout.of(entries)
+    tensors = tuple(t for p in programs for t in p.host_tensors)
+    cids = tuple(c for p in programs for c in p.cids)
+
+    def binder(native: bool) -> Binder:
+        def bind(views: list[torch.Tensor], owner: str | None = None, device: torch.device | None = None) -> Runner:
+            return Chain([st.program.bind(views[st.first : st.first + st.count], native, owner, device)
+                          for st in stages])
+        return bind
+
+    releasers = [r for p in programs for r in p.releasers]
+    native = binder(True) if all(p.bind_native is not None for p in programs) else None
+    problem = next((p.capture_problem for p in programs if p.capture_problem), None)
+    return Program(spec, layout, tensors, cids, binder(False), native, releasers=releasers,
+                   capture_problem=problem, stages=tuple(stages))
+
+
 # ------------------------------------------------------------------ model.ts
 
 
@@ -381,7 +506,10 @@ def load_program(spec: ModelSpec, store: ObjectStore = STORE) -> Program:
     checks the native runner against the graph, and gives first timings to seed estimates.
     """
     try:
-        program = _load_exported(spec, store) if spec.format == "pt2" else _load_torchscript(spec, store)
+        if spec.stages:
+            program = _load_staged(spec, store)
+        else:
+            program = _load_exported(spec, store) if spec.format == "pt2" else _load_torchscript(spec, store)
     except ProgramError:
         raise
     except Exception as e:  # torch raises many types for a bad file
@@ -411,6 +539,12 @@ def load_program(spec: ModelSpec, store: ObjectStore = STORE) -> Program:
                 t0 = time.perf_counter()
                 runner(xs)
                 program.seed_timings[b] = time.perf_counter() - t0
+                if isinstance(runner, Chain):
+                    t0 = time.perf_counter()
+                    mid = runner.stages[0](xs)
+                    t1 = time.perf_counter()
+                    runner.tail(mid)
+                    program.stage_timings[b] = (t1 - t0, time.perf_counter() - t1)
             except ProgramError:
                 raise
             except Exception as e:

@@ -21,6 +21,9 @@ Following Clockwork (OSDI '20):
   model is never evicted to load one that costs less to keep cold (its arrival rate times its
   LOAD time: the copy work its cold starts make); and one idle model that frees enough is
   evicted rather than many small ones.
+- Cross-model batching (controller/sharing.py): a batch of a model whose leading stage other
+  models share (plans of stages) takes in their queued requests too when every request still
+  meets its deadline, on devices that keep shared weights once; the stage then runs once.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import math
 from dataclasses import dataclass, field
 
 from daemon.actions import ActionKind, Result
+from daemon.controller import sharing
 from daemon.controller.decisions import Drop, Infer, Load, Steps, Unload
 from daemon.controller.estimates import EXACT_ROW_KINDS
 from daemon.controller.state import DeviceState, ModelEntry
@@ -118,9 +122,11 @@ class WorkIndex:
 class ClockworkPolicy:
     name = "clockwork"
 
-    def __init__(self, schedule_ahead: float = 0.005, batch_wait: float = 0.0) -> None:
+    def __init__(self, schedule_ahead: float = 0.005, batch_wait: float = 0.0, cross_model: bool = True) -> None:
         self.horizon = schedule_ahead
         self.batch_wait = batch_wait
+        self.cross_model = cross_model
+        self.prefixed: dict[str, set[str]] = {}  # shared prefix -> models having it that gained work (pruned lazily)
         self.rates: dict[str, RateMeter] = {}
         self.replicated_at: dict[str, float] = {}
         self.copy_busy: dict[str, RateMeter] = {}  # device -> LOAD seconds per second
@@ -161,6 +167,8 @@ class ClockworkPolicy:
         head = req if req is not None and req.queue_seq else entry.queue.head()
         if head is None:
             return
+        if entry.prefix and self.cross_model:
+            self.prefixed.setdefault(entry.prefix, set()).add(key)
         placed = view.placed_on.get(key)
         if not placed:
             self.cold.push(key, head.deadline, -self._backlog(view, entry))
@@ -487,12 +495,35 @@ class ClockworkPolicy:
             samples = sum(r.samples for r in taken)
             deadline = min(r.deadline for r in taken)
             run = self._est(view, spec.key, samples, dev)
+        group = self._group(view, entry, taken, dev, start, now) if entry.prefix and self.cross_model else None
+        if group is not None:
+            members, run = group
+            samples += sum(r.samples for _, reqs in members for r in reqs)
+            deadline = min(deadline, *(r.deadline for _, reqs in members for r in reqs))
         b = spec.batch_size_for(samples)
         latest = max(deadline - run, start + LATEST_GRACE)
-        yield Infer(spec, dev.name, taken, b, latest, run)  # (the scheduler takes them from the queue)
+        # (the scheduler takes the requests from their queues)
+        yield Infer(spec, dev.name, taken, b, latest, run, group=group[0] if group is not None else None)
         if (h := q.head()) is not None:
             work.push(spec.key, h.rank, h.deadline - self._est(view, spec.key, h.samples, dev))
+        for mspec, _ in group[0] if group is not None else ():
+            if (h := view.models[mspec.key].queue.head()) is not None:
+                work.push(mspec.key, h.rank, h.deadline - self._est(view, mspec.key, h.samples, dev))
         return True
+
+    def _group(self, view: ControllerView, entry: ModelEntry, taken: list[InferenceRequest], dev: DeviceState,
+               start: float, now: float) -> tuple[sharing.Members, float] | None:
+        """Other models' requests that can join this batch to share its prefix (sharing.py)."""
+        if not dev.memory.shares or entry.spec.parity is not None:
+            return None  # (a CUDA arena holds each model apart; ParM protects one model's batches)
+        cands = self.prefixed.get(entry.prefix)
+        if not cands:
+            return None
+        for k in [k for k in cands if (e := view.models.get(k)) is None or not e.queue.requests]:
+            cands.discard(k)
+        if not cands or cands == {entry.spec.key}:
+            return None
+        return sharing.extend(view, dev, entry, taken, start, cands, now)
 
     def _bind_at(self, view: ControllerView, entry: ModelEntry, dev: DeviceState, start: float, now: float) -> float:
         """When to choose the next batch of `entry` on `dev` (which frees at `start`): now, or, for

@@ -1,0 +1,64 @@
+"""Outputs of a shared leading stage kept by input (Pretzel's sub-plan materialization).
+
+When the same input is sent to several models whose plans begin with one stage (an application
+scoring one image with many heads), the stage's output for it is computed once and served from
+here to the others. Keyed by the stage's identity and a hash of the request's input bytes,
+shapes and dtypes; least recently used entries go first; bounded in count and in bytes. One per
+device, used only by its INFER thread (no lock).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+class PrefixCache:
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[bytes, tuple[tuple[torch.Tensor, ...], int]] = OrderedDict()
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_entries > 0 and self.max_bytes > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def key(sid: str, inputs: Sequence[np.ndarray]) -> bytes:
+        h = hashlib.blake2b(sid.encode(), digest_size=16)
+        for a in inputs:
+            h.update(f"|{a.dtype.str}{a.shape}|".encode())
+            h.update(np.ascontiguousarray(a).data)
+        return h.digest()
+
+    def get(self, key: bytes) -> tuple[torch.Tensor, ...] | None:
+        hit = self._entries.get(key)
+        if hit is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return hit[0]
+
+    def put(self, key: bytes, value: tuple[torch.Tensor, ...]) -> None:
+        """Keep `value` (tensors the caller no longer writes); the oldest entries make room."""
+        if key in self._entries:
+            return
+        n = sum(t.numel() * t.element_size() for t in value)
+        if n > self.max_bytes or not self.enabled:
+            return
+        while self._entries and (len(self._entries) >= self.max_entries or self.nbytes + n > self.max_bytes):
+            _, (_, freed) = self._entries.popitem(last=False)
+            self.nbytes -= freed
+        self._entries[key] = (value, n)
+        self.nbytes += n
