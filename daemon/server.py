@@ -226,22 +226,26 @@ class Daemon:
         workers = s.server.frontend_workers
         if workers < 0:
             workers = default_workers(len(self._all_cores))
-        if workers and (s.server.http or s.server.socket):
+        if workers and (s.server.http or s.server.socket or s.server.grpc):
             self.frontends = FrontendWorkers(s, self.gateway, workers, on_fatal=self._frontends_failed,
                                              cores=self._all_cores)
             await self.frontends.start()
             self.http_port = self.frontends.http_port if s.server.http else None
             if self.http_port:
                 log.info("HTTP listening on %s:%d", self.frontends.http_host, self.http_port)
-            log.info("%d frontend worker process(es) own the listeners (HTTP %s, socket %s)", workers,
+            if s.server.grpc:
+                self.grpc_port = self.frontends.grpc_port
+                log.info("gRPC listening on %s:%d", self.frontends.grpc_host, self.grpc_port)
+            log.info("%d frontend worker process(es) own the listeners (HTTP %s, gRPC %s, socket %s)", workers,
                      f"{self.frontends.http_host}:{self.http_port}" if s.server.http else "off",
+                     f"{self.frontends.grpc_host}:{self.grpc_port}" if s.server.grpc else "off",
                      s.server.socket or "off")
         elif s.server.http:
             host, port = parse_hostport(s.server.http, "server.http")
             self.http = HttpFrontend(self.gateway)
             self.http_port = await self.http.start(host, port)
             log.info("HTTP listening on %s:%d", host, self.http_port)
-        if s.server.grpc:
+        if s.server.grpc and self.frontends is None:
             host, port = parse_hostport(s.server.grpc, "server.grpc")
             self.grpc = GrpcFrontend(self.gateway)
             self.grpc_port = await self.grpc.start(host, port)
@@ -272,7 +276,7 @@ class Daemon:
     def _status_line(self) -> str:
         s = self.settings.server
         where = [f"HTTP {parse_hostport(s.http, 'server.http')[0]}:{self.http_port}" if self.http_port else "",
-                 f"gRPC {parse_hostport(s.grpc, 'server.grpc')[0]}:{self.grpc_port}" if self.grpc is not None else "",
+                 f"gRPC {parse_hostport(s.grpc, 'server.grpc')[0]}:{self.grpc_port}" if self.grpc_port else "",
                  f"socket {s.socket}" if self.socket or (self.frontends and s.socket) else ""]
         return "; ".join([f"ready: {self.models.serving()} model version(s) serving", *filter(None, where)])
 
