@@ -1,16 +1,18 @@
 """Frontend worker processes, from the controller process's side: start, link, restart, stop.
 
-With `server.frontend_workers = N` (> 0) the HTTP and socket listeners live in N worker processes
+With `server.frontend_workers = N` (> 0) the HTTP, gRPC and socket listeners live in N worker processes
 (daemon/api/worker.py), which do the protocol work and hand requests over as small records on a
 socketpair, their tensors in a shared-memory region per worker (daemon/api/slots.py). Here each
 SUBMIT becomes an `InferenceRequest` whose inputs are numpy views of that region and goes to the
 local `Gateway.submit`: the controller sees one submission path whatever the process layout.
 Its answer goes back as a DONE record, which also frees the slot in the worker.
 
-- Listeners: this process reserves the HTTP port (a socket bound with SO_REUSEPORT, never
+- Listeners: this process reserves the HTTP and gRPC ports (sockets bound with SO_REUSEPORT, never
   listening: `:0` resolves once, a second daemon on the port fails here, and the port stays
   ours while a worker restarts); each worker binds it with SO_REUSEPORT. The unix socket is
   created and listened on here and accepted on in every worker.
+- Calls a worker forwards (management, regions, users' requests) are answered here by tasks
+  that an ABORT record (the client left, the deadline passed) or the worker's death cancels.
 - This process never waits on a worker: link writes are buffered and a worker whose link
   backs up past its bound is killed. A worker that dies (its link closes) has its requests
   cancelled here and is started again (backoff 0.1 s doubling to 5 s); one that dies five times
@@ -39,12 +41,13 @@ from typing import Any
 import numpy as np
 
 from daemon.api.codec import tensor_bytes
+from daemon.api.grpc_v2 import InferenceService, answer_forwarded
 from daemon.api.http import HttpFrontend
 from daemon.api.httpserver import Request
-from daemon.api.link import CALL, CANCEL, DONE, DRAIN, HELLO, MODELS, READY, REPLY, STATE, STOP, SUBMIT, Link
+from daemon.api.link import ABORT, CALL, CANCEL, DONE, DRAIN, HELLO, MODELS, READY, REPLY, STATE, STOP, SUBMIT, Link
 from daemon.api.slots import pool_bytes, pool_classes
 from daemon.api.uds import ASYNC_OPS, SocketFrontend, async_answer, control_answer, infer_answer
-from daemon.api.worker import CALL_HTTP
+from daemon.api.worker import CALL_GRPC, CALL_HTTP
 from daemon.config import Settings, parse_hostport
 from daemon.errors import Cancelled, EscapementError, InternalError, message_of, retry_after_of, status_of
 from daemon.gateway import Gateway
@@ -81,6 +84,7 @@ class WorkerHandle:
         self.view = memoryview(region)
         self.link: Link | None = None
         self.requests: dict[int, InferenceRequest] = {}  # the worker's request id -> ours
+        self.calls: dict[int, asyncio.Task[None]] = {}  # forwarded calls being answered, by call id
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.started = time.monotonic()
 
@@ -99,7 +103,11 @@ class FrontendWorkers:
         self.workers: list[WorkerHandle | None] = [None] * count
         self.http_host = ""
         self.http_port = 0
+        self.grpc_host = ""
+        self.grpc_port = 0
         self._reserved: socket.socket | None = None
+        self._reserved_grpc: socket.socket | None = None
+        self._grpc_shadow: InferenceService | None = None  # answers the RPCs workers forward
         self._unix: socket.socket | None = None
         self._shadow: HttpFrontend | None = None  # answers what workers forward (never listens)
         self._stopping = False
@@ -120,6 +128,11 @@ class FrontendWorkers:
             self.http_host, self.http_port = host, self._reserved.getsockname()[1]
             self._shadow = HttpFrontend(self.gateway)
             self._shadow.name_listener(host, self.http_port)
+        if s.grpc:
+            host, port = parse_hostport(s.grpc, "server.grpc")
+            self._reserved_grpc = _reserve_port(host, port)
+            self.grpc_host, self.grpc_port = host, self._reserved_grpc.getsockname()[1]
+            self._grpc_shadow = InferenceService(self.gateway, f"{host}:{self.grpc_port}")
         if s.socket:
             self._unix = await asyncio.to_thread(SocketFrontend.listen, s.socket, s.socket_mode)
         for i in range(self.count):
@@ -157,7 +170,7 @@ class FrontendWorkers:
             lambda: Link(lambda r: self._on_record(w, r), lambda: self._on_lost(w), max_record=self.max_record,
                          on_wedged=lambda: self._wedged(w)), sock=mine)
         w.link.send([HELLO, pickle.dumps(self.settings, protocol=pickle.HIGHEST_PROTOCOL), index, self.count,
-                     self.http_host, self.http_port])
+                     self.http_host, self.http_port, self.grpc_host, self.grpc_port])
         w.link.send([MODELS, registry_snapshot(self.gateway)])
         w.link.send(self._state())
         log.info("frontend worker %d started (pid %d)", index, proc.pid)
@@ -176,6 +189,10 @@ class FrontendWorkers:
                 self.gateway.cancel(req)
         elif op == CALL:
             self._call(w, record[1], record[2], record[3])
+        elif op == ABORT:
+            task = w.calls.get(record[1])
+            if task is not None:
+                task.cancel()  # e.g. a forwarded infer: awaiting Gateway.infer, it cancels the request
         elif op == READY:
             if not w.ready.done():
                 w.ready.set_result(None)
@@ -225,18 +242,28 @@ class FrontendWorkers:
     def _call(self, w: WorkerHandle, cid: int, kind: int, payload: Any) -> None:
         assert w.link is not None
         link = w.link
+        if kind == CALL_GRPC:
+            method, blob, metadata, deadline = payload
+            service = self._grpc_shadow
+            assert service is not None
+
+            async def answer_rpc() -> None:
+                self._reply(link, cid, await answer_forwarded(service, method, blob, metadata, deadline))
+
+            self._answer_call(w, cid, answer_rpc(), f"forwarded gRPC {method}")
+            return
         if kind != CALL_HTTP:  # a socket op
             op, msg = payload
             if op == "infer":  # it names a shared-memory region or a user: answered here, where they are
-                self._spawn(self._socket_infer(link, cid, msg), "forwarded socket infer")
+                self._answer_call(w, cid, self._socket_infer(link, cid, msg), "forwarded socket infer")
                 return
             if op in ASYNC_OPS:  # feedback: answered once committed
-                self._spawn(self._socket_async(link, cid, op, msg), f"forwarded socket {op}")
+                self._answer_call(w, cid, self._socket_async(link, cid, op, msg), f"forwarded socket {op}")
                 return
             try:
-                link.send([REPLY, cid, [200, control_answer(self.gateway, op, msg), None]])
+                self._reply(link, cid, [200, control_answer(self.gateway, op, msg), None])
             except EscapementError as e:
-                link.send([REPLY, cid, [e.status, e.message, retry_after_of(e)]])
+                self._reply(link, cid, [e.status, e.message, retry_after_of(e)])
             return
         method, path, query, headers, body = payload
         shadow = self._shadow
@@ -244,30 +271,44 @@ class FrontendWorkers:
 
         async def answer() -> None:
             resp = await shadow.answer(Request(method, path, query, headers, body, keep_alive=True))
-            link.send([REPLY, cid, [resp.status, resp.content_type, resp.headers, resp.body]])
+            self._reply(link, cid, [resp.status, resp.content_type, resp.headers, resp.body])
 
-        self._spawn(answer(), f"forwarded {method} {path}")
+        self._answer_call(w, cid, answer(), f"forwarded {method} {path}")
 
-    def _spawn(self, coro: Any, name: str) -> None:
+    def _reply(self, link: Link, cid: int, payload: Any) -> None:
+        """Answer a forwarded call; the registry first if the call changed it (a load, an unload), so
+        that the worker's next request sees what the answer says (records arrive in order)."""
+        self._push_registry()
+        link.send([REPLY, cid, payload])
+
+    def _answer_call(self, w: WorkerHandle, cid: int, coro: Any, name: str) -> None:
+        """Answer a forwarded call in a task of its own, which the worker's ABORT or death cancels."""
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        w.calls[cid] = task
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._tasks.discard(t)
+            if w.calls.get(cid) is t:
+                del w.calls[cid]
+
+        task.add_done_callback(done)
 
     async def _socket_infer(self, link: Link, cid: int, msg: dict[str, Any]) -> None:
         try:
-            link.send([REPLY, cid, [200, await infer_answer(self.gateway, msg), None]])
+            self._reply(link, cid, [200, await infer_answer(self.gateway, msg), None])
         except Exception as e:  # every failure is answered: the worker waits for this reply
             if not isinstance(e, EscapementError):
                 log.exception("a forwarded socket infer failed")
-            link.send([REPLY, cid, [status_of(e), message_of(e), retry_after_of(e)]])
+            self._reply(link, cid, [status_of(e), message_of(e), retry_after_of(e)])
 
     async def _socket_async(self, link: Link, cid: int, op: str, msg: dict[str, Any]) -> None:
         try:
-            link.send([REPLY, cid, [200, await async_answer(self.gateway, op, msg), None]])
+            self._reply(link, cid, [200, await async_answer(self.gateway, op, msg), None])
         except Exception as e:  # every failure is answered: the worker waits for this reply
             if not isinstance(e, EscapementError):
                 log.exception("a forwarded socket %s failed", op)
-            link.send([REPLY, cid, [status_of(e), message_of(e), retry_after_of(e)]])
+            self._reply(link, cid, [status_of(e), message_of(e), retry_after_of(e)])
 
     # ---------------------------------------------------------------- what workers are told
 
@@ -276,20 +317,25 @@ class FrontendWorkers:
         h = self.gateway.health()
         return [STATE, o.overloaded, o.lag_s, h.ready, h.lost_devices]
 
+    def _push_registry(self) -> None:
+        gen = self.gateway.registry.generation
+        if gen == self._generation:
+            return
+        self._generation = gen
+        snapshot = registry_snapshot(self.gateway)
+        for w in self.workers:
+            if w is not None and w.link is not None:
+                w.link.send([MODELS, snapshot])
+
     def _schedule_tick(self) -> None:
         self._tick = asyncio.get_running_loop().call_later(STATE_TICK_S, self._on_tick)
 
     def _on_tick(self) -> None:
         """Push what changed: the registry (by its generation), overload and health."""
-        gen = self.gateway.registry.generation
+        self._push_registry()
         state = self._state()
         key = (state[1], state[3], tuple(sorted(state[4].items())))
         links = [w.link for w in self.workers if w is not None and w.link is not None]
-        if gen != self._generation:
-            self._generation = gen
-            snapshot = registry_snapshot(self.gateway)
-            for link in links:
-                link.send([MODELS, snapshot])
         if key != self._sent:
             self._sent = key
             for link in links:
@@ -311,6 +357,9 @@ class FrontendWorkers:
         requests, w.requests = list(w.requests.values()), {}
         for req in requests:
             self.gateway.cancel(req)
+        calls, w.calls = list(w.calls.values()), {}
+        for task in calls:
+            task.cancel()  # nobody is left to read their answers
         if not w.ready.done():
             w.ready.set_exception(RuntimeError(f"frontend worker {w.index} exited before it was ready"))
             w.ready.exception()  # retrieved: start() or the restart reports it
@@ -350,9 +399,10 @@ class FrontendWorkers:
             self._unix = None
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.settings.server.socket)
-        if self._reserved is not None:
-            self._reserved.close()
-            self._reserved = None
+        for reserved in (self._reserved, self._reserved_grpc):
+            if reserved is not None:
+                reserved.close()
+        self._reserved = self._reserved_grpc = None
 
     async def close(self) -> None:
         """After the drain: the workers write the answers they got and exit (SIGKILL past WORKER_EXIT_S)."""

@@ -12,6 +12,13 @@ cancels the request. Errors map through daemon/errors.py's one tree. System shar
 (daemon/api/sharedmem.py): the SystemSharedMemory RPCs, and inputs and outputs naming a region
 by their `shared_memory_*` parameters, as Triton serves them. Streaming inference, CUDA shared
 memory, trace and log settings answer UNIMPLEMENTED (the generated base class).
+
+With frontend workers (daemon/api/worker.py) each worker serves the listener (SO_REUSEPORT) with a
+`WorkerInferenceService`: inference whose tensors travel in the request goes through the worker's
+gateway (the tensors to the controller process in a shared-memory slot); what only the controller
+process has (statistics, the repository, shared-memory regions, users' weights, BYTES tensors,
+which slots do not carry) is forwarded whole, as serialized messages, and answered there by the
+controller's own `InferenceService` (`answer_forwarded`).
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ import asyncio
 import functools
 import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar, cast
 
 import grpc
 import numpy as np
@@ -43,7 +51,7 @@ from daemon.api.codec import (
 )
 from daemon.api.http import EXTENSIONS, is_loopback
 from daemon.api.metadata import model_config_json
-from daemon.api.sharedmem import OutputTargets, SharedMemoryRegions, shm_ref
+from daemon.api.sharedmem import SHM_PARAMS, OutputTargets, SharedMemoryRegions, shm_ref
 from daemon.apps.personal import check_user
 from daemon.datatypes import BY_NAME
 from daemon.errors import (
@@ -361,15 +369,146 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return resp
 
 
-class GrpcFrontend:
-    """The listener: a grpc.aio server on the running loop."""
+# ---------------------------------------------------------------- frontend workers
 
-    def __init__(self, gateway: Gateway) -> None:
+# What a frontend worker forwards whole: (RPC name, serialized request, the `authorization`
+# metadata, the call's deadline on CLOCK_MONOTONIC or None) -> [status code name or None,
+# details, serialized response, trailing metadata]. CLOCK_MONOTONIC is the same in every process.
+Forward = Callable[[str, bytes, list[list[str]], float | None], Awaitable[list[Any]]]
+
+FORWARDED: dict[str, tuple[type[Any], type[Any]]] = {
+    "ModelStatistics": (pb.ModelStatisticsRequest, pb.ModelStatisticsResponse),
+    "RepositoryModelLoad": (pb.RepositoryModelLoadRequest, pb.RepositoryModelLoadResponse),
+    "RepositoryModelUnload": (pb.RepositoryModelUnloadRequest, pb.RepositoryModelUnloadResponse),
+    "SystemSharedMemoryStatus": (pb.SystemSharedMemoryStatusRequest, pb.SystemSharedMemoryStatusResponse),
+    "SystemSharedMemoryRegister": (pb.SystemSharedMemoryRegisterRequest, pb.SystemSharedMemoryRegisterResponse),
+    "SystemSharedMemoryUnregister": (pb.SystemSharedMemoryUnregisterRequest,
+                                     pb.SystemSharedMemoryUnregisterResponse),
+    "ModelInfer": (pb.ModelInferRequest, pb.ModelInferResponse),
+}
+
+
+def needs_controller(request: pb.ModelInferRequest) -> bool:
+    """Whether a worker forwards an inference whole: it names a shared-memory region or a user (the
+    controller process owns both), or carries BYTES (slots hold fixed-size elements only)."""
+    if "user" in request.parameters:
+        return True
+    for t in request.inputs:
+        if t.datatype == "BYTES" or any(k in t.parameters for k in SHM_PARAMS):
+            return True
+    return any(any(k in o.parameters for k in SHM_PARAMS) for o in request.outputs)
+
+
+class WorkerInferenceService(InferenceService):
+    """The service in a frontend worker: inference through the worker's gateway, the rest forwarded."""
+
+    def __init__(self, gateway: Gateway, listener: str, forward: Forward) -> None:
+        super().__init__(gateway, listener)
+        self.forward = forward
+
+    async def _forwarded(self, method: str, request: Any, context: Ctx) -> Any:
+        left = context.time_remaining()
+        deadline = None if left is None else time.monotonic() + left
+        md = [[k, v] for k, v in (context.invocation_metadata() or ()) if k == "authorization" and isinstance(v, str)]
+        code, details, body, trailing = await self.forward(method, request.SerializeToString(), md, deadline)
+        if code is not None:
+            if trailing:
+                context.set_trailing_metadata(tuple((k, v) for k, v in trailing))
+            await context.abort(getattr(grpc.StatusCode, code), details)
+        return FORWARDED[method][1].FromString(body)
+
+    @rpc
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Ctx) -> pb.ModelInferResponse:
+        if needs_controller(request):
+            return cast(pb.ModelInferResponse, await self._forwarded("ModelInfer", request, context))
+        return await super().ModelInfer(request, context)
+
+    @rpc
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Ctx) -> pb.ModelStatisticsResponse:
+        return cast(pb.ModelStatisticsResponse, await self._forwarded("ModelStatistics", request, context))
+
+    @rpc
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
+                                  context: Ctx) -> pb.RepositoryModelLoadResponse:
+        return cast(pb.RepositoryModelLoadResponse, await self._forwarded("RepositoryModelLoad", request, context))
+
+    @rpc
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
+                                    context: Ctx) -> pb.RepositoryModelUnloadResponse:
+        return cast(pb.RepositoryModelUnloadResponse, await self._forwarded("RepositoryModelUnload", request, context))
+
+    @rpc
+    async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest,
+                                       context: Ctx) -> pb.SystemSharedMemoryStatusResponse:
+        return cast(pb.SystemSharedMemoryStatusResponse,
+                    await self._forwarded("SystemSharedMemoryStatus", request, context))
+
+    @rpc
+    async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest,
+                                         context: Ctx) -> pb.SystemSharedMemoryRegisterResponse:
+        return cast(pb.SystemSharedMemoryRegisterResponse,
+                    await self._forwarded("SystemSharedMemoryRegister", request, context))
+
+    @rpc
+    async def SystemSharedMemoryUnregister(self, request: pb.SystemSharedMemoryUnregisterRequest,
+                                           context: Ctx) -> pb.SystemSharedMemoryUnregisterResponse:
+        return cast(pb.SystemSharedMemoryUnregisterResponse,
+                    await self._forwarded("SystemSharedMemoryUnregister", request, context))
+
+
+class _ForwardedContext:
+    """The part of a ServicerContext the handlers use, for a call a worker forwarded."""
+
+    def __init__(self, metadata: list[list[str]], deadline: float | None) -> None:
+        self.metadata = tuple((k, v) for k, v in metadata)
+        self.deadline = deadline
+        self.trailing: list[list[str]] = []
+        self.code: str | None = None
+        self.details = ""
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        self.trailing = [[k, v] for k, v in metadata]
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        self.code, self.details = code.name, details
+        raise grpc.aio.AbortError()
+
+
+async def answer_forwarded(service: InferenceService, method: str, blob: bytes, metadata: list[list[str]],
+                           deadline: float | None) -> list[Any]:
+    """Answer an RPC a frontend worker forwarded with the controller process's own handlers."""
+    if method not in FORWARDED:
+        return ["INTERNAL", f"a frontend worker forwarded an unknown RPC {method!r}", b"", []]
+    ctx = _ForwardedContext(metadata, deadline)
+    try:
+        request = FORWARDED[method][0].FromString(blob)
+        resp = await getattr(service, method)(request, cast(Ctx, ctx))
+    except grpc.aio.AbortError:
+        return [ctx.code or "INTERNAL", ctx.details, b"", ctx.trailing]
+    except Exception as e:  # answered, whatever happened: the worker waits for this reply
+        log.exception("a forwarded %s failed", method)
+        return ["INTERNAL", message_of(e), b"", []]
+    return [None, "", resp.SerializeToString(), []]
+
+
+class GrpcFrontend:
+    """The listener: a grpc.aio server on the running loop (in a frontend worker: with `forward`, which
+    takes what only the controller process answers there)."""
+
+    def __init__(self, gateway: Gateway, forward: Forward | None = None) -> None:
         self.gateway = gateway
+        self.forward = forward
         self.server: grpc.aio.Server | None = None
         self._stopping: asyncio.Task[None] | None = None
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Listen; `reuse_port` in frontend workers, which all bind the port the controller reserved."""
         s = self.gateway.settings.server
         # grpcio holds a whole message before the handler sees it (the handler then charges it to the
         # request memory): a message is at most server.max_body_bytes, and at most max_connections
@@ -377,10 +516,14 @@ class GrpcFrontend:
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", s.max_body_bytes),
             ("grpc.max_send_message_length", max(s.max_body_bytes, MIN_SEND_BYTES)),
-            ("grpc.so_reuseport", 0),  # a second daemon on the same port must fail, not share it
+            # a second daemon on the same port must fail, not share it (workers share the port the
+            # controller process reserved: a second daemon fails there)
+            ("grpc.so_reuseport", 1 if reuse_port else 0),
         ], maximum_concurrent_rpcs=s.max_connections)
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(self.gateway, f"{host}:{port}"),
-                                                           self.server)
+        listener = f"{host}:{port}"
+        service = (InferenceService(self.gateway, listener) if self.forward is None
+                   else WorkerInferenceService(self.gateway, listener, self.forward))
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(service, self.server)
         bound = self.server.add_insecure_port(f"{host}:{port}" if ":" not in host else f"[{host}]:{port}")
         if bound == 0:
             raise OSError(f"cannot listen for gRPC on {host}:{port}")

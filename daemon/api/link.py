@@ -12,7 +12,7 @@ and past that the writer calls `on_wedged` (the controller kills that worker). B
 reading side too: the unpacker holds at most `max_record` bytes of one record.
 
 Records (arrays; "->" controller to worker, "<-" worker to controller):
-  -> HELLO    [HELLO, settings (pickle), worker index, http port]
+  -> HELLO    [HELLO, settings (pickle), worker index, workers, http host, http port, grpc host, grpc port]
   -> MODELS   [MODELS, registry snapshot (pickle)]            the served models changed
   -> STATE    [STATE, overloaded, lag_s, ready, lost_devices]  health or overload changed
   <- SUBMIT   [SUBMIT, rid, name, version, samples, arrival, deadline, priority, rank, klass,
@@ -21,6 +21,8 @@ Records (arrays; "->" controller to worker, "<-" worker to controller):
   -> DONE     [DONE, rid, status, error, retry_after_s, reconstructed, [[shape, bytes], ...], cached]
   <- CALL     [CALL, cid, kind, payload]   an HTTP request or socket op for the controller to answer
   -> REPLY    [REPLY, cid, payload]
+  <- ABORT    [ABORT, cid]   nobody waits for that CALL's answer any more (its client left, its
+                             deadline passed): the controller cancels what answers it
   -> DRAIN    [DRAIN]   stop listening; answer what is held
   -> STOP     [STOP]    close every connection and exit
   <- READY    [READY]   listening
@@ -40,7 +42,7 @@ import msgpack
 
 log = logging.getLogger("escapement.workers")
 
-HELLO, MODELS, STATE, SUBMIT, CANCEL, DONE, CALL, REPLY, DRAIN, STOP, READY = range(11)
+HELLO, MODELS, STATE, SUBMIT, CANCEL, DONE, CALL, REPLY, DRAIN, STOP, READY, ABORT = range(12)
 
 MAX_BUFFER = 256 << 20  # unsent bytes to one peer before it counts as wedged
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from daemon.api.budget import RequestMemory
-from daemon.api.link import CALL, CANCEL, SUBMIT, Link
+from daemon.api.link import ABORT, CALL, CANCEL, SUBMIT, Link
 from daemon.api.slots import ALIGN, SlotPool, packed_size
 from daemon.apps.cache import PredictionCache
 from daemon.config import Settings
@@ -157,6 +157,11 @@ class RemoteController:
         self.link.send([CALL, cid, kind, payload])
         try:
             return await fut
+        except asyncio.CancelledError:
+            # the client left or its deadline passed: what answers it in the controller stops too
+            if fut.cancelled() or not fut.done():  # (awaiting it, the future was cancelled with us)
+                self.link.send([ABORT, cid])
+            raise
         finally:
             self.calls.pop(cid, None)
 

@@ -70,11 +70,15 @@ class Region:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
 
+# the parameters that place an input or output in a region
+SHM_PARAMS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+
+
 def shm_ref(params: Mapping[str, Any], what: str) -> ShmRef | None:
     """The region an input or output names in its parameters, checked; None when it names none."""
     region = params.get("shared_memory_region")
     if region is None:
-        for k in ("shared_memory_byte_size", "shared_memory_offset"):
+        for k in SHM_PARAMS[1:]:
             if k in params:
                 raise BadRequest(f"{what}: {k} is given without shared_memory_region")
         return None

@@ -7,10 +7,11 @@ process (-1: none) and the largest record the link takes. It parses HTTP and msg
 inflates, decodes JSON, validates against the model's metadata and encodes answers; the
 controller process only sees small SUBMIT records whose tensors lie in the region.
 
-What a worker answers itself: inference (HTTP and the socket), liveness, and the socket's model
-ops from its registry replica. Everything else over HTTP (readiness, metadata, statistics,
-metrics, management) and the socket's `stats` are forwarded whole to the controller process,
-which answers them with its own handlers: one implementation, and nothing there is hot.
+What a worker answers itself: inference (HTTP, gRPC and the socket), liveness, and the socket's
+and gRPC's model calls from its registry replica. Everything else over HTTP (readiness, metadata,
+statistics, metrics, management), the socket's `stats` and gRPC's statistics, repository and
+shared-memory calls are forwarded whole to the controller process, which answers them with its
+own handlers: one implementation, and nothing there is hot.
 
 The worker exits when the link closes (the controller process is gone: it never outlives it),
 on STOP, or on SIGTERM (the controller restarts it); SIGINT is ignored: the controller process
@@ -32,6 +33,7 @@ import uvloop
 
 from daemon import log as daemon_log
 from daemon.api.budget import Lease
+from daemon.api.grpc_v2 import GrpcFrontend
 from daemon.api.http import HttpFrontend
 from daemon.api.httpserver import Request, Response, Router
 from daemon.api.link import DONE, DRAIN, HELLO, MODELS, READY, REPLY, STATE, STOP, Link
@@ -47,7 +49,7 @@ from daemon.registry import ModelRegistry
 
 log = logging.getLogger("escapement.workers")
 
-CALL_HTTP, CALL_SOCKET = 0, 1
+CALL_HTTP, CALL_SOCKET, CALL_GRPC = 0, 1, 2
 STOP_ANSWER_S = 2.0  # on STOP, how long answers already sent by the controller may take to be written
 
 
@@ -56,7 +58,17 @@ FORWARDED_OPS = ("stats", "shm_register", "shm_unregister", "shm_status")
 
 class WorkerSocketConnection(SocketConnection):
     """The socket's `stats` and shared-memory ops, and infer frames naming a region, are the
-    controller process's to answer (it owns the regions): forwarded, answered when they return."""
+    controller process's to answer (it owns the regions): forwarded, answered when they return. A
+    forwarded infer is cancelled there when its client disconnects, as one answered here would be."""
+
+    def __init__(self, frontend: SocketFrontend) -> None:
+        super().__init__(frontend)
+        self._forwarded_infers: set[asyncio.Task[None]] = set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        for task in list(self._forwarded_infers):
+            task.cancel()  # its RemoteController.call sends ABORT: the controller cancels the request
 
     def _control_op(self, req_id: Any, op: Any, msg: dict[str, Any]) -> None:
         if op not in FORWARDED_OPS:
@@ -73,14 +85,17 @@ class WorkerSocketConnection(SocketConnection):
             super()._infer(req_id, msg, lease)
             return
         lease.release()  # the frame is small (the tensors are in the regions) and is passed on whole
-        self._forward(req_id, "infer", {k: v for k, v in msg.items() if k != "id"})
+        task = self._forward(req_id, "infer", {k: v for k, v in msg.items() if k != "id"})
+        self._forwarded_infers.add(task)
+        task.add_done_callback(self._forwarded_infers.discard)
 
-    def _forward(self, req_id: Any, op: str, msg: dict[str, Any]) -> None:
+    def _forward(self, req_id: Any, op: str, msg: dict[str, Any]) -> asyncio.Task[None]:
         gw = self.gateway
         assert isinstance(gw, RemoteGateway)
         task = asyncio.get_running_loop().create_task(self._forwarded(gw.remote, req_id, op, msg))
         gw.background.add(task)
         task.add_done_callback(gw.background.discard)
+        return task
 
     async def _forwarded(self, remote: RemoteController, req_id: Any, op: str, msg: dict[str, Any]) -> None:
         try:
@@ -105,6 +120,7 @@ class Worker:
         self.remote: RemoteController | None = None
         self.http: HttpFrontend | None = None
         self.socket: SocketFrontend | None = None
+        self.grpc: GrpcFrontend | None = None
         self._hello: asyncio.Future[list[Any]] | None = None
         self._stop = asyncio.Event()
         self._early: list[list[Any]] = []  # records before the gateway exists (MODELS, STATE)
@@ -125,7 +141,7 @@ class Worker:
         stopped.cancel()
         if not self._hello.done():
             return 1
-        _, blob, index, workers, host, port = self._hello.result()
+        _, blob, index, workers, host, port, grpc_host, grpc_port = self._hello.result()
         settings: Settings = pickle.loads(blob)  # our own controller process, over a private socketpair
         daemon_log.setup(settings.server.log_level)
         s = settings.server
@@ -144,6 +160,9 @@ class Worker:
         if self.socket_fd >= 0:
             self.socket = SocketFrontend(gw, WorkerSocketConnection)
             await self.socket.start_on(socket.socket(fileno=self.socket_fd))
+        if grpc_host:
+            self.grpc = GrpcFrontend(gw, forward=self._forward_grpc)
+            await self.grpc.start(grpc_host, grpc_port, reuse_port=True)
         monitor = LoopMonitor(gw.overload)
         monitor.start()
         self.link.send([READY])
@@ -162,6 +181,12 @@ class Worker:
         status, ctype, headers, body = await self.remote.call(
             CALL_HTTP, [request.method, request.path, request.query, request.headers, bytes(request.body)])
         return Response(body, status, ctype, headers or None)
+
+    async def _forward_grpc(self, method: str, blob: bytes, metadata: list[list[str]],
+                            deadline: float | None) -> list[Any]:
+        assert self.remote is not None
+        reply: list[Any] = await self.remote.call(CALL_GRPC, [method, blob, metadata, deadline])
+        return reply
 
     # ---------------------------------------------------------------- the link
 
@@ -202,6 +227,8 @@ class Worker:
         for fe in (self.http, self.socket):
             if fe is not None:
                 await fe.stop_listening()
+        if self.grpc is not None and self.gateway is not None:  # RPCs running get the drain's time
+            await self.grpc.stop_listening(self.gateway.settings.server.drain_timeout_s)
 
     async def _close(self) -> None:
         """Let answers the controller already sent reach their clients, then close every connection."""
@@ -215,7 +242,7 @@ class Worker:
         for _ in range(5):  # the handlers woken by the last answers write them in the next turns
             await asyncio.sleep(0)
         await self._stop_listening()
-        for fe in (self.http, self.socket):
+        for fe in (self.http, self.socket, self.grpc):
             if fe is not None:
                 await fe.close()
         if self.link is not None:
