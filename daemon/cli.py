@@ -233,13 +233,18 @@ def cmd_infer(args: argparse.Namespace) -> int:
                         raise SystemExit(f"--input wants NAME=FILE.npy, got {item!r}")
                     inputs[name] = np.load(path)
             else:
-                path = f"/v2/models/{args.model}" + (f"/versions/{args.version}" if args.version else "")
-                meta = c.get_json(path) if isinstance(c, HttpClient) else c.metadata(args.model, args.version)
+                model, version = args.model, args.version
+                if args.app:  # an application: its inputs are its first model's
+                    model, version = c.app_status(args.model)["models"][0], None
+                path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "")
+                meta = c.get_json(path) if isinstance(c, HttpClient) else c.metadata(model, version)
                 if args.digits:
                     inputs, labels = _digits_inputs(meta, args.digits)
                 else:
                     inputs = _random_inputs(meta, args.batch)
             timeout = int(args.timeout_ms * 1000) if args.timeout_ms is not None else None
+            if args.app:  # docs/applications.md
+                return _print_app_answer(c.app_infer(args.model, inputs, timeout_us=timeout), labels, args.json)
             user = {"user": args.user} if args.user else {}  # a personalized model's user (docs/personalization.md)
             r = c.infer(args.model, inputs, version=args.version, timeout_us=timeout, **user)
         except InferenceServerError as e:
@@ -268,13 +273,44 @@ def cmd_infer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_app_answer(r: Any, labels: Any, as_json: bool) -> int:
+    """An application's answer (docs/applications.md)."""
+    if as_json:
+        print(json.dumps({"app": r.app, "models": r.models, "query_id": r.query_id, "skipped": r.skipped,
+                          "late": r.late, "default": r.default, "partial": r.partial,
+                          "outputs": {k: v.tolist() for k, v in r.outputs.items()}}))
+        return 0
+    flags = [f for f, on in (("default", r.default), ("partial", r.partial)) if on]
+    print(f"application {r.app}: answered by {', '.join(r.models) or 'no model'}"
+          + (f" ({', '.join(flags)})" if flags else "") + (f"; skipped {', '.join(r.skipped)}" if r.skipped else ""))
+    if r.query_id:
+        print(f"query_id: {r.query_id}  (escapement feedback --app {r.app} {r.query_id} LABEL)")
+    for name, arr in r.outputs.items():
+        pred = arr.reshape(len(arr), -1).argmax(axis=1)
+        print(f"{name}: shape {list(arr.shape)} {arr.dtype}\n  argmax: {pred.tolist()}")
+        if labels is not None:
+            print(f"  labels: {labels.tolist()}  ({int((pred == labels).sum())}/{len(labels)} correct)")
+    return 0
+
+
 def cmd_feedback(args: argparse.Namespace) -> int:
-    """The true label of a personalized answer: updates that user's weights (docs/personalization.md)."""
+    """The true label of a personalized answer: updates that user's weights (docs/personalization.md);
+    with --app, an application's query: its policy learns (docs/applications.md)."""
     from daemon.client import InferenceServerError
 
     try:
         with _client(args) as c:
-            if args.cmd == "feedback":
+            if args.cmd == "feedback" and args.app:
+                if (args.label is None) == (args.reward is None):
+                    print("give the query's true LABEL or --reward R, one of them", file=sys.stderr)
+                    return 2
+                label_a: Any = None if args.label is None else (
+                    [int(v) for v in args.label.split(",")] if "," in args.label else int(args.label))
+                answer = c.app_feedback(args.model, args.query_id, label=label_a, reward=args.reward)
+            elif args.cmd == "feedback":
+                if args.label is None:
+                    print("give the query's true LABEL", file=sys.stderr)
+                    return 2
                 label: Any = [int(v) for v in args.label.split(",")] if "," in args.label else int(args.label)
                 answer = c.feedback(args.model, args.query_id, label, version=args.version)
             else:
@@ -384,6 +420,7 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument("--timeout-ms", type=float, help="deadline for this request")
             p.add_argument("--json", action="store_true", help="print the result as JSON")
             p.add_argument("--user", help="a personalized model's user: adds its output and a query_id")
+            p.add_argument("--app", action="store_true", help="MODEL names an application (docs/applications.md)")
         p.set_defaults(fn=fn)
     for name, text in (("feedback", "give a personalized answer's true label (updates its user's weights)"),
                        ("user", "a personalized model's user: updates so far, the last one's time")):
@@ -394,7 +431,10 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("model")
         if name == "feedback":
             p.add_argument("query_id", help="the query_id of the answer")
-            p.add_argument("label", help="its true class (a batch: one per sample, comma-separated)")
+            p.add_argument("label", nargs="?", help="its true class (a batch: one per sample, comma-separated)")
+            p.add_argument("--app", action="store_true",
+                           help="MODEL names an application: its policy learns (docs/applications.md)")
+            p.add_argument("--reward", type=float, help="with --app: a reward in [0, 1] instead of the label")
         else:
             p.add_argument("user")
         p.set_defaults(fn=cmd_feedback)

@@ -13,6 +13,9 @@ POSIX shared-memory object, then pass `ShmInput`s for inputs and `ShmOutput`s fo
     r = c.infer("m", {"INPUT__0": ShmInput("in", nbytes, "FP32", [1, 64])},
                 outputs=[ShmOutput("OUTPUT__0", "out", 40)])
     r.in_regions["OUTPUT__0"]   # {"datatype", "shape", "parameters": where it was written}
+Applications (docs/applications.md): `app_infer` answers an `AppResult` whose `query_id`
+`app_feedback` names with the true label or a reward.
+
 `HttpClient` / `AsyncHttpClient` speak KServe v2 with binary tensors. Errors raise
 `InferenceServerError` with the daemon's status and message.
 """
@@ -58,6 +61,53 @@ class InferResult:
     cached: bool = False  # answered from the daemon's prediction cache (docs/cache.md)
     query_id: str = ""  # a personalized answer: what its feedback names (docs/personalization.md)
     in_regions: dict[str, dict[str, Any]] = field(default_factory=dict)  # outputs written to shared memory
+
+
+@dataclass(slots=True)
+class AppResult:
+    """An application's answer (docs/applications.md): its one output, the models that made it, and
+    the query id its feedback names ("" for a default answer)."""
+
+    app: str
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    models: list[str] = field(default_factory=list)
+    query_id: str = ""
+    skipped: list[str] = field(default_factory=list)  # left out: the controller expected them too late
+    late: list[str] = field(default_factory=list)  # run, but not back by the deadline
+    default: bool = False  # the application's default output: no model answered in time
+    partial: bool = False  # an ensemble answered without some of its models
+
+    @property
+    def output(self) -> np.ndarray:
+        return next(iter(self.outputs.values()))
+
+
+def _app_result(app: str, outputs: dict[str, np.ndarray], p: dict[str, Any]) -> AppResult:
+    return AppResult(app, outputs, list(p.get("models", [])), str(p.get("query_id", "")), list(p.get("skipped", [])),
+                     list(p.get("late", [])), bool(p.get("default")), bool(p.get("partial")))
+
+
+def app_infer_message(app: str, inputs: Mapping[str, np.ndarray], timeout_us: int | None = None,
+                      priority: int | None = None) -> dict[str, Any]:
+    """The msgpack map of an application query (without its id)."""
+    msg = infer_message("", inputs, timeout_us=timeout_us, priority=priority)
+    del msg["model"]
+    return {**msg, "op": "app_infer", "app": app}
+
+
+def app_feedback_message(app: str, query_id: str, label: int | list[int] | None = None,
+                         reward: float | dict[str, float] | None = None) -> dict[str, Any]:
+    msg: dict[str, Any] = {"op": "app_feedback", "app": app, "query_id": query_id}
+    if label is not None:
+        msg["label"] = label
+    if reward is not None:
+        msg["reward"] = reward
+    return msg
+
+
+def app_socket_result(msg: dict[str, Any]) -> AppResult:
+    outs = {o["name"]: _wire_array(o["data"], o["datatype"], o["shape"]) for o in msg.get("outputs", [])}
+    return _app_result(str(msg.get("app", "")), outs, msg)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +285,20 @@ class SocketClient:
         """A personalized model's user: updates so far, the last one's time (404 if it gave none)."""
         return _body(self.call({"op": "user", "model": model, "user": user, **_version_field(version)}))
 
+    def app_infer(self, app: str, inputs: Mapping[str, np.ndarray], timeout_us: int | None = None,
+                  priority: int | None = None) -> AppResult:
+        """A query to an application (docs/applications.md)."""
+        return app_socket_result(self.call(app_infer_message(app, inputs, timeout_us, priority)))
+
+    def app_feedback(self, app: str, query_id: str, label: int | list[int] | None = None,
+                     reward: float | dict[str, float] | None = None) -> dict[str, Any]:
+        """A query's true label(s) or reward; returns once the policy's update is committed."""
+        return _body(self.call(app_feedback_message(app, query_id, label, reward)))
+
+    def app_status(self, app: str) -> dict[str, Any]:
+        """An application's definition, learned weights and counters."""
+        return _body(self.call({"op": "app_status", "app": app}))
+
     def register_shared_memory(self, name: str, key: str, byte_size: int, offset: int = 0) -> None:
         """Register `byte_size` bytes at `offset` of the POSIX shared-memory object `key` as region `name`."""
         self.call({"op": "shm_register", "name": name, "key": key, "offset": offset, "byte_size": byte_size})
@@ -335,6 +399,14 @@ class AsyncSocketClient:
     async def feedback(self, model: str, query_id: str, label: int | list[int],
                        version: str | int | None = None) -> dict[str, Any]:
         return _body(await self.call(_feedback_message(model, query_id, label, version)))
+
+    async def app_infer(self, app: str, inputs: Mapping[str, np.ndarray], timeout_us: int | None = None,
+                        priority: int | None = None) -> AppResult:
+        return app_socket_result(await self.call(app_infer_message(app, inputs, timeout_us, priority)))
+
+    async def app_feedback(self, app: str, query_id: str, label: int | list[int] | None = None,
+                           reward: float | dict[str, float] | None = None) -> dict[str, Any]:
+        return _body(await self.call(app_feedback_message(app, query_id, label, reward)))
 
     async def ready(self) -> bool:
         return bool((await self.call({"op": "ready"}))["ready"])
@@ -442,6 +514,44 @@ class HttpClient:
     def user(self, model: str, user: str, version: str | int | None = None) -> dict[str, Any]:
         base = _infer_path(model, version).removesuffix("/infer")
         return dict(self.get_json(f"{base}/users/{quote(user, safe='')}"))
+
+    def app_infer(self, app: str, inputs: Mapping[str, np.ndarray], timeout_us: int | None = None,
+                  priority: int | None = None) -> AppResult:
+        """A query to an application (binary inputs; its output comes back as JSON)."""
+        body, hlen = http_infer_body(inputs, None, timeout_us, priority)
+        status, data, _ = self.request("POST", f"/v2/applications/{quote(app, safe='')}/infer", body,
+                                       {HEADER_LEN: str(hlen)})
+        if status != 200:
+            raise _http_error(status, data)
+        r = http_infer_result(data, None)
+        return _app_result(app, r.outputs, orjson.loads(data).get("parameters") or {})
+
+    def app_feedback(self, app: str, query_id: str, label: int | list[int] | None = None,
+                     reward: float | dict[str, float] | None = None) -> dict[str, Any]:
+        """A query's true label(s) or reward; returns once the policy's update is committed."""
+        msg = app_feedback_message(app, query_id, label, reward)
+        body = {k: v for k, v in msg.items() if k not in ("op", "app")}
+        status, data, _ = self.request("POST", f"/v2/applications/{quote(app, safe='')}/feedback",
+                                       orjson.dumps(body))
+        if status != 200:
+            raise _http_error(status, data)
+        return dict(orjson.loads(data))
+
+    def app_status(self, app: str) -> dict[str, Any]:
+        return dict(self.get_json(f"/v2/applications/{quote(app, safe='')}"))
+
+    def add_application(self, app: str, config: dict[str, Any] | None = None, token: str = "") -> dict[str, Any]:
+        """The repository API's load of an application: from `config` (an [[applications]] table's
+        keys), else as declared; a management call (the admin token, or a loopback listener)."""
+        body = orjson.dumps({"parameters": {"config": config}}) if config is not None else b""
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        status, data, _ = self.request("POST", f"/v2/repository/applications/{quote(app, safe='')}/load", body,
+                                       headers)
+        if status != 200:
+            raise _http_error(status, data)
+        return dict(orjson.loads(data))
 
     def get_json(self, path: str) -> Any:
         status, data, _ = self.request("GET", path)

@@ -2,6 +2,9 @@
 
 - `digits_mlp` and `digits_cnn`: real classifiers trained on
   scikit-learn's bundled 8x8 digits; their held-out accuracy is written into their config.
+- `digits_cnn64` (the CNN over the 64 flat pixels) and `digits_linear` (logistic regression):
+  two more digits classifiers with the MLP's input, and `applications.toml`, the applications
+  `digits` (exp3 selection) and `digits_ensemble` (exp4) over the three (docs/applications.md).
 - `mlp_784`: a random-weight 784-1024-1024-10 MLP, the model peers are compared on.
 - `cnn_heavy`: a random-weight CNN on 3x32x32 inputs whose batch-1 run takes a few ms on one
   core and whose throughput more than doubles with batching, so batching matters.
@@ -64,6 +67,25 @@ class DigitsCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x / 16.0))
+
+
+class DigitsCNN64(DigitsCNN):
+    """The digits CNN over the 64 flat pixels, so that it takes the same input as the MLP (an
+    application's models must)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.reshape(-1, 1, 8, 8))
+
+
+class DigitsLinear(nn.Module):
+    """Multinomial logistic regression on the pixels: the weakest of the digits classifiers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x / 16.0)
 
 
 class HeavyCNN(nn.Module):
@@ -143,6 +165,10 @@ MODELS: list[DemoModel] = [
               (64,), 10, 32, 100.0, "MLP 64-128-64-10 trained on scikit-learn digits"),
     DemoModel("digits_cnn", "pt2", lambda: _digits_model(_seeded(DigitsCNN), (1, 8, 8), epochs=25),
               (1, 8, 8), 10, 32, 100.0, "small CNN trained on scikit-learn digits"),
+    DemoModel("digits_cnn64", "pt2", lambda: _digits_model(_seeded(DigitsCNN64), (64,), epochs=25),
+              (64,), 10, 32, 100.0, "the digits CNN over the 64 flat pixels (the applications' input)"),
+    DemoModel("digits_linear", "pt2", lambda: _digits_model(_seeded(DigitsLinear), (64,), epochs=30),
+              (64,), 10, 32, 100.0, "logistic regression trained on scikit-learn digits"),
     DemoModel("mlp_784", "pt2", lambda: _random_model(nn.Sequential(
                   nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))),
               (784,), 10, 32, 100.0, "MLP 784-1024-1024-10, random weights: the model peers are compared on"),
@@ -230,6 +256,9 @@ def build(out: str | Path, force: bool = False, only: list[str] | None = None) -
             acc += _build_parity(out, m.name)
         log.info("%s: built in %.1f s%s", m.name, time.perf_counter() - t0, acc)
         built.append(m.name)
+    if not only and (force or not (out / APPLICATIONS_FILE).exists()):
+        (out / APPLICATIONS_FILE).write_text(APPLICATIONS_TEXT, encoding="utf-8")
+        log.info("%s: the demo applications (digits, digits_ensemble)", APPLICATIONS_FILE)
     done = all((out / PERSONAL / f).exists() for f in ("config.toml", "users.npz", "1/model.pt2", "1/head.npz"))
     if (not only or PERSONAL in only) and (force or not done):
         t0 = time.perf_counter()
@@ -240,6 +269,23 @@ def build(out: str | Path, force: bool = False, only: list[str] | None = None) -
         log.info("%s: already built", PERSONAL)
     return built
 
+
+APPLICATIONS_FILE = "applications.toml"  # read by the daemon (daemon/gateway.py, docs/applications.md)
+APPLICATIONS_TEXT = """\
+# Built by `escapement demo`: applications over the digits classifiers (docs/applications.md).
+[[applications]]
+name = "digits"
+models = ["digits_mlp", "digits_cnn64", "digits_linear"]
+policy = "exp3"
+
+[[applications]]
+name = "digits_ensemble"
+models = ["digits_mlp", "digits_cnn64", "digits_linear"]
+policy = "exp4"
+combine = "softmax"
+# no model back in time: equal logits (every class equally likely), flagged default
+default_output = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+"""
 
 PERSONAL = "digits_personal"
 PERSONAL_USERS = 5  # users in users.npz, each with its own permutation of the ten labels

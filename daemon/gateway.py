@@ -11,7 +11,9 @@ the daemon, the scheduler or the executors. What it may ask:
 - management: the fault-injection hooks (`faults`, `set_fault`, `clear_fault`);
 - shared memory: `shared_memory`, the registered regions (daemon/api/sharedmem.py);
 - personalized models: `feedback` and `user` (daemon/apps/personal.py); a request naming a
-  user (`InferenceRequest.user`) gets its personalized output through `submit`.
+  user (`InferenceRequest.user`) gets its personalized output through `submit`;
+- applications (daemon/apps/router.py): `apps` answers their queries and feedback, sending its
+  members' requests back through `submit`; `load_applications` serves the declared ones.
 
 Tests build a `Gateway` over a fake controller to drive a frontend without a daemon.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -31,18 +34,23 @@ from daemon import metrics
 from daemon.api.budget import RequestMemory
 from daemon.api.sharedmem import SharedMemoryRegions
 from daemon.api.throttle import RenderBudget
+from daemon.apps.appdb import AppDB
+from daemon.apps.application import AppDefinition
 from daemon.apps.cache import PredictionCache
 from daemon.apps.personal import Personalizer, default_db_path
+from daemon.apps.router import Applications, default_app_db_path
 from daemon.apps.userdb import UserDB
 from daemon.clock import Clock, MonotonicClock
-from daemon.config import Settings
+from daemon.config import ApplicationSettings, Settings, application_from_dict
 from daemon.controller.classes import classify, priority_rank
 from daemon.controller.telemetry import ModelStats, Span
-from daemon.errors import NotFound, Overloaded, Unavailable
+from daemon.errors import BadRequest, ConfigError, NotFound, Overloaded, Unavailable
 from daemon.overload import LagTracker
 from daemon.registry import ModelRegistry, ModelState, VersionEntry
 from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest, RequestStatus
+
+log = logging.getLogger("escapement.gateway")
 
 if TYPE_CHECKING:
     from daemon.controller.scheduler import Scheduler
@@ -82,7 +90,7 @@ class Gateway:
                  request_memory: RequestMemory | None = None, models: RepositoryControl | None = None,
                  executors: Mapping[str, Executor] | None = None, health: Callable[[], Health] = _always_ready,
                  admin_token: str = "", cache: PredictionCache | None = None,
-                 personal: Personalizer | None = None) -> None:
+                 personal: Personalizer | None = None, apps: Applications | None = None) -> None:
         s = settings.server
         self.settings = settings
         self.registry = registry
@@ -101,6 +109,13 @@ class Gateway:
         self.personal = personal or Personalizer(
             UserDB(p.db_path or default_db_path()), max_users=p.users_in_memory, max_user_bytes=p.user_memory_bytes,
             max_queries=p.queries, max_query_bytes=p.query_memory_bytes, query_ttl_s=p.query_ttl_s, clock=self.clock)
+        a = settings.apps
+        self.apps = apps or Applications(
+            AppDB(a.db_path or default_app_db_path()),
+            max_queries=a.queries, max_query_bytes=a.query_memory_bytes, query_ttl_s=a.query_ttl_s, clock=self.clock)
+        self.apps.members = self
+        # the controller's read-only forecast of when a member would finish (ControllerService)
+        self.apps.forecast = getattr(controller, "expected_finish", None)
         # Shared-memory regions (Triton's extension): one registry, in the controller process (a
         # frontend worker forwards what names a region).
         self.shared_memory = SharedMemoryRegions(settings.shared_memory)
@@ -211,6 +226,64 @@ class Gateway:
         """A personalized model's user: updates so far and the last one's time; NotFound if none."""
         return await self.personal.user_status(self.registry.resolve(name, version), user)
 
+    # ---------------------------------------------------------------- applications
+
+    def admit_app(self, name: str) -> list[ModelSpec]:
+        """An application query's members, refused at once while the loop is overloaded (as `admit`);
+        NotFound, Unavailable, Overloaded."""
+        if self.overload.overloaded:
+            self.overload.shed += 1
+            raise Overloaded(f"the daemon is overloaded: its event loop is {self.overload.lag_s * 1e3:.0f} ms "
+                             "behind; retry later", retry_after_s=1.0)
+        return self.apps.resolve(name)
+
+    def resolve_member(self, name: str) -> ModelSpec:
+        """An application's member: the model's newest ready version (NotFound, Unavailable)."""
+        return self.registry.resolve(name, None)
+
+    async def load_applications(self) -> list[str]:
+        """Serve the applications declared in the config and in the repository's applications.toml
+        (start-up: one whose models do not fit is served, answering 503 saying why)."""
+        loaded: list[str] = []
+        try:
+            declared = await asyncio.to_thread(self._declared_applications)
+        except ConfigError as e:
+            log.error("applications are not served: %s", e)
+            return loaded
+        for source, d in declared:
+            await self.apps.define(d, source, strict=False)
+            loaded.append(d.name)
+        return loaded
+
+    def _declared_applications(self) -> list[tuple[str, AppDefinition]]:
+        """(source, definition) of every declared application; the config's win over the repository's."""
+        out: dict[str, tuple[str, AppDefinition]] = {}
+        for a in repository_applications(self.settings.models.repository):
+            out[a.name] = ("repository", a.definition())
+        for a in self.settings.applications:
+            out[a.name] = ("config", a.definition())
+        return list(out.values())
+
+    async def load_application(self, name: str, config: Any = None) -> dict[str, Any]:
+        """The repository API's load of an application: from `config` (an object with the keys of an
+        [[applications]] table) when given, else (re)read from the config and applications.toml.
+        Its models must be served and fit together (BadRequest, NotFound otherwise)."""
+        if config is not None:
+            if not isinstance(config, dict):
+                raise BadRequest("parameters.config must be an object with the keys of an [[applications]] table")
+            try:
+                d = application_from_dict({**config, "name": config.get("name", name)}, "config").definition()
+            except (ConfigError, ValueError) as e:
+                raise BadRequest(f"application {name}: {e}") from None
+            if d.name != name:
+                raise BadRequest(f"config.name {d.name!r} differs from the application in the path {name!r}")
+            return await self.apps.define(d, "api", strict=True)
+        for source, d in await asyncio.to_thread(self._declared_applications):
+            if d.name == name:
+                return await self.apps.define(d, source, strict=True)
+        raise NotFound(f"application {name!r} is declared neither in the config nor in "
+                       f"{self.settings.models.repository}/applications.toml; give its config to add it")
+
     # ---------------------------------------------------------------- models
 
     def model(self, name: str, version: str | int | None = None) -> VersionEntry:
@@ -254,7 +327,8 @@ class Gateway:
                 "loop": {"lag_ms": o.lag_s * 1e3, "max_lag_ms": o.max_s * 1e3, "shed": o.shed},
                 "request_memory": {"held_bytes": m.held, "peak_bytes": m.peak, "limit_bytes": m.limit,
                                    "refused": m.refused},
-                "personalization": dataclasses.asdict(self.personal.stats())}
+                "personalization": dataclasses.asdict(self.personal.stats()),
+                "applications": {n: self.apps.status(n)["counters"] for n in self.apps.apps}}
 
     def model_statistics(self, name: str | None = None, version: str | int | None = None) -> list[dict[str, Any]]:
         """Triton's statistics extension (`model_stats`), for every ready version, one model's ready
@@ -278,7 +352,7 @@ class Gateway:
         """The Prometheus text exposition, rendered on the loop (the collector reads the controller's
         state) within a budget of loop time: a flood of scrapes gets the last rendering."""
         if self._metrics is None:
-            registry = metrics.make_registry(self._scheduler, self.overload, self.cache)
+            registry = metrics.make_registry(self._scheduler, self.overload, self.cache, self.apps, self.personal)
             self._metrics = RenderBudget(lambda: metrics.render(registry))
         return self._metrics.get()
 
@@ -296,6 +370,32 @@ class Gateway:
         if ex is None:
             raise NotFound(f"no such device {device!r}; devices: {sorted(self._executors)}")
         ex.faults.set(spec)
+
+
+APPLICATIONS_FILE = "applications.toml"
+
+
+def repository_applications(repository: str) -> list[ApplicationSettings]:
+    """The [[applications]] tables of the model repository's applications.toml (none without one).
+    ConfigError for a file that is not valid (file I/O: run it in a thread)."""
+    import tomllib
+    from pathlib import Path
+
+    path = Path(repository) / APPLICATIONS_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise ConfigError(f"{path}: {e.strerror or e}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    tables = data.get("applications", [])
+    if set(data) - {"applications"} or not isinstance(tables, list):
+        raise ConfigError(f"{path}: expected only [[applications]] tables")
+    return [application_from_dict(t, f"{path}: applications") for t in tables]
 
 
 def _span(count: int, ns: int) -> dict[str, int]:

@@ -30,6 +30,8 @@ from daemon.overload import LagTracker
 
 if TYPE_CHECKING:
     from daemon.apps.cache import PredictionCache
+    from daemon.apps.personal import Personalizer
+    from daemon.apps.router import Applications
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # text/plain; version=0.0.4; charset=utf-8
 
@@ -106,10 +108,13 @@ class EscapementCollector:
     """Reads a scheduler (and the event loop's lag tracker) into metric families on each scrape."""
 
     def __init__(self, scheduler: Callable[[], Scheduler], overload: LagTracker | None = None,
-                 cache: PredictionCache | None = None) -> None:
+                 cache: PredictionCache | None = None, apps: Applications | None = None,
+                 personal: Personalizer | None = None) -> None:
         self._scheduler = scheduler  # a getter: the frontend is wired before or after the controller
         self._overload = overload
         self._cache = cache
+        self._apps = apps
+        self._personal = personal
 
     def collect(self) -> Iterator[Metric]:
         sched = self._scheduler()
@@ -118,6 +123,10 @@ class EscapementCollector:
         yield from self._controller(sched)
         if self._cache is not None:
             yield from _cache_metrics(self._cache)
+        if self._apps is not None:
+            yield from _app_metrics(self._apps)
+        if self._personal is not None:
+            yield from _personal_metrics(self._personal)
         if self._overload is not None:
             o = self._overload
             yield GaugeMetricFamily("escapement_event_loop_lag_seconds",
@@ -292,11 +301,64 @@ def _cache_metrics(cache: PredictionCache) -> Iterator[Metric]:
     yield GaugeMetricFamily("escapement_cache_entries", "Answers the prediction cache holds", value=st.entries)
 
 
+def _app_metrics(apps: Applications) -> Iterator[Metric]:
+    """Applications (daemon/apps/router.py): queries and how they were answered, per application."""
+    app = ["application"]
+    fams = {
+        "queries": CounterMetricFamily("escapement_app_queries", "Queries an application took", labels=app),
+        "defaults": CounterMetricFamily("escapement_app_default_answers",
+                                        "Queries answered with the application's default output (no model in time)",
+                                        labels=app),
+        "partial": CounterMetricFamily("escapement_app_partial_answers",
+                                       "Ensemble queries answered by the models back by the deadline, some missing",
+                                       labels=app),
+        "skipped": CounterMetricFamily("escapement_app_models_skipped",
+                                       "Models left out of a query: the controller expected them past its deadline",
+                                       labels=app),
+        "late": CounterMetricFamily("escapement_app_models_late",
+                                    "Models run for a query but not back by its deadline (or refused, or failed)",
+                                    labels=app),
+        "failed": CounterMetricFamily("escapement_app_failed", "Queries answered with an error", labels=app),
+        "feedback": CounterMetricFamily("escapement_app_feedback", "Feedback items learned from", labels=app),
+    }
+    answered = CounterMetricFamily("escapement_app_model_answers", "Queries a model answered for an application",
+                                   labels=["application", "model"])
+    weight = GaugeMetricFamily("escapement_app_model_weight", "A model's learned weight in its application",
+                               labels=["application", "model"])
+    for name, dep in sorted(apps.apps.items()):
+        c = dep.counters
+        for key, fam in fams.items():
+            fam.add_metric([name], getattr(c, key))
+        for i, m in enumerate(dep.definition.models):
+            answered.add_metric([name, m], c.answered_by.get(m, 0))
+            weight.add_metric([name, m], dep.state.weights[i])
+    yield from fams.values()
+    yield answered
+    yield weight
+    yield GaugeMetricFamily("escapement_app_queries_remembered", "Answered application queries awaiting feedback",
+                            value=len(apps.queries))
+
+
+def _personal_metrics(personal: Personalizer) -> Iterator[Metric]:
+    """Personalized models (daemon/apps/personal.py): predictions, feedback, users in memory."""
+    st = personal.stats()
+    yield CounterMetricFamily("escapement_personal_predictions", "Personalized answers", value=st.predictions)
+    yield CounterMetricFamily("escapement_personal_feedback", "Feedback items applied to users' weights",
+                              value=st.feedback)
+    yield GaugeMetricFamily("escapement_personal_users_in_memory", "Users whose weights are in memory",
+                            value=st.users_in_memory)
+    yield CounterMetricFamily("escapement_personal_db_writes", "Users' weights committed to the database",
+                              value=st.db_writes)
+    yield CounterMetricFamily("escapement_personal_db_failures", "Failed transactions of the user database",
+                              value=st.db_failures)
+
+
 def make_registry(scheduler: Callable[[], Scheduler], overload: LagTracker | None = None,
-                  cache: PredictionCache | None = None) -> CollectorRegistry:
+                  cache: PredictionCache | None = None, apps: Applications | None = None,
+                  personal: Personalizer | None = None) -> CollectorRegistry:
     """A registry of one daemon's own (not prometheus-client's global one)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EscapementCollector(scheduler, overload, cache))
+    registry.register(EscapementCollector(scheduler, overload, cache, apps, personal))
     return registry
 
 

@@ -218,6 +218,7 @@ class Daemon:
         self._spawn(self._watch_devices(), "device watch")
         self.notifier.status(f"starting: devices {', '.join(d.name for d in self.devices)}; reading models")
         await self._models.load_repository()
+        await self._gateway.load_applications()  # over the models just loaded (docs/applications.md)
         # torch and the models leave ~10^5 long-lived objects; a full cyclic GC pass over them
         # stops the loop for ~100 ms. Freezing them keeps later passes to what serving allocates.
         gc.collect()
@@ -360,6 +361,7 @@ class Daemon:
             self._gateway.shared_memory.close()  # the regions' descriptors (the frontends are closed)
             # users' weights: what feedback queued is committed (acknowledged feedback already is)
             await asyncio.to_thread(self._gateway.personal.close)
+            await asyncio.to_thread(self._gateway.apps.close)  # applications' policy state, likewise
         # Last: systemd keeps watching the loop until everything above is done.
         await self._cancel(list(self._tasks))
         self._watchdog = None

@@ -111,6 +111,12 @@ class HttpFrontend:
         for base in bases:
             r.add("POST", base + "/feedback", self.feedback)  # personalized models (docs/personalization.md)
             r.add("GET", base + "/users/{user}", self.user)
+        apps = "/v2/applications/{app}"  # applications (docs/applications.md)
+        r.add("POST", apps + "/infer", self.app_infer)
+        r.add("POST", apps + "/feedback", self.app_feedback)
+        r.add("GET", apps, self.app_status)
+        r.add("GET", "/v2/applications", self.app_index)
+        r.add("POST", "/v2/repository/applications/{app}/{op:load|unload}", self.app_repository)
         for base in bases:
             r.add("GET", base, self.model_metadata)
             r.add("GET", base + "/ready", self.model_ready)
@@ -223,6 +229,84 @@ class HttpFrontend:
     async def user(self, request: Request) -> Response:
         return json_response(await self.gateway.user(request.params["model"], request.params.get("version"),
                                                      request.params["user"]))
+
+    # ---------------------------------------------------------------- applications
+
+    async def app_infer(self, request: Request) -> Response:
+        """A v2 inference body for an application: its answer names the models that made it and a
+        query_id for feedback (parameters)."""
+        gw = self.gateway
+        name = request.params["app"]
+        specs = gw.admit_app(name)  # before decoding
+        body = request.body
+        header_len = request.headers.get(_HEADER_LEN_KEY)
+        if header_len is not None:
+            try:
+                n = int(header_len)
+            except ValueError:
+                raise BadRequest(f"{HEADER_LEN} must be an integer, got {header_len!r}") from None
+            if not 0 < n <= len(body):
+                raise BadRequest(f"{HEADER_LEN} {n} is outside the body of {len(body)} bytes (an application "
+                                 "takes a JSON header)")
+            view = memoryview(body)
+            obj, binary = _parse_json(view[:n], "the inference header", self.settings.max_json_bytes), view[n:]
+        else:
+            obj, binary = _parse_json(body, "the request body", self.settings.max_json_bytes), memoryview(b"")
+        if not isinstance(obj, dict):
+            raise BadRequest("the inference request must be a JSON object")
+        tensors = self._wire_inputs(obj.get("inputs"), binary, gw.shared_memory)
+        arrays, samples = assemble_inputs(specs[0], tensors)
+        params = obj.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise BadRequest("parameters must be a JSON object")
+        req_id = obj.get("id")
+        if req_id is not None and not isinstance(req_id, str):
+            raise BadRequest("id must be a string")
+        if req_id and len(req_id.encode()) > self.settings.max_request_id_bytes:
+            raise BadRequest(f"id is longer than {self.settings.max_request_id_bytes} bytes "
+                             "(server.max_request_id_bytes)")
+        timeout_us, priority = request_options(params.get("timeout"), params.get("priority"))
+        ans = await gw.apps.infer(name, specs, arrays, samples, timeout_us, priority, req_id or "")
+        o = ans.output_spec
+        wanted = obj.get("outputs")
+        if wanted is not None and (not isinstance(wanted, list) or any(
+                not isinstance(w, dict) or w.get("name") != o.name for w in wanted)):
+            raise BadRequest(f"application {name} answers with one output, {o.name!r}: outputs may name only it")
+        resp: dict[str, Any] = {"model_name": name, "model_version": "", "outputs": [
+            {"name": o.name, "datatype": o.datatype.name, "shape": list(ans.output.shape),
+             "data": json_data(ans.output, o.name)}], "parameters": ans.parameters()}
+        if req_id:
+            resp["id"] = req_id
+        return json_response(resp)
+
+    async def app_feedback(self, request: Request) -> Response:
+        """`{"query_id": ..., "label": 3}` or `{"query_id": ..., "reward": 1.0}`; 200 once committed."""
+        obj = _parse_json(request.body, "the feedback body", self.settings.max_json_bytes)
+        if not isinstance(obj, dict):
+            raise BadRequest('a feedback body is a JSON object: {"query_id": "<from the answer>", "label": 3}')
+        unknown = set(obj) - {"query_id", "label", "reward"}
+        if unknown:
+            raise BadRequest(f"unknown keys in the feedback body: {sorted(unknown)} (known: label, query_id, reward)")
+        return json_response(await self.gateway.apps.feedback(request.params["app"], obj.get("query_id"),
+                                                              obj.get("label"), obj.get("reward")))
+
+    async def app_status(self, request: Request) -> Response:
+        return json_response(self.gateway.apps.status(request.params["app"]))
+
+    async def app_index(self, request: Request) -> Response:
+        return json_response(self.gateway.apps.index())
+
+    async def app_repository(self, request: Request) -> Response:
+        """Add (load, from `parameters.config` or as declared) or remove (unload) an application."""
+        self._authorize(request)
+        params = _parameters(request, self.settings.max_json_bytes)
+        name = request.params["app"]
+        if request.params["op"] == "unload":
+            return json_response(self.gateway.apps.remove(name))
+        config = params.get("config")
+        if isinstance(config, str):  # Triton's load takes its config as a JSON string
+            config = _parse_json(config.encode(), "parameters.config", self.settings.max_json_bytes)
+        return json_response(await self.gateway.load_application(name, config))
 
     async def repository_index(self, request: Request) -> Response:
         body = request.body

@@ -565,11 +565,15 @@ async def infer_answer(gw: Gateway, msg: dict[str, Any]) -> dict[str, Any]:
         p.targets.release()
 
 
-ASYNC_OPS = ("feedback", "user")  # answered when done (async_answer), not at once
+# answered when done (async_answer), not at once; a frontend worker forwards them all
+ASYNC_OPS = ("feedback", "user", "app_infer", "app_feedback", "app_status", "apps")
 
 
 async def async_answer(gw: Gateway, op: str, msg: dict[str, Any]) -> dict[str, Any]:
-    """The answer to a personalized model's op: `feedback` (query_id, label) or `user` (user)."""
+    """The answer to a personalized model's op: `feedback` (query_id, label) or `user` (user); or an
+    application's (docs/applications.md)."""
+    if op.startswith("app"):
+        return await app_answer(gw, op, msg)
     name = msg.get("model")
     if not isinstance(name, str):
         raise BadRequest(f"op {op} needs a model name")
@@ -578,6 +582,40 @@ async def async_answer(gw: Gateway, op: str, msg: dict[str, Any]) -> dict[str, A
             raise BadRequest("op feedback needs a query_id and a label")
         return await gw.feedback(name, _version(msg), msg.get("query_id"), msg["label"])
     return await gw.user(name, _version(msg), msg.get("user"))
+
+
+async def app_answer(gw: Gateway, op: str, msg: dict[str, Any]) -> dict[str, Any]:
+    """`app_infer` (app, inputs, timeout_us, priority), `app_feedback` (app, query_id, label or
+    reward), `app_status` (app) and `apps` (the index)."""
+    if op == "apps":
+        return {"applications": gw.apps.index()}
+    name = msg.get("app")
+    if not isinstance(name, str):
+        raise BadRequest(f"op {op} needs an application name (app)")
+    if op == "app_status":
+        return gw.apps.status(name)
+    if op == "app_feedback":
+        return await gw.apps.feedback(name, msg.get("query_id"), msg.get("label"), msg.get("reward"))
+    specs = gw.admit_app(name)
+    raw_inputs = msg.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise BadRequest("inputs must be a non-empty list")
+    tensors: list[WireTensor] = []
+    for i, t in enumerate(raw_inputs):
+        if not isinstance(t, dict):
+            raise BadRequest(f"inputs[{i}] must be a map")
+        tname, dt, data = t.get("name"), t.get("datatype"), t.get("data")
+        if not isinstance(tname, str) or not isinstance(dt, str):
+            raise BadRequest(f"inputs[{i}] needs a string name and datatype")
+        if not isinstance(data, bytes):
+            raise BadRequest(f"input {tname}: data must be raw bytes (msgpack bin)")
+        tensors.append(WireTensor(tname, dt, check_shape(t.get("shape"), tname), raw=data))
+    arrays, samples = assemble_inputs(specs[0], tensors)
+    timeout_us, priority = request_options(msg.get("timeout_us"), msg.get("priority"))
+    ans = await gw.apps.infer(name, specs, arrays, samples, timeout_us, priority, "")
+    o = ans.output_spec
+    return {"app": name, "outputs": [{"name": o.name, "datatype": o.datatype.name, "shape": list(ans.output.shape),
+                                      "data": tensor_bytes(ans.output)}], **ans.parameters()}
 
 
 def control_answer(gw: Gateway, op: Any, msg: dict[str, Any]) -> dict[str, Any]:
@@ -604,7 +642,8 @@ def control_answer(gw: Gateway, op: Any, msg: dict[str, Any]) -> dict[str, Any]:
             return {"config": model_config_json(spec)}
         return model_metadata_json(spec, gw.versions(spec.name))
     raise BadRequest(f"unknown op {op!r}; ops are infer, live, ready, index, stats, metadata, model_ready, config, "
-                     "shm_register, shm_unregister, shm_status, feedback, user")
+                     "shm_register, shm_unregister, shm_status, feedback, user, app_infer, app_feedback, "
+                     "app_status, apps")
 
 
 def _shm_op(gw: Gateway, op: str, msg: dict[str, Any]) -> dict[str, Any]:
