@@ -69,28 +69,30 @@ class ControllerService:
 
     def expected_finish(self, spec: ModelSpec, samples: int) -> float:
         """Read-only forecast: the clock time at which a request of `samples` samples of `spec`
-        submitted now would be answered at the earliest; inf when the model is not served. Its best
-        case on a device holding the model, after the samples queued or running ahead of it, plus a
-        LOAD when no device holds it. Applications ask it to leave out members that cannot make a
-        deadline (daemon/apps/router.py); nothing here changes the scheduler's state."""
+        submitted now would be answered at the earliest; inf when the model is not served. Its run
+        time on the best device holding it (that device's recent runs: a slowed device shows), after
+        the samples queued or running ahead of it; where no device holds it, a LOAD and the
+        profile. Applications ask it to leave out members that cannot make a deadline
+        (daemon/apps/router.py); nothing here changes the scheduler's state."""
         sched = self.scheduler
         entry = sched.models.get(spec.key)
         if entry is None:
             return math.inf
         now = self.clock.now()
-        probe = InferenceRequest(spec, (), samples, now, now)
-        best = sched.best_case(probe)
         ready = sched.ready_on.get(spec.key, ())
+        if ready:
+            run = min(sched.estimate(spec.key, samples, sched.devices[d]) for d in ready)
+        else:
+            run = min((sched.estimate(spec.key, samples, k) for k in sched.kinds), default=0.0)
+            loads = [e for k in sched.kinds if (e := sched.estimator.load(spec.key, k)) is not None]
+            run += min(loads, default=0.0)
         ahead = entry.queue.samples + entry.running
         wait = 0.0
         if ahead:  # the queue runs in whole batches, spread over the devices holding the model
             batch = spec.max_batch_size
-            per_batch = max((sched.estimate(spec.key, batch, k) for k in sched.kinds), default=0.0)
+            per_batch = min((sched.estimate(spec.key, batch, sched.devices[d]) for d in ready), default=0.0)
             wait = -(-ahead // batch) * per_batch / max(1, len(ready))
-        if not ready:
-            loads = [e for k in sched.kinds if (e := sched.estimator.load(spec.key, k)) is not None]
-            wait += min(loads, default=0.0)
-        return now + wait + best
+        return now + wait + run
 
     # ---------------------------------------------------------------- from executors
 
