@@ -172,10 +172,10 @@ class EscapementReplica:
                     header_len: str | None) -> tuple[int, bytes, dict[str, str]]:
         try:
             await self._model(serve.get_multiplexed_model_id() or model)
-            msg, wanted, client_id = _infer_message(model, version, body, header_len)
+            msg, wanted, client_id = infer_message(model, version, body, header_len)
             timeout_us = msg.get("timeout_us")
             answer = await self._call(msg, timeout_us / 1e6 + MARGIN_S if timeout_us is not None else None)
-            status, out, headers = 200, *_v2_answer(answer, wanted, client_id)
+            status, out, headers = 200, *v2_answer(answer, wanted, client_id)
         except Failed as e:
             status, out, headers = _error(e.status, e.message)
         return status, out, {**headers, REPLICA_HEADER: self.replica}
@@ -208,8 +208,8 @@ class EscapementReplica:
 Binary = tuple[dict[str, bool], bool]  # binary_data per output asked for, and binary_data_output
 
 
-def _infer_message(model: str, version: str | None, body: bytes,
-                   header_len: str | None) -> tuple[dict[str, Any], Binary, str | None]:
+def infer_message(model: str, version: str | None, body: bytes,
+                  header_len: str | None) -> tuple[dict[str, Any], Binary, str | None]:
     """A KServe v2 infer body (JSON, or JSON + binary tensors) as the socket's infer message."""
     try:
         n = int(header_len) if header_len is not None else len(body)
@@ -258,7 +258,7 @@ def _infer_message(model: str, version: str | None, body: bytes,
     return msg, (binary, binary_all), obj.get("id")
 
 
-def _v2_answer(answer: dict[str, Any], wanted: Binary, client_id: str | None) -> tuple[bytes, dict[str, str]]:
+def v2_answer(answer: dict[str, Any], wanted: Binary, client_id: str | None) -> tuple[bytes, dict[str, str]]:
     """The socket's answer as a KServe v2 body: JSON data, or binary where asked."""
     binary, binary_all = wanted
     outs, chunks = [], []

@@ -181,7 +181,7 @@ _DROPOUTS = (torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.defa
              torch.ops.aten.alpha_dropout.default, torch.ops.aten.feature_alpha_dropout.default)
 
 
-def _training_graph(gm: torch.fx.GraphModule, dropout: bool, momentum: float | None = None) -> torch.fx.GraphModule:
+def training_graph(gm: torch.fx.GraphModule, dropout: bool, momentum: float | None = None) -> torch.fx.GraphModule:
     """A copy of an eval-mode exported graph with BatchNorm on batch statistics (updating the running
     statistics with `momentum` when given) and, if `dropout`, dropout on."""
     out = copy.deepcopy(gm)
@@ -207,7 +207,7 @@ def _has_batch_norm(gm: torch.fx.GraphModule) -> bool:
     return any(n.op == "call_function" and n.target in (_BATCH_NORM, _BATCH_NORM_EVAL) for n in gm.graph.nodes)
 
 
-class _Lifted(torch.nn.Module):
+class Lifted(torch.nn.Module):
     """The deployed program's lifted graph with trainable weights of its own.
 
     `train()` runs a copy of the graph with BatchNorm on batch statistics and dropout on (unless
@@ -218,8 +218,8 @@ class _Lifted(torch.nn.Module):
         super().__init__()
         self.gm = ep.graph_module
         self.norm = norm
-        self.gm_train = self.gm if norm == "frozen" else _training_graph(self.gm, dropout=dropout)
-        self.gm_recal = _training_graph(self.gm, dropout=False, momentum=1.0) if _has_batch_norm(self.gm) else None
+        self.gm_train = self.gm if norm == "frozen" else training_graph(self.gm, dropout=dropout)
+        self.gm_recal = training_graph(self.gm, dropout=False, momentum=1.0) if _has_batch_norm(self.gm) else None
         self.names: list[str] = []
         self.weights = torch.nn.ParameterList()
         self.plan: list[int] = []
@@ -386,7 +386,7 @@ def train(spec: ModelSpec, runner: Callable[[list[torch.Tensor]], tuple[torch.Te
     enc = codes.encoder(encoder_name)
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
-    parity = _Lifted(torch.export.load(str(spec.path)), cfg.norm, cfg.dropout, cfg.init == "fresh")
+    parity = Lifted(torch.export.load(str(spec.path)), cfg.norm, cfg.dropout, cfg.init == "fresh")
     tr, va = _split(len(data.x_train), cfg, k)
     x_all = torch.from_numpy(np.ascontiguousarray(data.x_train)).float()
     l_all = _logits(runner, data.x_train.astype(np.float32), spec.max_batch_size)
@@ -472,7 +472,7 @@ def train(spec: ModelSpec, runner: Callable[[list[torch.Tensor]], tuple[torch.Te
 
 def export(parity: torch.nn.Module, spec: ModelSpec, path: Path) -> None:
     """Write the parity model as a torch.export program with a dynamic batch dimension."""
-    assert isinstance(parity, _Lifted)
+    assert isinstance(parity, Lifted)
     ep = torch.export.load(str(spec.path))
     module = ep.module()
     state = parity.state()
