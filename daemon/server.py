@@ -195,7 +195,8 @@ class Daemon:
             backend = make_backend(d, s.runtime.cpu_threads, plan.get(d.name), host=self.host_pins,
                                    graphs=s.runtime.cuda_graphs, hang_timeout_s=s.runtime.hang_timeout_s,
                                    emucuda=s.runtime.emucuda,
-                                   prefix_cache=(s.runtime.prefix_cache_entries, s.runtime.prefix_cache_bytes))
+                                   prefix_cache=(s.runtime.prefix_cache_entries, s.runtime.prefix_cache_bytes),
+                                   share_weights=s.runtime.share_weights)
             ex = Executor(d, backend, self.clock, self.controller.post_result, self.programs,
                           hang_timeout_s=s.runtime.hang_timeout_s)
             ex.start()

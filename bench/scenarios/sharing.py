@@ -13,7 +13,11 @@ resident against a full LOAD (wall time of the backend's load, and the copy alon
 `outputs_identical`: every variant's outputs on the shared device equal, bit for bit, those of
 the variant loaded alone in a process of its own.
 
-`capacity_ratio` and `p99_ratio` need cross-model batching (issue 17 items 2-3), not built.
+Load (bench/scenarios/sharing_load.py): capacity at SLO, p99 and cold-start rate of the variants
+under Zipf load with a weight budget for a tenth of their unshared weights, served as black
+boxes against as plans of stages with sharing and cross-model batching (`capacity_ratio`,
+`p99_ratio`: without / with), `reps` times, sides interleaved; and `outputs_identical` also
+covers answers computed in cross-model batches through the daemon.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import results
+from bench.scenarios.common import command
 
 
 def _rss() -> int:
@@ -114,20 +119,73 @@ def _side(mode: str, repo: Path, n: int, load_reps: int) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def run(quick: bool = False, json_out: str | None = None, variants: int | None = None,
-        load_reps: int | None = None) -> dict[str, Any]:
+def _load_phase(repo: Path, n: int, budget: int, reps: int, probe_s: float
+                ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Capacity, p99 and cold starts without and with sharing, `reps` times (sharing_load.py)."""
+    import numpy as np
+
+    from bench import loadgen
+    from bench.scenarios import sharing_load
     from daemon import variants as family
 
-    n = variants or (20 if quick else 200)
-    reps = load_reps or (5 if quick else 20)
+    rng = np.random.default_rng(0)
+    popularity = np.empty(n)
+    popularity[rng.permutation(n)] = loadgen.zipf_weights(n, 1.0)  # popularity rank -> variant, by name order
+    want = sharing_load.reference(repo)
+    caps, p99s, colds, ident = [], [], [], None
+    rows: list[dict[str, Any]] = []
+    for rep in range(reps):
+        seed = 1000 * (rep + 1)
+        alone = sharing_load.side("without sharing", repo, popularity, budget, False, probe_s, seed)
+        shared = sharing_load.side("with sharing", family.staged_out(repo), popularity, budget, True, probe_s, seed,
+                                   at_rate=alone["capacity_rps"], want=want if rep == 0 else None)
+        ident = ident or shared.get("identity")
+        a_row, s_row = alone["at_rate"], shared["at_rate"]
+        caps.append((alone["capacity_rps"], shared["capacity_rps"]))
+        p99s.append((a_row["p99_ms"], s_row["p99_ms"]) if a_row and s_row else (None, None))
+        colds.append((a_row["cold_start_rate"], s_row["cold_start_rate"]) if a_row and s_row else (None, None))
+        for side in (alone, shared):
+            for r in side["rows"]:
+                rows.append({**r, "rep": rep})
+    ratios = [s / a for a, s in caps if a]
+    p99r = [a / s for a, s in p99s if a and s]
+    figures = {
+        "capacity_ratio": statistics.median(ratios) if ratios else None,
+        "p99_ratio": statistics.median(p99r) if p99r else None,
+        "capacity_rps_without_sharing": [a for a, _ in caps],
+        "capacity_rps_with_sharing": [s for _, s in caps],
+        "capacity_ratio_reps": ratios,
+        "p99_ms_without_sharing": [a for a, _ in p99s],
+        "p99_ms_with_sharing": [s for _, s in p99s],
+        "p99_ratio_reps": p99r,
+        "cold_start_rate_without_sharing": [a for a, _ in colds],
+        "cold_start_rate_with_sharing": [s for _, s in colds],
+        "load_budget_bytes": budget,
+        "outputs_identical_cross_model": ident["identical"] if ident else None,
+        "identity_check": ident,
+    }
+    return figures, rows
+
+
+def run(quick: bool = False, json_out: str | None = None, variants: int | None = None,
+        load_reps: int | None = None, reps: int | None = None, probe_s: float | None = None) -> dict[str, Any]:
+    from daemon import variants as family
+
+    n = int(variants or (40 if quick else 200))
+    load_reps = int(load_reps or (5 if quick else 20))
+    rounds = int(reps or (1 if quick else 3))
+    probe = float(probe_s or (2.0 if quick else 4.0))
+    extra = {k: v for k, v in (("variants", variants), ("reps", reps), ("probe_s", probe_s)) if v is not None}
     repo = Path(tempfile.gettempdir()) / f"escapement-variants-{n}"
     t0 = time.perf_counter()
     family.build(repo, n)
     build_s = time.perf_counter() - t0
-    shared = _side("shared", repo, n, reps)
-    alone = _side("unshared", repo, n, reps)
+    shared = _side("shared", repo, n, load_reps)
+    alone = _side("unshared", repo, n, load_reps)
     identical = shared.pop("outputs") == alone.pop("outputs")
-    rows = [shared, alone]
+    budget = alone["device_budget_bytes"] // 10  # a tenth of the variants' unshared weights
+    figures, load_rows = _load_phase(repo, n, budget, rounds, probe)
+    rows = [shared, alone, *load_rows]
     summary = {
         "variants": n,
         "memory_ratio": alone["device_budget_bytes"] / shared["device_budget_bytes"],
@@ -142,9 +200,9 @@ def run(quick: bool = False, json_out: str | None = None, variants: int | None =
         "load_resident_backbone_ms": shared["load_resident_backbone_ms"],
         "load_full_copy_ms": shared["load_full_copy_ms"],
         "load_resident_backbone_copy_ms": shared["load_resident_backbone_copy_ms"],
-        "outputs_identical": identical,
-        "capacity_ratio": None,
-        "p99_ratio": None,
+        # each variant alone vs on a shared device, and vs in cross-model batches through the daemon
+        "outputs_identical": identical and bool(figures["outputs_identical_cross_model"]),
+        **figures,
     }
     notes = [
         "memory_ratio: device-budget bytes of every variant placed on one device as separate models over "
@@ -153,10 +211,22 @@ def run(quick: bool = False, json_out: str | None = None, variants: int | None =
         "and IO-free host state included), so it counts per-model overhead the weights do not.",
         "LOAD times: median of reps on a CPU device; wall is the backend's whole load (copy, binding the "
         "runner, IO buffers), copy is the weight copy alone.",
-        "capacity_ratio and p99_ratio: not built (they need cross-model batching, issue 17 items 2-3).",
+        "capacity: the highest offered load (Poisson, Zipf 1.0 over the variants, socket, one CPU device) at which "
+        ">= 99% of requests meet their 100 ms SLO and p99 is within it (doubling from 200 req/s, then 3 geometric "
+        "bisections); capacity_ratio = with / without sharing, median of the reps; each rep starts both daemons "
+        "afresh, without sharing first.",
+        "p99_ratio: p99 without sharing at its own capacity over p99 with sharing at that same offered load "
+        "(median of the reps); cold-start rates are at that load too.",
+        "without sharing: the monolithic variants, runtime.share_weights = false (each model charged and held in "
+        "full), no cross-model batching; with sharing: the staged variants (backbone stage shared), cross-model "
+        "batching on, prefix cache off (each model's load repeats one input, which it would serve).",
+        "outputs_identical: every variant's outputs on a shared CPU device equal those of its program alone (32 "
+        "rows), and every variant's answers through the shared daemon, all variants asked at once (cross-model "
+        "batches), equal its monolithic program alone on the same 8-row requests.",
         f"variant family built (or found) in {build_s:.1f} s",
     ]
-    config = {"variants": n, "load_reps": reps, "repo": str(repo)}
+    config = {"variants": n, "load_reps": load_reps, "repo": str(repo), "load_rounds": rounds, "probe_s": probe,
+              "command": command("sharing", quick, extra)}
     return results.write("sharing", config, rows, summary, json_out, notes)
 
 

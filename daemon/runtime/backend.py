@@ -161,12 +161,15 @@ class CpuBackend:
 
     Blocks are per distinct tensor (content id, runtime/objstore.py) and held once: a LOAD copies
     and charges only the blocks the device lacks, an UNLOAD frees those no other resident model
-    holds (the controller's memory map accounts the same way: controller/memory.py).
+    holds (the controller's memory map accounts the same way: controller/memory.py). Without
+    `shares` (runtime.share_weights off) every model holds blocks of its own, as black-box
+    serving does.
     """
 
     def __init__(self, device: Device, threads: int = 1, core: int | None = None,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, shares: bool = True) -> None:
         self.device = device
+        self.shares = shares
         self.prefix_cache = prefix_cache or PrefixCache(0, 0)
         self.threads = threads
         self.core = core  # the core the INFER thread is pinned to, if any
@@ -195,7 +198,7 @@ class CpuBackend:
     def load(self, key: str, program: Program, deadline: float) -> tuple[Resident, float]:
         # One LOAD or UNLOAD at a time per device (its load lane), so what is missing stays missing.
         with self._lock:
-            missing = [(cid, n) for cid, n in program.blocks if cid not in self.blocks]
+            missing = [(cid, n) for cid, n in program.blocks if self._bk(key, cid) not in self.blocks]
             nbytes = sum(n for _, n in missing)
             # kept blocks and live weights together stay within the budget
             self.pool.trim(self.device.weight_budget - self.used - nbytes)
@@ -218,15 +221,16 @@ class CpuBackend:
             duration = time.perf_counter() - t0
             with self._lock:
                 for cid, _ in program.blocks:
-                    block, holders = self.blocks.get(cid) or (copied[cid], 0)
-                    self.blocks[cid] = (block, holders + 1)
+                    bk = self._bk(key, cid)
+                    block, holders = self.blocks.get(bk) or (copied[cid], 0)
+                    self.blocks[bk] = (block, holders + 1)
                 handed = True
             try:
-                runner = program.bind(self._views(program), native=True, owner=f"{self.device.name}/{key}")
+                runner = program.bind(self._views(key, program), native=True, owner=f"{self.device.name}/{key}")
                 io = {b: self._make_io(program.spec, b) for b in program.spec.batch_sizes}
             except BaseException:
                 program.release(f"{self.device.name}/{key}")
-                self._drop(program)
+                self._drop(key, program)
                 raise
         except BaseException:
             if not handed:
@@ -237,26 +241,31 @@ class CpuBackend:
             raise
         return Resident(key, program, nbytes, runner, io), duration
 
-    def _views(self, program: Program) -> list[torch.Tensor]:
+    def _bk(self, key: str, cid: str) -> str:
+        """The key a block is held under: its content, or (not sharing) its model's too."""
+        return cid if self.shares else f"{key}|{cid}"
+
+    def _views(self, key: str, program: Program) -> list[torch.Tensor]:
         """The program's weights over this device's blocks, one per layout entry."""
         out: list[torch.Tensor] = []
         for cid, e in zip(program.cids, program.layout.entries, strict=True):
             if e.nbytes:
-                out.append(self.blocks[cid][0][: e.nbytes].view(e.dtype).view(e.shape))
+                out.append(self.blocks[self._bk(key, cid)][0][: e.nbytes].view(e.dtype).view(e.shape))
             else:
                 out.append(torch.empty(e.shape, dtype=e.dtype))
         return out
 
-    def _drop(self, program: Program) -> int:
+    def _drop(self, key: str, program: Program) -> int:
         """Let go of a program's blocks; those no resident model holds any more are freed. Bytes freed."""
         freed = 0
         with self._lock:
             for cid, n in program.blocks:
-                block, holders = self.blocks[cid]
+                bk = self._bk(key, cid)
+                block, holders = self.blocks[bk]
                 if holders > 1:
-                    self.blocks[cid] = (block, holders - 1)
+                    self.blocks[bk] = (block, holders - 1)
                     continue
-                del self.blocks[cid]
+                del self.blocks[bk]
                 self.pool.give(block)
                 freed += n
             self.used -= freed
@@ -264,7 +273,7 @@ class CpuBackend:
 
     def unload(self, res: Resident) -> None:
         res.program.release(f"{self.device.name}/{res.key}")
-        res.charged = self._drop(res.program)  # what the UNLOAD freed (shared blocks stay)
+        res.charged = self._drop(res.key, res.program)  # what the UNLOAD freed (shared blocks stay)
 
     @staticmethod
     def _make_io(spec: ModelSpec, batch: int) -> IOBuffers:

@@ -304,9 +304,10 @@ class Executor:
 
 def make_backend(device: Device, cpu_threads: int, core: int | None = None, *, host: object | None = None,
                  graphs: bool = True, hang_timeout_s: float = 2.0, emucuda: object | None = None,
-                 prefix_cache: tuple[int, int] = (0, 0)) -> Backend:
+                 prefix_cache: tuple[int, int] = (0, 0), share_weights: bool = True) -> Backend:
     """The backend of a device; CUDA and stand-in devices share `host` (the process's pinned memory).
-    `prefix_cache`: (entries, bytes) of a CPU device's cache of shared stages' outputs."""
+    `prefix_cache`: (entries, bytes) of a CPU device's cache of shared stages' outputs;
+    `share_weights` off: a CPU device keeps every model's weights apart."""
     if device.kind in ("cuda", "emucuda"):
         from daemon.runtime.cuda import CudaBackend
         from daemon.runtime.hostmem import HostPins
@@ -326,7 +327,7 @@ def make_backend(device: Device, cpu_threads: int, core: int | None = None, *, h
         from daemon.runtime.backend import CpuBackend
         from daemon.runtime.prefixcache import PrefixCache
 
-        return CpuBackend(device, cpu_threads, core, PrefixCache(*prefix_cache))
+        return CpuBackend(device, cpu_threads, core, PrefixCache(*prefix_cache), shares=share_weights)
     raise ValueError(f"no backend for {device.kind} devices in a real executor")
 
 
