@@ -172,8 +172,8 @@ def test_bad_calls_are_clear_4xx(daemon: DaemonThread) -> None:
     # inputs that do not fit the application's models
     status, ans = post(daemon, "/v2/applications/sel/infer", infer_body(np.zeros((1, 5), np.float32)))
     assert status == 400, ans
-    status, _, body = raw(daemon, "POST", "/v2/applications/sel/infer", b"{not json")
-    assert status == 400 and b"malformed JSON" in body
+    status, _, raw_body = raw(daemon, "POST", "/v2/applications/sel/infer", b"{not json")
+    assert status == 400 and b"malformed JSON" in raw_body
     # an application over models with different inputs: declared, it answers 503 saying why; added, 400
     status, ans = post(daemon, "/v2/applications/misfit/infer", infer_body())
     assert status == 503 and "different inputs" in ans["error"]
