@@ -574,17 +574,20 @@ class HttpServer:
         arrived whole in request_timeout_s (a slow or stuck client holds no more than a socket)."""
         while True:
             await asyncio.sleep(SWEEP_S)
-            now = self.loop.time()
-            for c in list(self.connections):
-                if c.lingering_since is not None:
-                    if now - c.lingering_since > LINGER_S:
-                        c.close()
-                elif c.write_blocked_since is not None and now - c.write_blocked_since > self.write_timeout_s:
-                    c.abort()  # its client stopped reading its answers: drop them, and its requests
-                elif c.begun is not None and now - c.begun > self.request_timeout_s:
-                    c._refuse(RequestTimeout(f"the request did not arrive whole within {self.request_timeout_s:g} s"))
-                elif c.idle() and now - c.last_active > self.keepalive_s:
+            self.sweep(self.loop.time())
+
+    def sweep(self, now: float) -> None:
+        """One pass of the sweep at time `now` (the loop's time)."""
+        for c in list(self.connections):
+            if c.lingering_since is not None:
+                if now - c.lingering_since > LINGER_S:
                     c.close()
+            elif c.write_blocked_since is not None and now - c.write_blocked_since > self.write_timeout_s:
+                c.abort()  # its client stopped reading its answers: drop them, and its requests
+            elif c.begun is not None and now - c.begun > self.request_timeout_s:
+                c._refuse(RequestTimeout(f"the request did not arrive whole within {self.request_timeout_s:g} s"))
+            elif c.idle() and now - c.last_active > self.keepalive_s:
+                c.close()
 
     async def stop_listening(self) -> None:
         if self._server is not None:

@@ -712,14 +712,18 @@ class SocketFrontend:
         s = self.settings
         while True:
             await asyncio.sleep(min(1.0, s.idle_timeout_s / 4, s.write_timeout_s / 4, s.request_timeout_s / 4))
-            now = time.monotonic()
-            for c in list(self.connections):
-                if c.write_blocked_since is not None and now - c.write_blocked_since > s.write_timeout_s:
-                    c.abort()
-                elif c.frame_begun is not None and now - c.frame_begun > s.request_timeout_s:
-                    c.frame_too_slow(s.request_timeout_s)
-                elif not c._inflight and now - c.last_active > s.idle_timeout_s:
-                    c.close()
+            self.sweep(time.monotonic())
+
+    def sweep(self, now: float) -> None:
+        """One pass of the sweep at time `now` (time.monotonic()'s)."""
+        s = self.settings
+        for c in list(self.connections):
+            if c.write_blocked_since is not None and now - c.write_blocked_since > s.write_timeout_s:
+                c.abort()
+            elif c.frame_begun is not None and now - c.frame_begun > s.request_timeout_s:
+                c.frame_too_slow(s.request_timeout_s)
+            elif not c._inflight and now - c.last_active > s.idle_timeout_s:
+                c.close()
 
     @staticmethod
     def _prepare(path: str) -> None:

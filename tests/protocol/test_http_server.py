@@ -151,12 +151,6 @@ async def srv(start: Start) -> Harness:
     return await start()
 
 
-@pytest.fixture
-def fast_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sweeper reads SWEEP_S each round: patch it before the server starts."""
-    monkeypatch.setattr(httpserver, "SWEEP_S", 0.01)
-
-
 # ------------------------------------------------------------------ the client side
 
 
@@ -681,48 +675,58 @@ async def test_half_closed_client_waiting_on_a_slow_handler_gets_its_answer(srv:
     await assert_closed(reader)
 
 
-@pytest.mark.usefixtures("fast_sweep")
+def later(seconds: float) -> float:
+    """A time `seconds` ahead on the loop's clock, for one pass of the server's sweep."""
+    return asyncio.get_running_loop().time() + seconds
+
+
 async def test_idle_keep_alive_connection_is_closed(start: Start) -> None:
-    h = await start(keepalive_s=0.05)
+    h = await start(keepalive_s=60.0)
     reader, writer = await h.connect()
     writer.write(request("GET", "/echo/once"))
     assert (await read_reply(reader)).status == 200
-    await assert_closed(reader)  # nothing was asked for keepalive_s: the server hung up
-    # a connection that never sent anything is closed the same way
-    reader2, _ = await h.connect()
+    reader2, _ = await h.connect()  # a connection that never sent anything
+    await until(lambda: len(h.server.connections) == 2)
+    h.server.sweep(later(30.0))  # idle, but not for keepalive_s yet
+    assert len(h.server.connections) == 2
+    h.server.sweep(later(61.0))  # nothing was asked for keepalive_s: the server hangs up on both
+    await assert_closed(reader)
     await assert_closed(reader2)
 
 
-@pytest.mark.usefixtures("fast_sweep")
 async def test_connection_with_a_request_in_progress_is_not_idle(start: Start) -> None:
-    h = await start(keepalive_s=0.05)
+    h = await start(keepalive_s=60.0)
     busy_reader, busy_writer = await h.connect()
     busy_writer.write(request("GET", "/wait"))
     await asyncio.wait_for(h.hooks.started.wait(), WAIT_S)
     idle_reader, _ = await h.connect()
-    await assert_closed(idle_reader)  # the sweeper has run past keepalive_s for both connections
+    await until(lambda: len(h.server.connections) == 2)
+    h.server.sweep(later(61.0))  # past keepalive_s for both connections
+    await assert_closed(idle_reader)
     h.hooks.release.set()
     reply = await read_reply(busy_reader)
     assert reply.json() == {"waited": True}
     assert not h.hooks.cancelled.is_set()
 
 
-@pytest.mark.usefixtures("fast_sweep")
 async def test_request_that_never_completes_is_408_and_closed(start: Start) -> None:
-    h = await start(request_timeout_s=0.05)
+    h = await start(request_timeout_s=60.0)
     reader, writer = await h.connect()
     writer.write(request("POST", "/echo/slow", headers={"Content-Length": "10"}, length=False) + b"abc")
+    await until(lambda: any(c.begun is not None for c in h.server.connections))  # its head was read
+    h.server.sweep(later(61.0))
     reply = await read_reply(reader)
     assert_json_error(reply, 408, "did not arrive whole")
     assert reply.closes
     await assert_closed(reader)
 
 
-@pytest.mark.usefixtures("fast_sweep")
 async def test_request_whose_headers_never_complete_is_408(start: Start) -> None:
-    h = await start(request_timeout_s=0.05)
+    h = await start(request_timeout_s=60.0)
     reader, writer = await h.connect()
     writer.write(b"GET /echo/x HTTP/1.1\r\nHost: t\r\nX-Half: ")
+    await until(lambda: any(c.begun is not None for c in h.server.connections))
+    h.server.sweep(later(61.0))
     reply = await read_reply(reader)
     assert_json_error(reply, 408)
     await assert_closed(reader)
@@ -753,7 +757,7 @@ async def test_connections_past_the_limit_get_503_and_are_closed(start: Start) -
 
 
 async def test_a_client_that_stops_reading_its_answers_is_dropped(start: Start) -> None:
-    srv = await start(write_timeout_s=0.2)
+    srv = await start(write_timeout_s=30.0)
     _reader, writer = await srv.connect()
     writer.transport.set_write_buffer_limits(0)  # type: ignore[attr-defined]
     sock = writer.get_extra_info("socket")
@@ -761,8 +765,9 @@ async def test_a_client_that_stops_reading_its_answers_is_dropped(start: Start) 
     for _ in range(16):  # 16 MiB of answers nobody reads
         writer.write(request("GET", "/big"))
     await writer.drain()
-    # The server gives up on it after write_timeout_s (its sweep runs every second).
-    await until(lambda: not srv.server.connections, limit_s=10)
+    await until(lambda: any(c.write_blocked_since is not None for c in srv.server.connections), limit_s=10)
+    srv.server.sweep(later(31.0))  # its answers blocked past write_timeout_s: the server gives up on it
+    await until(lambda: not srv.server.connections)  # aborted: its connection_lost comes next
 
 
 # ------------------------------------------------------------------ request memory
