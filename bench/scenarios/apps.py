@@ -15,6 +15,11 @@ in one daemon: `mlp_cached` opts in to the prediction cache (`[response_cache] e
 Then, in the same daemon, Velox's personalized models (bench/scenarios/personal.py, on the demo's
 `digits_personal`): `accuracy_by_feedback`, `update_p50_ms` / `update_p99_ms`, `feedback_per_s`
 and `survives_kill` (the daemon is killed with SIGKILL and started again on its database).
+
+Last, in daemons of their own, Clipper's applications (bench/scenarios/apps_select.py): exp3 and
+exp4 over the demo's three digits classifiers on a stream where the best one degrades midway,
+against the best single model in hindsight (`exp3_regret`, `exp4_regret`, accuracies); and an
+ensemble under a tight SLO with one member slowed by fault injection (`straggler_*`).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import uvloop
 from torch import nn
 
 from bench import results
-from bench.scenarios import personal
+from bench.scenarios import apps_select, personal
 from bench.scenarios.common import command
 from bench.servers import Escapement
 from daemon.demo import save_model
@@ -244,6 +249,8 @@ def run(quick: bool = False, json_out: str | None = None, reps: int | None = Non
             # last: it kills the daemon (kill -9) and starts it again
             personal_rows, personal_summary = personal.run_all(server, repo, quick, clients)
             rows += personal_rows
+    app_rows, app_summary = apps_select.run_all(quick)  # daemons of their own (two devices, faults)
+    rows += app_rows
 
     def med(label: str, key: str) -> float:
         return statistics.median(r[key] for r in rows if r["label"] == label)
@@ -269,6 +276,7 @@ def run(quick: bool = False, json_out: str | None = None, reps: int | None = Non
         "p99_ms_50pct_hits": med("50% repeats, cache", "p99_ms"),
         "p99_ms_no_cache": med("50% repeats, no cache", "p99_ms"),
         **personal_summary,
+        **app_summary,
     }
     notes = [f"command: {command('apps', quick)}",
              f"MLP 784-2048-2048-10 (TorchScript, cpu:0), batch 1; latencies: one client, {n} requests "
@@ -280,10 +288,19 @@ def run(quick: bool = False, json_out: str | None = None, reps: int | None = Non
              "0 (global head) / 10 / 50 / 200 feedback items; update_p50/p99_ms = the feedback round trip over "
              "the socket, one at a time (RLS + commit + ack); update_alone = the RLS step the daemon timed; "
              "update_durable = the step plus its commit; feedback_per_s: closed-loop clients, one user each; "
-             "survives_kill: 50 acknowledged items, kill -9, restart, held-out predictions byte-identical."]
+             "survives_kill: 50 acknowledged items, kill -9, restart, held-out predictions byte-identical.",
+             "applications (digits_mlp, digits_cnn64, digits_linear; docs/applications.md): selection: a stream of "
+             "held-out digits, each query to the exp3 app, the exp4 app and each model alone, its label fed back; "
+             "at the midpoint digits_mlp version 2 (untrained weights) is loaded through the repository API; "
+             "regret = correct answers of the best single model in hindsight minus the policy's. Stragglers: "
+             "cpu:0 and cpu:1, members preloaded, the device holding one member alone slowed by add_ms; the exp4 "
+             "app (slo_ms 20) answered at its SLO (members the controller expects late skipped) vs the same "
+             "queries with a 1 s timeout (waiting for all); one client, queries one after another."]
     config = {"command": command("apps", quick), "reps": reps, "clients": clients, "seconds": seconds,
               "requests": n}
     return results.write("apps", config, rows, summary, json_out, notes=notes,
                          columns=["label", "rep", "requests", "p50_ms", "p99_ms", "requests_per_s", "hit_ratio", "shed",
                                   "after_0", "after_10", "after_50", "after_200", "feedback_per_s",
-                                  "survives_kill"])
+                                  "survives_kill", "acc_first_half", "acc_second_half", "acc_last_quarter",
+                                  "accuracy", "regret", "on_time", "partial", "default", "members_mean",
+                                  "slow_member_skipped", "slow_member_late"])
