@@ -3,7 +3,8 @@
 A near-null model (`null_784`: one 784 -> 10 linear layer, ~5 µs a sample, built here) keeps the
 device out of the way, so what is measured is the frontend: parsing, decoding, validation,
 answer encoding, and the controller's own per-request work. Closed loop: `clients` connections
-each keep one batch-1 request in flight (HTTP binary, or msgpack frames on the unix socket) for
+each keep one batch-1 request in flight (HTTP binary, msgpack frames on the unix socket, or gRPC
+ModelInfer with `raw_input_contents`, sent as pre-serialized messages over 4 channels) for
 `seconds`; the generator runs on the same machine (on 2 cores it takes a share of them: compare
 ratios between worker counts, not absolute figures with other machines).
 
@@ -35,11 +36,13 @@ import uvloop
 from torch import nn
 
 from bench import results
-from bench.scenarios.common import command, http_binary, socket_frame, spec_of
+from bench.scenarios.common import command, http_binary, sample_inputs, socket_frame, spec_of
 from bench.servers import Escapement, cpu_seconds
 from daemon.demo import save_model
 
 MODEL = "null_784"
+PROTOCOLS = ("http", "socket", "grpc")
+GRPC_CHANNELS = 4  # connections: with SO_REUSEPORT, each lands on one worker
 IMAGE = "image_3x224"
 SHM_VARIANTS = ("http binary", "grpc raw", "http shm", "grpc shm")
 
@@ -88,16 +91,55 @@ async def _socket_client(path: str, frame: Any, stop: float, counts: list[int]) 
         writer.close()
 
 
+def grpc_infer_message(spec: Any) -> bytes:
+    """A serialized ModelInferRequest of one batch-1 sample in raw_input_contents (what tritonclient sends)."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    req = pb.ModelInferRequest(model_name=spec.name)
+    for t, (name, arr) in zip(spec.inputs, sample_inputs(spec).items(), strict=True):
+        req.inputs.add(name=name, datatype=t.datatype.name, shape=list(arr.shape))
+        req.raw_input_contents.append(arr.tobytes())
+    return req.SerializeToString()
+
+
+async def _grpc_client(call: Any, message: bytes, stop: float, counts: list[int]) -> None:
+    import grpc
+
+    while time.monotonic() < stop:
+        try:
+            await call(message)
+            counts[0] += 1
+        except grpc.aio.AioRpcError:
+            counts[1] += 1
+
+
+async def _grpc_clients(port: int, message: bytes, stop: float, counts: list[int], clients: int) -> None:
+    """`clients` RPCs in flight over GRPC_CHANNELS channels, bytes in and out (no client-side protobuf work)."""
+    import grpc
+
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(GRPC_CHANNELS)]
+    try:
+        calls = [ch.unary_unary("/inference.GRPCInferenceService/ModelInfer") for ch in channels]
+        await asyncio.gather(*(_grpc_client(calls[i % len(calls)], message, stop, counts) for i in range(clients)))
+    finally:
+        for ch in channels:
+            await ch.close()
+
+
 def _closed_loop(protocol: str, server: Escapement, clients: int, seconds: float, warmup: float,
                  spec: Any) -> dict[str, float]:
     request = http_binary(spec).raw
     frame = socket_frame(spec)
+    message = grpc_infer_message(spec)
 
     async def go(duration: float) -> list[int]:
         counts = [0, 0]
         stop = time.monotonic() + duration
         if protocol == "http":
             await asyncio.gather(*(_http_client(server.port, request, stop, counts) for _ in range(clients)))
+        elif protocol == "grpc":
+            await _grpc_clients(_grpc_port(server), message, stop, counts, clients)
         else:
             await asyncio.gather(*(_socket_client(server.socket, frame, stop, counts) for _ in range(clients)))
         return counts
@@ -125,15 +167,15 @@ def run(quick: bool = False, json_out: str | None = None, workers: list[int] | N
         spec = spec_of(repo, MODEL)
         for rep in range(reps):
             for n in counts:  # interleaved: the machine's noise falls on every count alike
-                with Escapement(repo, server={"frontend_workers": n}) as server:
-                    for protocol in ("http", "socket"):
+                with Escapement(repo, server={"frontend_workers": n, "grpc": "127.0.0.1:0"}) as server:
+                    for protocol in PROTOCOLS:
                         m = _closed_loop(protocol, server, clients, seconds, min(1.0, seconds / 3), spec)
                         rows.append({"label": f"{protocol} workers={n}", "protocol": protocol, "workers": n,
                                      "rep": rep, **m})
     summary: dict[str, Any] = {"model": MODEL, "clients": clients, "reps": reps}
     loop_us: dict[str, dict[str, float]] = {}
     rps: dict[str, dict[str, float]] = {}
-    for protocol in ("http", "socket"):
+    for protocol in PROTOCOLS:
         loop_us[protocol] = {}
         rps[protocol] = {}
         for n in counts:
@@ -143,11 +185,14 @@ def run(quick: bool = False, json_out: str | None = None, workers: list[int] | N
     summary["loop_us_per_request"] = loop_us
     summary["requests_per_s_by_workers"] = rps["http"]
     summary["socket_requests_per_s_by_workers"] = rps["socket"]
+    summary["grpc_requests_per_s_by_workers"] = rps["grpc"]
     base = counts[0]
     summary["http_ratio_to_workers_" + str(base)] = {str(n): rps["http"][str(n)] / rps["http"][str(base)]
                                                      for n in counts}
     summary["socket_ratio_to_workers_" + str(base)] = {str(n): rps["socket"][str(n)] / rps["socket"][str(base)]
                                                        for n in counts}
+    summary["grpc_ratio_to_workers_" + str(base)] = {str(n): rps["grpc"][str(n)] / rps["grpc"][str(base)]
+                                                     for n in counts}
     summary["failed_requests"] = sum(r["failed"] for r in rows)
     notes = [f"command: {command('ingest', quick)}",
              f"{clients} closed-loop clients, batch 1, {seconds:g} s per point after a warm-up, {reps} reps "
