@@ -10,6 +10,11 @@ fair common load and at 1,000 req/s, start-up time, idle memory, and Triton's ow
 
 Peers are installed by `bench/peers/setup.sh` into `bench/.peers/`; a peer that is missing is
 named in the result's notes and skipped, not failed.
+
+Two more rows for the systems that serve KServe v2 beyond HTTP JSON (escapement and Triton,
+peers_protocols.py): `grpc` (ModelInfer with the tensor in `raw_input_contents`) and `shm` (HTTP
+with the input and output in system shared memory). Each is searched for its capacity at SLO the
+same way; `--rows json,grpc,shm` picks them (default: all).
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ import orjson
 
 from bench import loadgen, results
 from bench.loadgen import HttpRequest
-from bench.scenarios.common import command, demo_repo, http_json, measure, search_capacity, spec_of
+from bench.scenarios import peers_protocols as protocols
+from bench.scenarios.common import Measured, command, demo_repo, http_json, measure, search_capacity, spec_of
+from bench.scenarios.ingest import _grpc_port
 from bench.servers import ROOT, Escapement
 
 PEERS = ROOT / "bench" / ".peers"
@@ -84,6 +91,8 @@ class System:
     notes: list[str] = field(default_factory=list)
     startup_s: float = 0.0  # from spawning it to its first answer
     idle_rss_mb: float = 0.0  # its process tree's resident memory after the warm-up, between loads
+    grpc_port: int = 0  # its KServe v2 gRPC listener (0: none)
+    input: np.ndarray | None = None  # the tensor every request carries (the gRPC and shm rows)
 
 
 def _wait_http(port: int, raw: bytes, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
@@ -280,12 +289,12 @@ instance_group [{{ count: {cfg.instances}, kind: KIND_CPU }}]
 parameters: {{ key: "model_path", value: {{ string_value: "{model_file}" }} }}
 parameters: {{ key: "threads", value: {{ string_value: "1" }} }}
 """)
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     proc = subprocess.Popen([str(server / "bin" / "tritonserver"), "--model-repository", str(work / "models"),
                              "--backend-directory", str(work / "backends"), "--http-address", "127.0.0.1",
-                             "--http-port", str(port), "--allow-grpc", "false", "--allow-metrics", "false",
-                             "--log-verbose", "0"], cwd=work, env=_triton_env(), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--http-port", str(port), "--grpc-address", "127.0.0.1", "--grpc-port", str(grpc_port),
+                             "--allow-metrics", "false", "--log-verbose", "0"], cwd=work, env=_triton_env(),
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def stop() -> None:
         _kill_group(proc)
@@ -298,7 +307,7 @@ parameters: {{ key: "threads", value: {{ string_value: "1" }} }}
         raise
     return System("triton", port, request, proc.pid, stop,
                   [f"triton: tritonserver 2.51 (nvidia-pytriton 0.7.0 wheel), python backend, {cfg.describe()}, "
-                   "the program traced to TorchScript, 1 intra-op thread per instance"])
+                   "the program traced to TorchScript, 1 intra-op thread per instance"], grpc_port=grpc_port)
 
 
 def start_pytriton(model_file: Path, request: HttpRequest, cfg: TritonConfig = TritonConfig()) -> System:
@@ -397,9 +406,10 @@ def serving(name: str, repo: Path, model: str, config: Any) -> Iterator[System]:
     t0 = time.monotonic()
     if name == "escapement":
         cfg = config or {}
-        with Escapement(repo, **cfg) as server:
+        with Escapement(repo, **{**cfg, "server": {**cfg.get("server", {}), "grpc": "127.0.0.1:0"}}) as server:
             sys_ = System("escapement", server.port, kserve, server.pid, notes=[
-                f"escapement: KServe v2 JSON, {cfg}, policy clockwork (the default)"])
+                f"escapement: KServe v2 JSON, {cfg}, policy clockwork (the default)"],
+                grpc_port=_grpc_port(server), input=x)
             sys_.startup_s = time.monotonic() - t0
             yield sys_
         return
@@ -412,28 +422,63 @@ def serving(name: str, repo: Path, model: str, config: Any) -> Iterator[System]:
     }
     sys_ = starters[name]()
     sys_.startup_s = time.monotonic() - t0
+    sys_.input = x
     try:
         yield sys_
     finally:
         sys_.stop()
 
 
+# One load of a row: (schedule, warm-up s, drain s) -> measured.
+Load = Callable[[loadgen.Schedule, float, float], Measured]
+
+
+def row_load(row: str, sys_: System, model: str) -> Load:
+    """How a row's requests are played against a system: HTTP JSON (`json`), gRPC or shared memory."""
+    if row == "json":
+        return lambda sched, warmup, drain: measure(sched, "http", sys_.pid, [model], port=sys_.port,
+                                                    http_requests=[sys_.request], warmup=warmup, drain_s=drain)
+    assert sys_.input is not None
+    if row == "grpc":
+        message = protocols.grpc_message(model, sys_.input)
+        return lambda sched, warmup, drain: protocols.measure_with(
+            lambda: protocols.run_grpc(sched, sys_.grpc_port, message, [model], warmup, drain), sys_.pid)
+    requests = protocols.shm_requests(f"/v2/models/{model}/infer", sys_.input.nbytes)
+    return lambda sched, warmup, drain: protocols.measure_with(
+        lambda: protocols.run_shm(sched, sys_.port, requests, [model], warmup, drain), sys_.pid)
+
+
 def capacity_search(sys_: System, model: str, slo: float, grid: list[float], refine: int, seconds: float,
-                    quick: bool) -> list[dict[str, Any]]:
+                    quick: bool, row: str = "json") -> list[dict[str, Any]]:
     """Warm the system up, then search its capacity at the SLO (rows of every point that counts)."""
-    measure(loadgen.poisson(200, 3.0 if quick else 5.0, seed=9), "http", sys_.pid, [model], port=sys_.port,
-            http_requests=[sys_.request])  # warm-up, not reported
-    sys_.idle_rss_mb = tree_rss_mb(sys_.pid)
+    load = row_load(row, sys_, model)
+    with _regions(row, sys_):
+        load(loadgen.poisson(200, 3.0 if quick else 5.0, seed=9), 0.0, 5.0)  # warm-up, not reported
+    if row == "json":
+        sys_.idle_rss_mb = tree_rss_mb(sys_.pid)
     seeds = iter(range(1000))
+    label = sys_.name if row == "json" else f"{sys_.name} {row}"
 
     def point(rate: float) -> dict[str, Any]:
         meter = _TreeMeterPid(sys_.pid)
         meter.start()
-        m = measure(loadgen.poisson(rate, seconds, seed=next(seeds)), "http", sys_.pid, [model], port=sys_.port,
-                    http_requests=[sys_.request], warmup=min(1.0, seconds / 4), drain_s=max(2.0, 3 * slo))
-        return results.row(m.run, sys_.name, slo, server_cores=meter.stop(), generator_cores=m.generator_cores)
+        m = load(loadgen.poisson(rate, seconds, seed=next(seeds)), min(1.0, seconds / 4), max(2.0, 3 * slo))
+        return results.row(m.run, label, slo, server_cores=meter.stop(), generator_cores=m.generator_cores)
 
-    return search_capacity(point, grid, refine=refine)
+    with _regions(row, sys_):
+        return search_capacity(point, grid, refine=refine)
+
+
+def _regions(row: str, sys_: System) -> contextlib.AbstractContextManager[None]:
+    """The shm row's regions, registered with the system for as long as it is measured."""
+    if row != "shm":
+        return contextlib.nullcontext()
+    assert sys_.input is not None
+    return protocols.registered_regions(sys_.port, sys_.input)
+
+
+ROWS = "json,grpc,shm"
+PROTOCOL_ROWS = ("grpc", "shm")  # the rows only escapement and Triton serve (KServe v2 gRPC, system shm)
 
 
 MISSING = (FileNotFoundError, RuntimeError, subprocess.CalledProcessError, KeyError, OSError)
@@ -444,10 +489,24 @@ def _near(rows: list[dict[str, Any]], rate: float) -> dict[str, Any] | None:
     return near[0] if near else None
 
 
+def _plot_name(json_out: str | None) -> str | None:
+    """The plot beside the JSON result (bench/results/peers.png by default); none for a result kept
+    outside bench/results (a trial run must not overwrite the recorded plot)."""
+    if not json_out:
+        return "peers"
+    out = Path(json_out).resolve().with_suffix("")
+    try:
+        return str(out.relative_to(results.RESULTS.resolve()))
+    except ValueError:
+        return None
+
+
 def run(quick: bool = False, json_out: str | None = None, model: str = "mlp_784", seconds: float | None = None,
-        systems: str = SYSTEMS, refine: int | None = None) -> dict[str, Any]:
+        systems: str = SYSTEMS, refine: int | None = None, rows: str = ROWS,
+        frontend_workers: int | None = None) -> dict[str, Any]:
     from bench.scenarios import limit
 
+    wanted = [r.strip() for r in str(rows).split(",") if r.strip()]
     seconds = seconds or (4.0 if quick else 10.0)
     refine = refine if refine is not None else (3 if quick else 4)
     grid = [250, 1000] if quick else [100, 250, 500, 1000]  # every system is offered these; then each is searched
@@ -456,15 +515,23 @@ def run(quick: bool = False, json_out: str | None = None, model: str = "mlp_784"
     slo = spec.slo_s
     # First, on a quiet machine: what its cores could serve with no server in the way.
     floor = limit.measure(model, 1.0 if quick else 2.0)
-    rows: list[dict[str, Any]] = []
+    measured: list[dict[str, Any]] = []
     notes: list[str] = []
     missing: dict[str, str] = {}
     by_system: dict[str, list[dict[str, Any]]] = {}
     facts: dict[str, dict[str, Any]] = {}
+    by_row: dict[str, dict[str, list[dict[str, Any]]]] = {r: {} for r in wanted if r in PROTOCOL_ROWS}
     for name in [s.strip() for s in systems.split(",") if s.strip()]:
         try:
-            with serving(name, repo, model, TUNED.get(name)) as sys_:
-                by_system[name] = capacity_search(sys_, model, slo, grid, refine, seconds, quick)
+            tuned = TUNED.get(name)
+            if name == "escapement" and frontend_workers is not None:  # server.frontend_workers (default: -1)
+                tuned = {**tuned, "server": {"frontend_workers": frontend_workers}}
+            with serving(name, repo, model, tuned) as sys_:
+                if "json" in wanted:
+                    by_system[name] = capacity_search(sys_, model, slo, grid, refine, seconds, quick)
+                for kind in by_row:
+                    if name in ("escapement", "triton"):
+                        by_row[kind][name] = capacity_search(sys_, model, slo, grid, refine, seconds, quick, kind)
                 facts[name] = {"startup_s": sys_.startup_s, "idle_rss_mb": sys_.idle_rss_mb}
                 if name in ("triton", "pytriton"):
                     try:
@@ -480,8 +547,9 @@ def run(quick: bool = False, json_out: str | None = None, model: str = "mlp_784"
             missing[name] = f"{type(e).__name__}: {e}"
             notes.append(f"{name}: MISSING, not measured ({missing[name]})")
     capacity = {name: results.capacity_at_slo(rs) for name, rs in by_system.items()}
-    rows[:] = [r for rs in by_system.values() for r in sorted(rs, key=lambda r: r["offered_rps"])]
-    retried = [f"{r['label']} at {r['offered_rps']:.0f}/s" for r in rows if r.get("retry")]
+    measured[:] = [r for rs in [*by_system.values(), *(x for br in by_row.values() for x in br.values())]
+               for r in sorted(rs, key=lambda r: r["offered_rps"])]
+    retried = [f"{r['label']} at {r['offered_rps']:.0f}/s" for r in measured if r.get("retry")]
     if retried:
         notes.append("Measured again after the generator fell behind while the server kept up (a stall of the "
                      f"machine; the first try is not shown): {', '.join(retried)}.")
@@ -511,17 +579,28 @@ def run(quick: bool = False, json_out: str | None = None, model: str = "mlp_784"
         summary["capacity_ratio_vs_best_peer"] = capacity["escapement"] / peers_cap[best_peer]
         if p99_common.get("escapement") and p99_common.get(best_peer):
             summary["p99_ratio_vs_best_peer_at_common_load"] = p99_common["escapement"] / p99_common[best_peer]
+    for kind, got in by_row.items():
+        cap = {n: results.capacity_at_slo(rs) for n, rs in got.items()}
+        summary[f"{kind}_capacity_at_slo_rps"] = cap
+        summary[f"{kind}_p99_ms_at_1000_rps"] = {n: (x["p99_ms"] if (x := _near(rs, 1000)) else None)
+                                              for n, rs in got.items()}
+        if cap.get("escapement") is not None and cap.get("triton"):
+            summary[f"{kind}_capacity_ratio_vs_triton"] = cap["escapement"] / cap["triton"]
     for n in ("triton", "pytriton"):
         if facts.get(n, {}).get("triton_stats_us_per_request"):
             summary[f"{n}_stats_us_per_request"] = facts[n]["triton_stats_us_per_request"]
-    config = {"command": command("peers", quick), "model": model, "seconds_per_point": seconds,
+    extra = {k: v for k, v in (("systems", systems), ("rows", rows), ("frontend_workers", frontend_workers))
+             if v not in (SYSTEMS, ROWS, None)}
+    config = {"command": command("peers", quick, extra), "model": model, "rows": wanted, "seconds_per_point": seconds,
               "common_grid_rps": grid, "search": f"x2 from the grid's top until a point fails, then {refine} "
                                                   "geometric bisections",
               "arrivals": "poisson", "frontend": "HTTP JSON, each system's own API, the same [1, 784] tensor "
                                                 "(escapement, triton and pytriton: the same KServe v2 bytes)",
               "tuned": {n: (c.__dict__ if hasattr(c, "__dict__") else c) for n, c in TUNED.items()},
               "limit": floor}
-    png = results.plot_curve("peers", rows, slo * 1e3, f"{model} through each system's HTTP JSON API")
+    plot = _plot_name(json_out)
+    png = None if plot is None else results.plot_curve(plot, measured, slo * 1e3,
+                                                       f"{model} through each system's HTTP JSON API")
     notes.append("Capacity at SLO: the highest load found with p99 within the SLO, >= 99% of requests within it, "
                  f"and the generator on schedule; searched per system to within 2^(1/{2 ** refine}) "
                  f"(~{(2 ** (1 / 2 ** refine) - 1) * 100:.0f}%).")
@@ -531,9 +610,14 @@ def run(quick: bool = False, json_out: str | None = None, model: str = "mlp_784"
                  "the cores, so no system reaches it.")
     notes.append("Tuned configurations: the best of `python -m bench run peers-tuning` "
                  "(bench/results/peers-tuning.md).")
+    if by_row:
+        notes.append(f"Rows {', '.join(by_row)} (escapement and triton only): grpc = ModelInfer with the tensor in "
+                     f"raw_input_contents over {protocols.CHANNELS} grpc.aio channels (pre-serialized, answers not "
+                     "decoded); shm = HTTP JSON naming system shared-memory regions (input written once, each "
+                     f"output into its own slot of {protocols.OUT_SLOTS}); labels '<system> grpc' / '<system> shm'.")
     if png:
         notes.append(f"Plot: {png.name}")
-    return results.write("peers", config, rows, summary, json_out, notes,
+    return results.write("peers", config, measured, summary, json_out, notes,
                          columns=["label", "offered_rps", "achieved_rps", "goodput_rps", "slo_attainment", "p50_ms",
                                   "p99_ms", "p999_ms", "errors", "server_cores", "generator_cores",
                                   "generator_bound"])
