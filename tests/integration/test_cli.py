@@ -18,7 +18,7 @@ def run(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess
 
 def test_demo_is_idempotent(demo_repo: Path) -> None:
     r = run("demo", "--out", str(demo_repo))
-    assert r.returncode == 0 and "0 built, 5 already there" in r.stdout
+    assert r.returncode == 0 and "0 built, 7 already there" in r.stdout
 
 
 def test_bad_config_stops_start_up_naming_the_key(tmp_path: Path) -> None:
