@@ -427,9 +427,18 @@ class FrontendWorkers:
 
 
 def _reserve_port(host: str, port: int) -> socket.socket:
-    """Bind HOST:PORT with SO_REUSEPORT, never listening: workers bind it too, and take connections."""
+    """Bind HOST:PORT with SO_REUSEPORT, never listening: workers bind it too, and take connections.
+
+    SO_REUSEPORT would let any process of the same user join the port (another daemon started on
+    it would share its connections): a plain bind first (SO_REUSEADDR only, so that connections
+    left in TIME_WAIT by a previous run do not count) fails while anything listens there, our
+    workers' group included, and picks the port for `:0`."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(addr)  # OSError (address in use) while another listener holds it
+        addr = probe.getsockname()
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

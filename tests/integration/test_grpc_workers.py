@@ -268,3 +268,14 @@ def test_a_shutdown_answers_the_grpc_requests_workers_accepted(test_repo: Path) 
         dt.stop()
         shutil.rmtree(d, ignore_errors=True)
 
+
+
+@pytest.mark.expect_errors(BROKEN_MODELS)
+def test_the_ports_workers_share_cannot_be_joined_by_another_daemon(test_grpc: DaemonThread) -> None:
+    """Workers bind with SO_REUSEPORT, which any process of the same user could join: another
+    daemon's reservation of the port fails while the workers listen on it (HTTP and gRPC)."""
+    from daemon.frontends import _reserve_port
+
+    for address in (test_grpc.grpc, test_grpc.http):
+        with pytest.raises(OSError):
+            _reserve_port("127.0.0.1", int(address.rsplit(":", 1)[1])).close()
