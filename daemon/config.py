@@ -383,6 +383,12 @@ class ControllerSettings:
                                "work-conserving).", 4.0)
     cross_model_batching: bool = doc("clockwork: run a leading stage that models declared as plans of stages share "
                                      "once for their queued requests together (docs/controller.md).", True)
+    latency_path: bool = doc("Run a lone INFER on the controller's thread when nothing else is queued or running "
+                             "and its estimate is at most latency_path_max_ms: no hand-off to the device's "
+                             "thread and back (docs/controller.md); false: every INFER goes through the batch "
+                             "engine.", True)
+    latency_path_max_ms: float = doc("The longest estimated run the latency path takes (ms); it holds the event "
+                                     "loop that long.", 1.0)
     default_priority: int = doc("The priority of requests that give none (or 0); smaller is more urgent.", 10)
     client_priorities: bool = doc("Honour a priority more urgent than default_priority when a client asks for it "
                                   "(off: a client may lower its own priority, never jump everyone else's).", False)
@@ -417,6 +423,8 @@ class ControllerSettings:
         _need(0 <= self.batch_wait_ms <= 1000, "controller.batch_wait_ms", self.batch_wait_ms, "must be in [0, 1000]")
         _need(0 < self.schedule_ahead_ms <= 1000, "controller.schedule_ahead_ms", self.schedule_ahead_ms,
               "must be in (0, 1000]")
+        _need(0 <= self.latency_path_max_ms <= 100, "controller.latency_path_max_ms", self.latency_path_max_ms,
+              "must be in [0, 100]")
         _need(self.default_priority >= 1, "controller.default_priority", self.default_priority, "must be >= 1")
         _need(self.max_pending >= 1, "controller.max_pending", self.max_pending, "must be >= 1")
         _need(self.max_pending_per_model >= 1, "controller.max_pending_per_model",
