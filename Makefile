@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip -q --disable-pip-version-check
 MODELS ?= models
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test lint bench demo clean
+.PHONY: install run test test-asyncio lint bench demo clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -29,6 +29,10 @@ run: $(MODELS)/.demo-built
 test: $(MODELS)/.demo-built
 	ESCAPEMENT_TEST_DEMO=$(MODELS) $(PY) -m pytest -m "not slow"
 	ESCAPEMENT_TEST_DEMO=$(MODELS) $(PY) -m pytest -m slow  # what paces or asserts in wall-clock time
+
+# The deterministic suite again on asyncio's own event loop (make test runs uvloop, as the daemon does).
+test-asyncio: $(MODELS)/.demo-built
+	ESCAPEMENT_TEST_LOOP=asyncio ESCAPEMENT_TEST_DEMO=$(MODELS) $(PY) -m pytest -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check daemon tests bench

@@ -10,7 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.harness import LOOPS, ErrorRecords, loop_name
 from tests.support import build_test_repo, gpu_device
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-asyncio >= 1.4; older ones keep asyncio's own loop
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:
+    """Async tests run on the loop the harness runs daemons on: uvloop, or asyncio's own with
+    ESCAPEMENT_TEST_LOOP=asyncio (`make test-asyncio`)."""
+    return {loop_name(): LOOPS[loop_name()]}
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"event loop: {loop_name()} (ESCAPEMENT_TEST_LOOP)"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -54,21 +66,12 @@ def sock_dir() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-class _ErrorRecords(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.fixture(autouse=True)
 def no_unexpected_errors(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail a test when the daemon logs an ERROR (or a traceback) or an exception reaches an event
     loop (asyncio logs those as ERROR), unless the test names it with
     `@pytest.mark.expect_errors("regex", ...)`: a daemon that fails quietly must not pass."""
-    records = _ErrorRecords()
+    records = ErrorRecords()
     loggers = [logging.getLogger("escapement"), logging.getLogger("asyncio")]
     for lg in loggers:
         lg.addHandler(records)

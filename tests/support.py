@@ -1,25 +1,25 @@
-"""Test support: tiny models, model repositories and a real daemon run on a thread of its own."""
+"""Test support: tiny models, model repositories, settings, and `DaemonThread` (tests/harness.py's
+`run_daemon` on a thread of its own)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import uvloop
 from torch import nn
 
 from daemon.config import Settings, settings_from_dict
 from daemon.demo import save_model
 from daemon.server import Daemon
+from tests.harness import ErrorRecords, RunningDaemon, new_event_loop, serve_daemon
 
 
 class TinyLinear(nn.Module):
@@ -124,89 +124,98 @@ def settings(repo: Path, sock_dir: Path, **sections: dict[str, Any]) -> Settings
     return settings_from_dict(data)
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 class DaemonThread:
-    """A real daemon on its own uvloop thread, so blocking clients can call it from the test."""
+    """A daemon served by `run_daemon` (tests/harness.py: the real start-and-serve path) on an event
+    loop and a thread of its own, so blocking clients can call it from the test.
+
+    `with DaemonThread(settings) as dt:` starts it and stops it in order; `dt.daemon` exists before
+    the start, for a test that sets it up first (its notifier)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.daemon = Daemon(settings)
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._run, name="daemon", daemon=True)
-        self._started = threading.Event()
-        self._error: BaseException | None = None
-        self.log = _Records()  # ERROR (and worse) records of the daemon's loggers while it runs
-        self.loop_errors: list[dict[str, Any]] = []  # what reached the loop's exception handler
+        self.running: RunningDaemon | None = None  # once started
+        self.thread = threading.Thread(target=self.run, name="daemon", daemon=True)
+        self.ready = threading.Event()  # started, or failed to
+        self.error: BaseException | None = None  # what ended it (a failed start-up)
+
+    @property
+    def log(self) -> ErrorRecords:
+        """ERROR (and worse) records of the daemon's loggers while it ran."""
+        return self.running.log if self.running is not None else ErrorRecords()
+
+    @property
+    def loop_errors(self) -> list[dict[str, Any]]:
+        """What reached the loop's exception handler."""
+        return self.running.loop_errors if self.running is not None else []
 
     @property
     def errors(self) -> list[str]:
         """Every ERROR the daemon logged and every exception that reached its loop."""
-        return [r.getMessage() for r in self.log.records] + [str(c.get("message")) for c in self.loop_errors]
+        return self.running.errors if self.running is not None else []
 
-    def _run(self) -> None:
-        loop = uvloop.new_event_loop()
+    def run(self) -> None:
+        loop = new_event_loop()
         self.loop = loop
-        def on_error(loop: asyncio.AbstractEventLoop, ctx: dict[str, Any]) -> None:
-            self.loop_errors.append(ctx)
-            loop.default_exception_handler(ctx)  # logs it (ERROR, "asyncio"): the test fails unless expected
-
-        loop.set_exception_handler(on_error)
         asyncio.set_event_loop(loop)
         try:
-            loop.run_until_complete(self.daemon.start())
-        except BaseException as e:
-            self._error = e
-            self._started.set()
-            loop.run_until_complete(self.daemon.stop())
+            loop.run_until_complete(self.serve())
+        finally:
             loop.close()
-            return
-        self._started.set()
-        loop.run_until_complete(self.daemon._stop.wait())
-        loop.run_until_complete(self.daemon.stop())
-        loop.close()
+
+    async def serve(self) -> None:
+        try:
+            async with serve_daemon(self.daemon) as running:
+                self.running = running
+                self.ready.set()
+                await running.wait_stopped()  # asked to (stop()), or by itself
+        except BaseException as e:
+            self.error = e
+        finally:
+            self.ready.set()
 
     def start(self, timeout: float = 120) -> DaemonThread:
-        logging.getLogger("escapement").addHandler(self.log)
-        self._thread.start()
-        if not self._started.wait(timeout):
+        self.thread.start()
+        if not self.ready.wait(timeout):
             raise TimeoutError("the daemon did not start")
-        if self._error is not None:
-            raise self._error
+        if self.error is not None:
+            raise self.error
         return self
+
+    def on_loop(self, coro: Coroutine[Any, Any, Any], timeout: float = 60) -> Any:
+        """Run a coroutine on the daemon's loop and return its result."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def call(self, fn: Any, *args: Any) -> Any:
         """Run a plain function on the daemon's loop and return its result."""
-        assert self.loop is not None
         async def go() -> Any:
             return fn(*args)
-        return asyncio.run_coroutine_threadsafe(go(), self.loop).result(30)
+        return self.on_loop(go(), 30)
 
     def wait_idle(self, timeout: float = 30) -> int:
         """Wait (on the controller's own event) until no request is pending, no action is in flight
         and no coding group is left; returns pending."""
-        assert self.loop is not None
-        svc = self.daemon.controller
+        assert self.running is not None
+        return int(self.on_loop(asyncio.wait_for(self.running.wait_idle(), timeout), timeout + 5))
 
-        async def go() -> int:
-            await asyncio.wait_for(svc.settled(), timeout)
-            return svc.scheduler.pending
-
-        return asyncio.run_coroutine_threadsafe(go(), self.loop).result(timeout + 5)
+    def wait_stopped(self, timeout: float = 60) -> bool:
+        """Wait for the daemon to stop by itself (every device lost); whether it has."""
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
 
     def stop(self, timeout: float = 60) -> None:
-        if self.loop is not None and self._thread.is_alive():
+        if self.loop is not None and self.thread.is_alive():
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the daemon stopped itself
                 self.loop.call_soon_threadsafe(self.daemon.request_stop)
-        self._thread.join(timeout)
-        logging.getLogger("escapement").removeHandler(self.log)
+        self.thread.join(timeout)
+
+    def __enter__(self) -> DaemonThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     @property
     def http(self) -> str:
@@ -230,9 +239,8 @@ def parity_daemon_on_three_cpus(demo_repo: Path) -> Iterator[DaemonThread]:
     shutil.copytree(demo_repo / "digits_mlp", repo / "digits_mlp")
     cfg = repo / "digits_mlp" / "config.toml"
     cfg.write_text("preload_replicas = 2\n" + cfg.read_text())
-    dt = DaemonThread(settings(repo, d, runtime={"devices": ["cpu:0", "cpu:1", "cpu:2"]})).start()
     try:
-        yield dt
+        with DaemonThread(settings(repo, d, runtime={"devices": ["cpu:0", "cpu:1", "cpu:2"]})) as dt:
+            yield dt
     finally:
-        dt.stop()
         shutil.rmtree(d, ignore_errors=True)

@@ -192,6 +192,7 @@ def test_a_sticky_error_fails_every_later_call(standin: EmuCuda) -> None:
         standin.alloc(16)
 
 
+@pytest.mark.slow  # asserts in wall-clock time
 def test_a_hung_kernel_is_reported_by_the_deadline(standin: EmuCuda) -> None:
     s = standin.stream("s")
     standin.hang_next_kernel()

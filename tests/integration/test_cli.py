@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.harness import DaemonProcess
 
 ESC = [sys.executable, "-m", "daemon"]
 
@@ -37,24 +38,12 @@ def test_config_prints_the_effective_settings() -> None:
     assert 'server.http = "127.0.0.1:9999"  # HOST:PORT' in r.stdout
 
 
-def wait_until_ready(proc: subprocess.Popen[str]) -> list[str]:
-    """Read the daemon's log until it says it is ready (it logs that after its listeners are up)."""
-    assert proc.stderr is not None
-    lines: list[str] = []
-    for line in proc.stderr:
-        lines.append(line)
-        if "escapement.server: ready:" in line:
-            return lines
-    raise AssertionError("the daemon exited before it was ready:\n" + "".join(lines))
-
-
 @pytest.mark.slow
 def test_serve_infer_models_and_sigterm(demo_repo: Path, sock_dir: Path) -> None:
     sock = sock_dir / "e.sock"
-    proc = subprocess.Popen([*ESC, "serve", "--models", str(demo_repo), "--socket", str(sock), "--http",
-                             "127.0.0.1:0", "--device", "cpu:0"], stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until_ready(proc)
+    with DaemonProcess(["--models", str(demo_repo), "--socket", str(sock), "--http", "127.0.0.1:0",
+                        "--device", "cpu:0"]) as proc:
+        proc.start()
         r = run("infer", "digits_mlp", "--digits", "8", "--socket", str(sock))
         assert r.returncode == 0, r.stderr
         assert "(8/8 correct)" in r.stdout or "(7/8 correct)" in r.stdout
@@ -64,15 +53,10 @@ def test_serve_infer_models_and_sigterm(demo_repo: Path, sock_dir: Path) -> None
         assert r.returncode == 1 and "error 404: unknown model 'nope'" in r.stderr
         r = run("models", "--socket", str(sock))
         assert r.returncode == 0 and "digits_cnn" in r.stdout and "READY" in r.stdout
-        proc.send_signal(signal.SIGTERM)
+        proc.terminate()
         assert proc.wait(60) == 0
-        _, err = proc.communicate()
-        assert "[shutdown] done" in err
+        assert "[shutdown] done" in proc.log()
         assert not sock.exists()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_cannot_reach_the_daemon(sock_dir: Path) -> None:

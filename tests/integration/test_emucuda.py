@@ -105,15 +105,15 @@ def test_defect5_warm_ups_share_the_serving_device(mixed_repo: Path) -> None:
         ex = dt.daemon.executors["emucuda:0"]
         api = ex.backend.api
         assert isinstance(api, EmuCuda)
-        streams = len(api._streams)
+        streams = api.streams
         for i in range(3):
             for f in repo.glob("*/*/profile.json"):
                 f.unlink()  # every version is measured again, on the serving device
             (repo / "wide" / "config.toml").write_text((repo / "wide" / "config.toml").read_text() + f"# {i}\n")
-            changes = asyncio_run(dt, dt.daemon.models.reload_repository())
+            changes = dt.on_loop(dt.daemon.models.reload_repository(), 120)
             assert changes["reloaded"] == ["wide:1"]
             serve_and_compare(dt, repo, ["wide"])
-        assert len(api._streams) == streams == 5
+        assert api.streams == streams == 5
         assert dt.daemon.executors["emucuda:0"].backend is ex.backend
         stats = dt.daemon.gateway.statistics()["devices"]["emucuda:0"]
         assert stats["used"] == ex.used_bytes  # the controller's charge is the device's
@@ -122,13 +122,6 @@ def test_defect5_warm_ups_share_the_serving_device(mixed_repo: Path) -> None:
     finally:
         dt.stop()
         shutil.rmtree(d, ignore_errors=True)
-
-
-def asyncio_run(dt: DaemonThread, coro: object) -> dict:
-    import asyncio
-
-    assert dt.loop is not None
-    return asyncio.run_coroutine_threadsafe(coro, dt.loop).result(120)  # type: ignore[arg-type]
 
 
 def test_zipf_over_twenty_models_with_room_for_a_quarter(tmp_path: Path) -> None:
@@ -209,8 +202,7 @@ def test_defect7_the_last_device_lost_stops_the_daemon_for_a_restart(mixed_repo:
         with SocketClient(dt.socket) as c, pytest.raises(InferenceServerError) as e:
             c.infer("tiny_pt2", {"INPUT__0": np.ones((1, 4), np.float32)}, timeout_us=5_000_000)
         assert e.value.status in (500, 503)
-        dt._thread.join(30)  # it stops by itself
-        assert not dt._thread.is_alive()
+        assert dt.wait_stopped(30)  # it stops by itself
         assert dt.daemon.exit_code == 1
     finally:
         dt.stop()

@@ -26,16 +26,14 @@ from tritonclient.utils import InferenceServerException
 
 from daemon.client import AsyncSocketClient, InferenceServerError, SocketClient
 from tests.integration.test_http import (  # noqa: F401 - run again here, through frontend workers
+    error_of,
     raw,
-    test_a_body_over_the_limit_is_refused,
     test_a_client_that_disconnects_mid_body_does_not_disturb_others,
-    test_bad_requests_get_clear_json_errors,
     test_binary_request_body_and_selected_outputs,
     test_demo_models_reach_their_recorded_accuracy,
     test_every_datatype_over_json_and_binary,
     test_json_inference_like_curl,
     test_raw_binary_request_with_header_length_zero,
-    test_routing_errors,
     test_server_and_model_endpoints,
     test_tritonclient_aio_concurrent,
     test_tritonclient_errors,
@@ -54,6 +52,57 @@ from tests.integration.test_socket import (  # noqa: F401
     test_sync_client,
 )
 from tests.support import DaemonThread, settings, short_tmpdir
+
+# ------------------------------------------------------------------ the wire through a worker
+# (in process, tests/protocol/test_http_frontend.py checks the same without a daemon)
+
+
+BIN_HEADER = (b'{"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 4], '
+              b'"parameters": {"binary_data_size": 16}}]}')
+JSON_HEADER = b'{"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 4], "data": [1,2,3,4]}]}'
+
+
+@pytest.mark.parametrize(("body", "headers", "status", "needle"), [
+    (b"{not json", {}, 400, "malformed JSON in the request body"),
+    (b"[1, 2]", {}, 400, "must be a JSON object"),
+    (b'{"inputs": []}', {}, 400, "inputs must be a non-empty list"),
+    (b'{"inputs": [{"name": "INPUT__0"}]}', {}, 400, "needs a string name and datatype"),
+    (b'{"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 4], "data": [1, 2]}]}', {}, 400,
+     "2 values of data, but its shape needs 4"),
+    (b'{"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 4], "data": [1,2,3,4]}], '
+     b'"outputs": [{"name": "nope"}]}', {}, 400, "unknown output 'nope'"),
+    (b'{"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 4], "data": [1,2,3,4]}], '
+     b'"parameters": {"timeout": -5}}', {}, 400, "timeout must be an integer number of microseconds"),
+    (b'{"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 4], "data": [1,2,3,4]}], '
+     b'"parameters": {"priority": "high"}}', {}, 400, "priority must be a non-negative integer"),
+    (BIN_HEADER + b"\0" * 8, {"Inference-Header-Content-Length": str(len(BIN_HEADER))}, 400,
+     "runs past the end of the body"),
+    (b"{}", {"Inference-Header-Content-Length": "500"}, 400, "outside the body of 2 bytes"),
+    (b"{}", {"Inference-Header-Content-Length": "two"}, 400, "must be an integer"),
+    (JSON_HEADER + b"xx", {"Inference-Header-Content-Length": str(len(JSON_HEADER))}, 400,
+     "2 bytes of binary data follow the inputs unused"),
+    (b"\0" * 15, {"Inference-Header-Content-Length": "0"}, 400, "15 bytes of data"),
+])
+def test_bad_requests_get_clear_json_errors(test_daemon: DaemonThread, body: bytes, headers: dict[str, str],
+                                            status: int, needle: str) -> None:
+    got_status, msg = error_of(raw(test_daemon, "POST", "/v2/models/tiny_pt2/infer", body, headers))
+    assert got_status == status and needle in msg, msg
+
+
+def test_routing_errors(test_daemon: DaemonThread) -> None:
+    assert error_of(raw(test_daemon, "GET", "/v2/nothing")) == (404, "Not Found")
+    assert error_of(raw(test_daemon, "GET", "/v2/models/tiny_pt2/versions/x")) == (404, "Not Found")
+    assert error_of(raw(test_daemon, "GET", "/v2/models/tiny_pt2/infer")) == (405, "Method Not Allowed")
+    assert error_of(raw(test_daemon, "GET", "/v2/models/nope")) == (404, "unknown model 'nope'")
+    status, msg = error_of(raw(test_daemon, "POST", "/v2/repository/other/index", b""))
+    assert status == 501 and "not supported" in msg
+
+
+def test_a_body_over_the_limit_is_refused(test_daemon: DaemonThread) -> None:
+    status, msg = error_of(raw(test_daemon, "POST", "/v2/models/tiny_pt2/infer", b"x" * (300 * 1024)))
+    assert status == 413 and "max_body_bytes" in msg
+
+
 
 
 @contextlib.contextmanager

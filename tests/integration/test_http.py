@@ -1,4 +1,6 @@
-"""The HTTP frontend against a real daemon: the unmodified tritonclient, and raw bytes in and out."""
+"""The HTTP frontend against a real daemon: the unmodified tritonclient, and raw bytes in and out
+where real models answer. What is only the wire (every 4xx, routing, limits, shedding) is
+tests/protocol/test_http_frontend.py, without a daemon."""
 
 from __future__ import annotations
 
@@ -236,52 +238,6 @@ def test_raw_binary_request_with_header_length_zero(test_daemon: DaemonThread) -
     np.testing.assert_allclose(np.frombuffer(body[n:], "<f4"), reference(x)[0], rtol=1e-5)
 
 
-BIN_HEADER = (b'{"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 4], '
-              b'"parameters": {"binary_data_size": 16}}]}')
-JSON_HEADER = b'{"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 4], "data": [1,2,3,4]}]}'
-
-
-@pytest.mark.parametrize(("body", "headers", "status", "needle"), [
-    (b"{not json", {}, 400, "malformed JSON in the request body"),
-    (b"[1, 2]", {}, 400, "must be a JSON object"),
-    (b'{"inputs": []}', {}, 400, "inputs must be a non-empty list"),
-    (b'{"inputs": [{"name": "INPUT__0"}]}', {}, 400, "needs a string name and datatype"),
-    (b'{"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 4], "data": [1, 2]}]}', {}, 400,
-     "2 values of data, but its shape needs 4"),
-    (b'{"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 4], "data": [1,2,3,4]}], '
-     b'"outputs": [{"name": "nope"}]}', {}, 400, "unknown output 'nope'"),
-    (b'{"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 4], "data": [1,2,3,4]}], '
-     b'"parameters": {"timeout": -5}}', {}, 400, "timeout must be an integer number of microseconds"),
-    (b'{"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 4], "data": [1,2,3,4]}], '
-     b'"parameters": {"priority": "high"}}', {}, 400, "priority must be a non-negative integer"),
-    (BIN_HEADER + b"\0" * 8, {"Inference-Header-Content-Length": str(len(BIN_HEADER))}, 400,
-     "runs past the end of the body"),
-    (b"{}", {"Inference-Header-Content-Length": "500"}, 400, "outside the body of 2 bytes"),
-    (b"{}", {"Inference-Header-Content-Length": "two"}, 400, "must be an integer"),
-    (JSON_HEADER + b"xx", {"Inference-Header-Content-Length": str(len(JSON_HEADER))}, 400,
-     "2 bytes of binary data follow the inputs unused"),
-    (b"\0" * 15, {"Inference-Header-Content-Length": "0"}, 400, "15 bytes of data"),
-])
-def test_bad_requests_get_clear_json_errors(test_daemon: DaemonThread, body: bytes, headers: dict[str, str],
-                                            status: int, needle: str) -> None:
-    got_status, msg = error_of(raw(test_daemon, "POST", "/v2/models/tiny_pt2/infer", body, headers))
-    assert got_status == status and needle in msg, msg
-
-
-def test_routing_errors(test_daemon: DaemonThread) -> None:
-    assert error_of(raw(test_daemon, "GET", "/v2/nothing")) == (404, "Not Found")
-    assert error_of(raw(test_daemon, "GET", "/v2/models/tiny_pt2/versions/x")) == (404, "Not Found")
-    assert error_of(raw(test_daemon, "GET", "/v2/models/tiny_pt2/infer")) == (405, "Method Not Allowed")
-    assert error_of(raw(test_daemon, "GET", "/v2/models/nope")) == (404, "unknown model 'nope'")
-    status, msg = error_of(raw(test_daemon, "POST", "/v2/repository/other/index", b""))
-    assert status == 501 and "not supported" in msg
-
-
-def test_a_body_over_the_limit_is_refused(test_daemon: DaemonThread) -> None:
-    status, msg = error_of(raw(test_daemon, "POST", "/v2/models/tiny_pt2/infer", b"x" * (300 * 1024)))
-    assert status == 413 and "max_body_bytes" in msg
-
-
 def test_a_client_that_disconnects_mid_body_does_not_disturb_others(test_daemon: DaemonThread) -> None:
     host, port = test_daemon.http.split(":")
     for _ in range(5):
@@ -292,27 +248,6 @@ def test_a_client_that_disconnects_mid_body_does_not_disturb_others(test_daemon:
     status, _, body = raw(test_daemon, "POST", "/v2/models/tiny_pt2/infer", infer_body(x))
     assert status == 200
     np.testing.assert_allclose(orjson.loads(body)["outputs"][0]["data"], reference(x)[0], rtol=1e-5)
-
-
-def test_a_lagging_loop_sheds_new_inference_with_503(test_daemon: DaemonThread) -> None:
-    x = np.ones((1, 4), np.float32)
-    daemon = test_daemon.daemon
-    tracker = daemon.overload
-
-    def lag(seconds: float) -> None:
-        tracker.last_s = tracker.lag_s = seconds
-
-    test_daemon.call(daemon._monitor.stop)  # real ticks would decay the lag set below
-    test_daemon.call(lag, 1.0)  # as if the loop ran a second behind
-    status, headers, body = raw(test_daemon, "POST", "/v2/models/tiny_pt2/infer", infer_body(x))
-    assert status == 503 and headers["retry-after"] == "1"
-    assert "overloaded" in orjson.loads(body)["error"]
-    assert raw(test_daemon, "GET", "/v2/health/live")[0] == 200  # health still answers
-    test_daemon.call(lag, 0.0)
-    test_daemon.call(daemon._monitor.start)
-    assert raw(test_daemon, "POST", "/v2/models/tiny_pt2/infer", infer_body(x))[0] == 200
-    stats = orjson.loads(raw(test_daemon, "GET", "/v2/controller/stats")[2])
-    assert stats["loop"]["shed"] >= 1
 
 
 def test_models_were_profiled_in_their_warm_up(test_daemon: DaemonThread, test_repo: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import shutil
 import signal
@@ -21,7 +20,8 @@ from daemon.client import SocketClient
 from daemon.config import load_settings
 from daemon.notify import Notifier
 from daemon.runtime.faults import FaultSpec
-from tests.support import DaemonThread, settings, short_tmpdir
+from tests.harness import DaemonProcess, run_daemon
+from tests.support import settings, short_tmpdir
 
 ROOT = Path(__file__).resolve().parents[2]
 Message = dict[str, str]
@@ -35,8 +35,7 @@ class NotifySocket:
         self.sock.bind(str(path))
         self.seen: list[Message] = []
 
-    def wait_for(self, want: Callable[[Message], bool], proc: subprocess.Popen[bytes], log: Path,
-                 timeout: float = 60) -> list[Message]:
+    def wait_for(self, want: Callable[[Message], bool], daemon: DaemonProcess, timeout: float = 60) -> list[Message]:
         """Read messages until one satisfies `want`; returns all read meanwhile, that one last."""
         got: list[Message] = []
         deadline = time.monotonic() + timeout
@@ -45,15 +44,15 @@ class NotifySocket:
             try:
                 data = self.sock.recv(4096)
             except TimeoutError:
-                if proc.poll() is not None:
-                    raise AssertionError(f"the daemon exited ({proc.returncode}):\n{log.read_text()}") from None
+                if daemon.poll() is not None:
+                    raise AssertionError(f"the daemon exited ({daemon.poll()}):\n{daemon.log()}") from None
                 continue
             msg = dict(line.split("=", 1) for line in data.decode().split("\n"))
             got.append(msg)
             self.seen.append(msg)
             if want(msg):
                 return got
-        raise AssertionError(f"no such message in {timeout} s; got {got}\n{log.read_text()}")
+        raise AssertionError(f"no such message in {timeout} s; got {got}\n{daemon.log()}")
 
     def close(self) -> None:
         self.sock.close()
@@ -81,14 +80,11 @@ def test_notify_watchdog_reload_and_stop(demo_repo: Path, tmp_path: Path, run_di
     config.write_text(f'[server]\nhttp = "127.0.0.1:0"\nsocket = "{sock}"\n[models]\nrepository = "{repo}"\n'
                       '[runtime]\ndevices = ["cpu:0"]\nwarmup_reps = 1\n')
     notify = NotifySocket(run_dir / "notify.sock")
-    log = tmp_path / "daemon.log"
-    env = {**os.environ, "NOTIFY_SOCKET": str(run_dir / "notify.sock"), "WATCHDOG_USEC": "400000"}
-    with log.open("wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "daemon", "serve", "--config", str(config)], env=env,
-                                stdout=subprocess.DEVNULL, stderr=err, cwd=tmp_path)
+    proc = DaemonProcess.with_config(config, cwd=tmp_path,
+                                     env={"NOTIFY_SOCKET": str(run_dir / "notify.sock"), "WATCHDOG_USEC": "400000"})
     try:
         # 1. Start-up: progress in STATUS=, then READY=1 once the preloaded model is on its device.
-        before = notify.wait_for(lambda m: "READY" in m, proc, log)
+        before = notify.wait_for(lambda m: "READY" in m, proc)
         status = statuses(before)
         assert status[0] == "starting: devices" and "loading model 1/1: digits_mlp:1" in status
         assert any(s.startswith("preloading digits_mlp:1") for s in status), status
@@ -98,14 +94,14 @@ def test_notify_watchdog_reload_and_stop(demo_repo: Path, tmp_path: Path, run_di
             assert "digits_mlp:1" in stats["devices"]["cpu:0"]["models"]  # loaded before READY=1, not on demand
             assert [m["state"] for m in c.index()] == ["READY"]
         # 2. The watchdog: keep-alives every WATCHDOG_USEC / 2.
-        notify.wait_for(lambda m: m == {"WATCHDOG": "1"}, proc, log)
-        notify.wait_for(lambda m: m == {"WATCHDOG": "1"}, proc, log)
+        notify.wait_for(lambda m: m == {"WATCHDOG": "1"}, proc)
+        notify.wait_for(lambda m: m == {"WATCHDOG": "1"}, proc)
         # 3. SIGHUP with a new model in the repository: RELOADING=1, then READY=1, and it serves.
         shutil.copytree(demo_repo / "mlp_784", repo / "mlp_784")
         proc.send_signal(signal.SIGHUP)
-        reloading = notify.wait_for(lambda m: "RELOADING" in m, proc, log)[-1]
+        reloading = notify.wait_for(lambda m: "RELOADING" in m, proc)[-1]
         assert int(reloading["MONOTONIC_USEC"]) <= time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
-        during = notify.wait_for(lambda m: "READY" in m, proc, log)
+        during = notify.wait_for(lambda m: "READY" in m, proc)
         assert "loading model 1/1: mlp_784:1" in statuses(during)
         assert during[-1]["STATUS"].startswith("ready: 2 model version(s) serving")
         with SocketClient(str(sock)) as c:
@@ -113,42 +109,34 @@ def test_notify_watchdog_reload_and_stop(demo_repo: Path, tmp_path: Path, run_di
             assert r.outputs["OUTPUT__0"].shape == (3, 10)
         # 4. SIGTERM: STOPPING=1, a drain, and a clean exit.
         proc.send_signal(signal.SIGTERM)
-        notify.wait_for(lambda m: "STOPPING" in m, proc, log)
+        notify.wait_for(lambda m: "STOPPING" in m, proc)
         assert proc.wait(60) == 0
-        assert "[shutdown] done" in log.read_text()
+        assert "[shutdown] done" in proc.log()
         assert not sock.exists()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        proc.kill()
         notify.close()
     assert sum(1 for m in notify.seen if "READY" in m) == 2  # start-up and the reload, nothing else
 
 
-def test_stop_drains_accepted_requests_and_says_so(demo_repo: Path, run_dir: Path) -> None:
+async def test_stop_drains_accepted_requests_and_says_so(demo_repo: Path, run_dir: Path) -> None:
     """In process: a request still running at SIGTERM is answered, and STATUS= shows the drain."""
     repo = run_dir / "models"
     shutil.copytree(demo_repo / "mlp_784", repo / "mlp_784")
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(run_dir / "notify.sock"))
     notify.settimeout(30)
-    dt = DaemonThread(settings(repo, run_dir, runtime={"warmup_reps": 1}))
-    dt.daemon.notifier = Notifier(str(run_dir / "notify.sock"))
     try:
-        dt.start()
-        d = dt.daemon
-        dt.call(d.executors["cpu:0"].faults.set, FaultSpec(add_ms=1000))  # it is still running at the stop
-        assert dt.loop is not None
-
-        async def infer_then_stop() -> np.ndarray:
-            req = d.gateway.new_request(d.registry.resolve("mlp_784"), (np.zeros((1, 784), np.float32),), 1, 5_000_000,
-                                None, "")
-            running = asyncio.ensure_future(d.gateway.infer(req))
+        async with run_daemon(settings(repo, run_dir, runtime={"warmup_reps": 1}),
+                              notifier=Notifier(str(run_dir / "notify.sock"))) as d:
+            d.executors["cpu:0"].faults.set(FaultSpec(add_ms=1000))  # it is still running at the stop
+            gw = d.gateway
+            req = gw.new_request(gw.admit("mlp_784", None), (np.zeros((1, 784), np.float32),), 1, 5_000_000, None, "")
+            running = asyncio.ensure_future(gw.infer(req))
             await asyncio.sleep(0)  # submitted
-            d.request_stop()
-            return (await running).outputs[0]
-
-        out = asyncio.run_coroutine_threadsafe(infer_then_stop(), dt.loop).result(30)
+            d.stop()
+            out = (await running).outputs[0]
+            await d.wait_stopped()
         assert out.shape == (1, 10)
         msgs: list[bytes] = []
         while not msgs or msgs[-1] != b"STATUS=stopped":
@@ -159,10 +147,7 @@ def test_stop_drains_accepted_requests_and_says_so(demo_repo: Path, run_dir: Pat
         assert draining and set(draining) == {b"STATUS=stopping: draining 1 request(s)"}, msgs
         assert rest == [b"STATUS=stopping: executors", b"STATUS=stopped"]
     finally:
-        try:
-            dt.stop()
-        finally:
-            notify.close()
+        notify.close()
 
 
 # ------------------------------------------------------------------ the unit files

@@ -9,6 +9,7 @@ version goes to the newest READY one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.client
 import shutil
@@ -35,15 +36,15 @@ def repo(demo_repo: Path, tmp_path: Path) -> Path:
     return root
 
 
+@contextlib.contextmanager
 def start(repo: Path, **server: Any) -> Iterator[DaemonThread]:
     d = short_tmpdir()
     # the test settings open management on loopback; these tests set what they check themselves
     server = {"admin_open_loopback": False, "allow_faults": False, **server}
-    dt = DaemonThread(settings(repo, d, server=server, runtime={"warmup_reps": 1})).start()
     try:
-        yield dt
+        with DaemonThread(settings(repo, d, server=server, runtime={"warmup_reps": 1})) as dt:
+            yield dt
     finally:
-        dt.stop()
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -55,7 +56,8 @@ def guarded(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     token_file = root / "admin-token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
-    yield from start(root / "repo", admin_token_file=str(token_file), allow_faults=True)
+    with start(root / "repo", admin_token_file=str(token_file), allow_faults=True) as dt:
+        yield dt
 
 
 def call(dt: DaemonThread, method: str, path: str, body: bytes | None = None,
@@ -142,10 +144,10 @@ def test_an_encoded_slash_never_reaches_another_route(guarded: DaemonThread, pat
 
 
 def test_management_is_refused_without_a_token_unless_opened_to_loopback(repo: Path) -> None:
-    for dt in start(repo):
+    with start(repo) as dt:
         status, answer = call(dt, "POST", "/v2/repository/models/digits_mlp/load", token=None)
         assert status == 403 and "admin_open_loopback" in answer["error"]
-    for dt in start(repo, admin_open_loopback=True):
+    with start(repo, admin_open_loopback=True) as dt:
         status, answer = call(dt, "POST", "/v2/repository/models/digits_mlp/load", token=None)
         assert status == 200, answer
         status, answer = call(dt, "GET", "/v2/admin/faults", token=None)

@@ -30,7 +30,7 @@ def test_json_infer_body_becomes_the_socket_message_with_deadline_and_priority()
                                                 "data": [1, 2]}],
                          "parameters": {"timeout": 5000, "priority": 2},
                          "outputs": [{"name": "OUTPUT__0", "parameters": {"binary_data": True}}]})
-    msg, (binary, binary_all), client_id = rayserve._infer_message("m", None, body, None)
+    msg, (binary, binary_all), client_id = rayserve.infer_message("m", None, body, None)
     assert msg["timeout_us"] == 5000 and msg["priority"] == 2 and msg["outputs"] == ["OUTPUT__0"]
     assert np.frombuffer(msg["inputs"][0]["data"], np.float32).tolist() == [1.0, 2.0]
     assert binary == {"OUTPUT__0": True} and not binary_all and client_id == "a"
@@ -40,7 +40,7 @@ def test_bad_bodies_are_400() -> None:
     for body in (b"{nope", orjson.dumps({"inputs": []}),
                  orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1]}]})):
         with pytest.raises(rayserve.Failed) as e:
-            rayserve._infer_message("m", None, body, None)
+            rayserve.infer_message("m", None, body, None)
         assert e.value.status == 400
 
 
@@ -48,9 +48,9 @@ def test_answer_as_json_or_binary() -> None:
     out = np.arange(3, dtype=np.float32).reshape(1, 3)
     answer = {"model": "m", "version": "1",
               "outputs": [{"name": "OUTPUT__0", "datatype": "FP32", "shape": [1, 3], "data": out.tobytes()}]}
-    body, headers = rayserve._v2_answer(answer, ({}, False), None)
+    body, headers = rayserve.v2_answer(answer, ({}, False), None)
     assert orjson.loads(body)["outputs"][0]["data"] == [0.0, 1.0, 2.0] and rayserve.HEADER_LEN not in headers
-    body, headers = rayserve._v2_answer(answer, ({}, True), None)
+    body, headers = rayserve.v2_answer(answer, ({}, True), None)
     n = int(headers[rayserve.HEADER_LEN])
     assert np.frombuffer(body[n:], np.float32).tolist() == [0.0, 1.0, 2.0]
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import shutil
 import socket
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,19 +33,20 @@ def repo(demo_repo: Path, tmp_path: Path) -> Path:
     return root
 
 
+@contextlib.contextmanager
 def start(repo: Path, **server: Any) -> Iterator[DaemonThread]:
     d = short_tmpdir()
-    dt = DaemonThread(settings(repo, d, server=server, runtime={"warmup_reps": 1})).start()
     try:
-        yield dt
+        with DaemonThread(settings(repo, d, server=server, runtime={"warmup_reps": 1})) as dt:
+            yield dt
     finally:
-        dt.stop()
         shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
 def daemon(repo: Path) -> Iterator[DaemonThread]:
-    yield from start(repo)
+    with start(repo) as dt:
+        yield dt
 
 
 def post(dt: DaemonThread, path: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
@@ -60,11 +62,6 @@ def post(dt: DaemonThread, path: str, body: Any = None, token: str | None = None
         return r.status, orjson.loads(data) if data else None
     finally:
         conn.close()
-
-
-def on_loop(dt: DaemonThread, coro: Coroutine[Any, Any, Any], timeout: float = 60) -> Any:
-    assert dt.loop is not None
-    return asyncio.run_coroutine_threadsafe(coro, dt.loop).result(timeout)
 
 
 def states(dt: DaemonThread) -> dict[str, tuple[str, str]]:
@@ -122,7 +119,7 @@ def test_repository_errors_are_clear(daemon: DaemonThread, repo: Path) -> None:
 
 
 def test_management_endpoints_need_the_admin_token(repo: Path) -> None:
-    for dt in start(repo, admin_token="s3cret"):
+    with start(repo, admin_token="s3cret") as dt:
         for path in ("/v2/repository/models/digits_mlp/unload", "/v2/repository/models/digits_mlp/load"):
             for token in (None, "wrong"):
                 status, body = post(dt, path, token=token)
@@ -154,7 +151,7 @@ def test_unload_answers_accepted_requests_before_unloading(daemon: DaemonThread)
         answers = await asyncio.gather(*accepted, return_exceptions=True)
         return answers, await unloading, late
 
-    answers, report, late = on_loop(daemon, scenario())
+    answers, report, late = daemon.on_loop(scenario())
     assert all(not isinstance(a, BaseException) and a.outputs[0].shape == (1, 10) for a in answers), answers
     assert report["unloaded"] == ["digits_mlp:1"] and isinstance(late, Unavailable)
     assert daemon.wait_idle() == 0
@@ -165,13 +162,13 @@ def test_unload_answers_accepted_requests_before_unloading(daemon: DaemonThread)
 
 def test_reload_applies_what_changed_in_the_repository(daemon: DaemonThread, repo: Path, demo_repo: Path) -> None:
     d = daemon.daemon
-    assert on_loop(daemon, d.models.reload_repository())["loaded"] == []
+    assert daemon.on_loop(d.models.reload_repository())["loaded"] == []
     # A new model, a removed one (with its parity model), and a broken entry, in one reload.
     shutil.copytree(demo_repo / "mlp_784", repo / "mlp_784")
     shutil.rmtree(repo / "digits_mlp")
     (repo / "bad").mkdir()
     (repo / "bad" / "config.toml").write_text("max_batch_size = 0\n")
-    r = on_loop(daemon, d.models.reload_repository())
+    r = daemon.on_loop(d.models.reload_repository())
     assert r["loaded"] == ["mlp_784:1"] and r["unloaded"] == ["digits_mlp:1"]
     assert r["broken"] == {"bad": "bad: max_batch_size = 0: expected an integer in 1..4096"}
     assert states(daemon) == {"mlp_784:1": ("READY", ""),
@@ -181,19 +178,19 @@ def test_reload_applies_what_changed_in_the_repository(daemon: DaemonThread, rep
     cfg = repo / "mlp_784" / "config.toml"
     cfg.write_text(cfg.read_text().replace("slo_ms = 100", "slo_ms = 250"))
     shutil.rmtree(repo / "bad")
-    r = on_loop(daemon, d.models.reload_repository())
+    r = daemon.on_loop(d.models.reload_repository())
     assert r["reloaded"] == ["mlp_784:1"] and r["broken"] == {}
     assert d.registry.resolve("mlp_784").slo_s == 0.25
     with HttpClient(daemon.http) as h:
         assert h.infer("mlp_784", X784).outputs["OUTPUT__0"].shape == (2, 10)
     # An entry that breaks keeps what it served; an unloaded model stays unloaded across reloads.
     cfg.write_text("this is [not toml")
-    r = on_loop(daemon, d.models.reload_repository())
+    r = daemon.on_loop(d.models.reload_repository())
     assert "mlp_784" in r["broken"] and r["unloaded"] == []
     assert states(daemon)["mlp_784:1"] == ("READY", "")
     cfg.write_text((demo_repo / "mlp_784" / "config.toml").read_text())
-    on_loop(daemon, d.gateway.unload_model("mlp_784"))
-    assert on_loop(daemon, d.models.reload_repository())["loaded"] == []
+    daemon.on_loop(d.gateway.unload_model("mlp_784"))
+    assert daemon.on_loop(d.models.reload_repository())["loaded"] == []
     assert states(daemon)["mlp_784:1"] == ("UNAVAILABLE", "unloaded")
 
 
@@ -220,7 +217,7 @@ def test_a_reload_requested_during_a_reload_runs_once_more_after_it(repo: Path) 
             assert daemon.models.reloader is not None
             await daemon.models.reloader
 
-        on_loop(dt, two_sighups())
+        dt.on_loop(two_sighups())
         seen = []
         while len([m for m in seen if m.startswith(b"READY=1")]) < 3:  # start-up, then two reloads
             seen.append(sock.recv(4096))

@@ -20,41 +20,11 @@ from daemon.gateway import Gateway
 from daemon.registry import ModelRegistry, ModelState
 from daemon.repository import ModelSpec, TensorSpec
 from daemon.request import InferenceRequest, RequestStatus
+from tests.fakes import FakeTransport
 
 FP32 = BY_NAME["FP32"]
 SPEC = ModelSpec("sum", 1, Path("/x"), "pt2", (TensorSpec("x", FP32, (-1, 3)),), (TensorSpec("y", FP32, (-1, 1)),),
                  8, 0.1)
-
-
-class FakeTransport:
-    def __init__(self) -> None:
-        self.out = bytearray()
-        self.closed = False
-        self.reading = True
-
-    def write(self, data: bytes) -> None:
-        self.out += data
-
-    def close(self) -> None:
-        self.closed = True
-
-    def pause_reading(self) -> None:
-        self.reading = False
-
-    def resume_reading(self) -> None:
-        self.reading = True
-
-    def set_write_buffer_limits(self, high: int) -> None:
-        pass
-
-    def frames(self) -> list[dict[str, Any]]:
-        out, buf = [], bytes(self.out)
-        while buf:
-            (n,) = struct.unpack(">I", buf[:4])
-            out.append(msgpack.unpackb(buf[4 : 4 + n], raw=False))
-            buf = buf[4 + n :]
-        self.out.clear()
-        return out
 
 
 class InstantController:

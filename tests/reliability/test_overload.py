@@ -30,7 +30,8 @@ import numpy as np
 import orjson
 import pytest
 
-from tests.reliability.helpers import DaemonProcess, FrameConnection, percentile, record, wide_repo, write_config
+from tests.harness import DaemonProcess
+from tests.reliability.helpers import FrameConnection, percentile, record, wide_repo, write_config
 from tests.support import short_tmpdir
 
 # It asserts latency percentiles and goodput in wall-clock time: `make test` runs it second.
@@ -60,7 +61,7 @@ def overload_daemon(request: pytest.FixtureRequest) -> Iterator[DaemonProcess]:
         "runtime": {"devices": ["cpu:0"], "warmup_reps": 3},
         "controller": controller,
     }, faults=[{"device": "cpu:0", "add_ms": DEVICE_MS}])
-    proc = DaemonProcess(cfg, socket_path=str(d / "d.sock"))
+    proc = DaemonProcess.with_config(cfg, socket_path=str(d / "d.sock"))
     proc.scenario = request.param
     try:
         yield proc.start()

@@ -24,7 +24,8 @@ import numpy as np
 import orjson
 import pytest
 
-from tests.reliability.helpers import DaemonProcess, RawSocket, frame, record, wide_repo, write_config
+from tests.harness import DaemonProcess
+from tests.reliability.helpers import RawSocket, frame, record, wide_repo, write_config
 from tests.support import short_tmpdir
 
 WIDTH = 64
@@ -48,7 +49,7 @@ def shutdown_daemon(request: pytest.FixtureRequest) -> Iterator[tuple[DaemonProc
         "models": {"repository": str(repo)},
         "runtime": {"devices": ["cpu:0"], "warmup_reps": 3},
     }, faults=[{"device": "cpu:0", "add_ms": DEVICE_MS}])
-    proc = DaemonProcess(cfg, socket_path=str(d / "d.sock"))
+    proc = DaemonProcess.with_config(cfg, socket_path=str(d / "d.sock"))
     proc.scenario = request.param
     try:
         yield proc.start(), d

@@ -57,13 +57,14 @@ class Harness:
         self.sched.submit(req, self.now)
         return req
 
-    def _take(self, d: Decision) -> list[Action]:
+    def collect(self, d: Decision) -> list[Action]:
+        """Keep what a decision holds (its actions and finished requests); its actions."""
         self.actions.extend(d.actions)
         self.finished.extend(d.finished)
         return d.actions
 
     def step(self) -> list[Action]:
-        return self._take(self.driver.step(self.now))
+        return self.collect(self.driver.step(self.now))
 
     def result(self, action: Action, status: ResultStatus = ResultStatus.OK, duration: float | None = None,
                error: str = "", outputs: tuple[np.ndarray, ...] | None = None,
@@ -78,13 +79,13 @@ class Harness:
         if status == ResultStatus.FAILED and failure == Failure.NONE:
             failure = Failure.ERROR
         r = Result(action, status, begin, begin, self.now, duration, outputs, error, failure=failure)
-        self._take(self.sched.on_result(r, self.now))
+        self.collect(self.sched.on_result(r, self.now))
         return self.step()
 
     def preload(self, spec: ModelSpec, replicas: int) -> None:
         """Load `spec` onto `replicas` devices and complete the loads."""
         self.sched.preload(spec.key, replicas, self.now)
-        for load in self.step() + self.sched._take().actions:
+        for load in self.step():  # a step hands out what the preload decided too
             self.result(load)
 
     def use(self, spec: ModelSpec) -> InferenceRequest:

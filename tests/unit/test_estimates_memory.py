@@ -68,14 +68,14 @@ def _victims_by_full_walk(m: DeviceMemory, nbytes: int, evictable, wanted) -> li
             continue
         if wanted(k):
             in_demand.append(k)
-        elif m._models[k][1] >= need:
+        elif m.size(k) >= need:
             return [k]
         else:
             idle.append(k)
     chosen = []
     for k in idle + in_demand:
         chosen.append(k)
-        need -= m._models[k][1]
+        need -= m.size(k)
         if need <= 0:
             return chosen
     return None

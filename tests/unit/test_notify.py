@@ -98,6 +98,7 @@ def test_watchdog_interval_is_half_the_timeout(env: dict[str, str], expected: fl
     assert watchdog_interval(env) == expected
 
 
+@pytest.mark.slow  # asserts in wall-clock time
 async def test_keep_alive_pings_from_the_event_loop(receiver: tuple[socket.socket, str]) -> None:
     sock, path = receiver
     sock.setblocking(False)

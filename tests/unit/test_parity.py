@@ -24,7 +24,7 @@ def setup(k: int = 2, devices: int = 3, flush_ms: float = 25.0) -> tuple[Harness
     h.sched.add_model(pspec, 100, {1: 2 * MS, 4: 5 * MS}, "cpu")
     placed = h.sched.preload(spec.key, k, h.now)
     h.sched.preload(pspec.key, 1, h.now, avoid=set(placed))
-    for load in h.sched._take().actions:
+    for load in h.step():  # the preloads' LOADs
         h.result(load)
     return h, spec
 

@@ -54,14 +54,14 @@ def _data(n: int = 600) -> trainer.Dataset:
 def test_the_training_graph_turns_batch_norm_and_dropout_on(tmp_path: Path) -> None:
     spec = _export(_bn_model(), tmp_path)
     ep = torch.export.load(str(spec.path))
-    train_gm = trainer._training_graph(ep.graph_module, dropout=True)
+    train_gm = trainer.training_graph(ep.graph_module, dropout=True)
     bn = next(n for n in train_gm.graph.nodes if n.target is torch.ops.aten.batch_norm.default)
     drop = next(n for n in train_gm.graph.nodes if n.target is torch.ops.aten.dropout.default)
     assert bn.args[5] is True and drop.args[2] is True
     served = next(n for n in ep.graph_module.graph.nodes if n.target is torch.ops.aten.batch_norm.default)
     assert served.args[5] is False  # the served graph is left alone
 
-    parity = trainer._Lifted(ep, dropout=False)
+    parity = trainer.Lifted(ep, dropout=False)
     x = torch.randn(32, 4) * 3 + 5
     parity.train()
     out_train = parity(x)
@@ -70,7 +70,7 @@ def test_the_training_graph_turns_batch_norm_and_dropout_on(tmp_path: Path) -> N
 
 
 def test_recalibration_sets_running_statistics_to_the_parity_inputs(tmp_path: Path) -> None:
-    parity = trainer._Lifted(torch.export.load(str(_export(_bn_model(), tmp_path).path)))
+    parity = trainer.Lifted(torch.export.load(str(_export(_bn_model(), tmp_path).path)))
     x = torch.randn(256, 4) * 2 + 3
     parity.recalibrate(x)
     state = parity.state()

@@ -254,8 +254,8 @@ def test_cancelled_requests_are_dropped_queued_or_running() -> None:
     a, b, c = (h.request(spec) for _ in range(3))
     (infer,) = h.step()
     assert infer.requests == [a, b]
-    h._take(h.sched.cancel(c, h.now))
-    h._take(h.sched.cancel(a, h.now))
+    h.collect(h.sched.cancel(c, h.now))
+    h.collect(h.sched.cancel(a, h.now))
     assert c.status == RequestStatus.CANCELLED
     assert h.result(infer) == []  # c is gone from the queue
     assert a.status == RequestStatus.CANCELLED and a.outputs is None
@@ -275,7 +275,7 @@ def test_a_cancelled_queued_request_lets_go_of_its_tensors_at_once() -> None:
     queued = [h.request(spec, timeout=10.0) for _ in range(50)]
     refs = [weakref.ref(r.inputs[0]) for r in queued]
     for r in queued:
-        h._take(h.sched.cancel(r, h.now))
+        h.collect(h.sched.cancel(r, h.now))
     gc.collect()
     assert all(ref() is None for ref in refs)  # freed now, not when the queue's heap reaches them
     h.result(infer)

@@ -82,8 +82,8 @@ def _frees(m: DeviceMemory, chosen: list[str], keep: frozenset[str]) -> int:
     c = copy.deepcopy(m)
     for k in chosen:
         c.release(k)
-    size = {b: n for k in chosen for b, n in m._blocks_of.get(k, ())}
-    kept = sum(n for b, n in size.items() if b in keep and b not in c._refs)
+    size = {b: n for k in chosen for b, n in m.blocks_of(k)}
+    kept = sum(n for b, n in size.items() if b in keep and b not in c.present(tuple(size.items())))
     return m.used - c.used - kept
 
 
@@ -144,7 +144,7 @@ def test_victims_with_shared_blocks_match_releasing_each_candidate_set() -> None
             else:
                 busy = set(rng.sample(keys, 4))
                 hot = set(rng.sample(keys, 6))
-                keep = frozenset(b for b, _ in rng.sample(blocks, rng.randint(0, 2)) if b in m._refs)
+                keep = m.present(rng.sample(blocks, rng.randint(0, 2)))
                 nbytes = rng.randint(1, 3000)
                 got = m.victims(nbytes, evictable=lambda k, b=busy: k not in b, wanted=lambda k, h=hot: k in h,
                                 keep=keep)
@@ -152,8 +152,9 @@ def test_victims_with_shared_blocks_match_releasing_each_candidate_set() -> None
                 assert got == want, (seed, nbytes)
                 if got:
                     assert _frees(m, got, keep) >= nbytes - m.free
-        assert m.used == sum(n for b, n in blocks if b in m._refs) + sum(m._private.values()) + sum(
-            n for k, (_, n) in m._models.items() if k not in m._blocks_of)
+        # every block placed counts once, and each model's bytes outside its blocks once
+        assert m.used == sum(n for b, n in blocks if b in m.present(blocks)) + sum(
+            m.size(k) - sum(n for _, n in m.blocks_of(k)) for k in m.models())
 
 
 @pytest.mark.parametrize("policy", ["dynamic", "clockwork"])
