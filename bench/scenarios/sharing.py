@@ -168,7 +168,9 @@ def _load_phase(repo: Path, n: int, budget: int, reps: int, probe_s: float
 
 
 def run(quick: bool = False, json_out: str | None = None, variants: int | None = None,
-        load_reps: int | None = None, reps: int | None = None, probe_s: float | None = None) -> dict[str, Any]:
+        load_reps: int | None = None, reps: int | None = None, probe_s: float | None = None,
+        load: bool = True) -> dict[str, Any]:
+    """`load` false: the memory, LOAD and identity figures only (no capacity, p99 or cold starts)."""
     from daemon import variants as family
 
     n = int(variants or (40 if quick else 200))
@@ -183,8 +185,10 @@ def run(quick: bool = False, json_out: str | None = None, variants: int | None =
     shared = _side("shared", repo, n, load_reps)
     alone = _side("unshared", repo, n, load_reps)
     identical = shared.pop("outputs") == alone.pop("outputs")
-    budget = alone["device_budget_bytes"] // 10  # a tenth of the variants' unshared weights
-    figures, load_rows = _load_phase(repo, n, budget, rounds, probe)
+    # a tenth of the variants' unshared weights (two variants' worth at least: a family of a few)
+    budget = max(alone["device_budget_bytes"] // 10, 2 * alone["device_budget_bytes"] // n)
+    figures, load_rows = _load_phase(repo, n, budget, rounds, probe) if load else ({
+        "capacity_ratio": None, "p99_ratio": None, "outputs_identical_cross_model": None}, [])
     rows = [shared, alone, *load_rows]
     summary = {
         "variants": n,
@@ -201,7 +205,8 @@ def run(quick: bool = False, json_out: str | None = None, variants: int | None =
         "load_full_copy_ms": shared["load_full_copy_ms"],
         "load_resident_backbone_copy_ms": shared["load_resident_backbone_copy_ms"],
         # each variant alone vs on a shared device, and vs in cross-model batches through the daemon
-        "outputs_identical": identical and bool(figures["outputs_identical_cross_model"]),
+        # (the cross-model check is None when the load phase was not run: then the device check alone)
+        "outputs_identical": identical and figures["outputs_identical_cross_model"] is not False,
         **figures,
     }
     notes = [

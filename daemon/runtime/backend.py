@@ -170,7 +170,7 @@ class CpuBackend:
                  prefix_cache: PrefixCache | None = None, shares: bool = True) -> None:
         self.device = device
         self.shares = shares
-        self.prefix_cache = prefix_cache or PrefixCache(0, 0)
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0, 0)
         self.threads = threads
         self.core = core  # the core the INFER thread is pinned to, if any
         self.pool = BlockPool()

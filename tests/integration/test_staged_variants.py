@@ -82,6 +82,20 @@ def test_three_staged_variants_share_their_backbone_and_answer_as_alone(family: 
     counters = dt.call(lambda: dict(sched.counters))
     assert counters["cross_model_batches"] >= 1
     assert counters["cross_model_members"] >= 2 * counters["cross_model_batches"]
+    # one new input sent to each variant in turn: the backbone runs for the first, the prefix
+    # cache serves the other two (answers still as alone)
+    cache = ex.backend.prefix_cache  # type: ignore[attr-defined]
+    hits = cache.hits
+    x = rng.uniform(0, 16, (8, 64)).astype(np.float32)
+    alone = _alone(family, x)
+
+    async def one_by_one() -> list[np.ndarray]:
+        async with AsyncSocketClient(dt.socket) as c:
+            return [(await c.infer(n, {"INPUT__0": x})).outputs["OUTPUT__0"] for n in NAMES]
+
+    for n, y in zip(NAMES, asyncio.run(one_by_one()), strict=True):
+        np.testing.assert_array_equal(y, alone[n])
+    assert cache.hits - hits == len(NAMES) - 1
     # the backbone's blocks are held once, in the controller's map and on the device alike
     assert dt.call(lambda: sched.devices["cpu:0"].memory.used) == ex.used_bytes
     assert not dt.errors

@@ -1,0 +1,184 @@
+"""Models as plans of stages: the config, the program (a staged plan computes exactly what the
+monolithic model does), stage identities, a CPU device running a shared stage once for several
+models, and the cache of its outputs by input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from daemon.demo import save_model
+from daemon.repository import scan
+from daemon.request import InferenceRequest
+from daemon.runtime.backend import CpuBackend
+from daemon.runtime.devices import Device
+from daemon.runtime.objstore import ObjectStore
+from daemon.runtime.prefixcache import PrefixCache
+from daemon.runtime.program import Chain, ProgramError, load_program, prefix_key, tail_key
+
+
+class Whole(nn.Module):
+    def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.backbone, self.head = backbone, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+
+def config(out: int, stages: str = "") -> str:
+    return (f"max_batch_size = 16\nslo_ms = 100\n{stages}\n"
+            '[[inputs]]\nname = "INPUT__0"\ndatatype = "FP32"\nshape = [-1, 6]\n'
+            f'[[outputs]]\nname = "OUTPUT__0"\ndatatype = "FP32"\nshape = [-1, {out}]\n')
+
+
+STAGES = 'stages = ["../../.stages/backbone.pt2", "head.pt2"]'
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two variants (heads of 3 and 2 classes on one backbone), monolithic and staged."""
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU()).eval()
+    mono, staged = tmp_path_factory.mktemp("mono"), tmp_path_factory.mktemp("staged")
+    save_model(backbone, "pt2", torch.zeros(2, 6), 16, staged / ".stages" / "backbone.pt2")
+    for name, out in (("a", 3), ("b", 2)):
+        head = nn.Linear(12, out).eval()
+        save_model(Whole(backbone, head), "pt2", torch.zeros(2, 6), 16, mono / name / "1" / "model.pt2")
+        (mono / name / "config.toml").write_text(config(out))
+        save_model(head, "pt2", torch.zeros(2, 12), 16, staged / name / "1" / "head.pt2")
+        (staged / name / "config.toml").write_text(config(out, STAGES))
+    return mono, staged
+
+
+def programs(repo: Path, store: ObjectStore | None = None) -> dict[str, object]:
+    result = scan(repo)
+    assert not result.broken, result.broken
+    store = store or ObjectStore()
+    return {s.name: load_program(s, store) for s in result.models}
+
+
+def test_a_staged_plan_computes_exactly_what_the_monolithic_model_does(family: tuple[Path, Path]) -> None:
+    mono, staged = (programs(r) for r in family)
+    g = torch.Generator().manual_seed(3)
+    for name in ("a", "b"):
+        plan = staged[name]
+        assert isinstance(plan.host_runner, Chain) and len(plan.stages) == 2  # type: ignore[attr-defined]
+        for rows in (1, 3, 16):
+            x = torch.rand((rows, 6), generator=g) * 4
+            with torch.inference_mode():
+                want = mono[name].host_runner([x])[0]  # type: ignore[attr-defined]
+                got = plan.host_runner([x])[0]  # type: ignore[attr-defined]
+            assert torch.equal(got, want)
+
+
+def test_identical_leading_stages_are_one_prefix_and_weights_are_stored_once(family: tuple[Path, Path]) -> None:
+    store = ObjectStore()
+    p = programs(family[1], store)
+    a, b = p["a"], p["b"]
+    assert a.prefix and a.prefix == b.prefix  # type: ignore[attr-defined]
+    assert a.stages[1].sid != b.stages[1].sid  # type: ignore[attr-defined]
+    shared = {c for c, _ in a.blocks} & {c for c, _ in b.blocks}  # type: ignore[attr-defined]
+    assert len(shared) == 4  # the backbone's two weights and two biases
+    assert a.stage_timings and set(a.stage_timings) == {1, 2, 16}  # type: ignore[attr-defined]
+
+
+def test_stages_in_config(family: tuple[Path, Path], tmp_path: Path) -> None:
+    staged = family[1]
+    spec = next(s for s in scan(staged).models if s.name == "a")
+    assert spec.stages == ((staged / ".stages" / "backbone.pt2").resolve(), (staged / "a" / "1" / "head.pt2").resolve())
+    for bad, why in [('stages = "head.pt2"', "a list of 2 to 8"), ('stages = ["head.pt2"]', "a list of 2 to 8"),
+                     ('stages = ["/abs/backbone.pt2", "head.pt2"]', "relative path"),
+                     ('stages = ["backbone.onnx", "head.pt2"]', "relative path of a .pt2"),
+                     ('stages = ["../../../../outside.pt2", "head.pt2"]', "outside the model repository"),
+                     ('stages = ["missing.pt2", "head.pt2"]', "stage 'missing.pt2'")]:
+        repo = tmp_path / f"r{abs(hash(bad))}"
+        (repo / "m" / "1").mkdir(parents=True)
+        (repo / "m" / "1" / "head.pt2").write_bytes((staged / "a" / "1" / "head.pt2").read_bytes())
+        (repo / "m" / "config.toml").write_text(config(3, bad))
+        result = scan(repo)
+        assert "m" in result.broken and why in result.broken["m"], (bad, result.broken)
+
+
+def test_a_stage_that_does_not_take_what_the_one_before_returns_is_refused(family: tuple[Path, Path],
+                                                                          tmp_path: Path) -> None:
+    save_model(nn.Linear(5, 3).eval(), "pt2", torch.zeros(2, 5), 16, tmp_path / "m" / "1" / "head.pt2")
+    (tmp_path / ".stages").mkdir()
+    (tmp_path / ".stages" / "backbone.pt2").write_bytes((family[1] / ".stages" / "backbone.pt2").read_bytes())
+    (tmp_path / "m" / "config.toml").write_text(config(3, STAGES))
+    spec = scan(tmp_path).models[0]
+    with pytest.raises(ProgramError, match=r"stage 1 .* takes"):
+        load_program(spec, ObjectStore())
+
+
+def _request(spec: object, x: np.ndarray) -> InferenceRequest:
+    return InferenceRequest(spec, (x,), len(x), 0.0, 1.0)  # type: ignore[arg-type]
+
+
+def test_a_cpu_device_runs_a_shared_stage_once_for_several_models(family: tuple[Path, Path]) -> None:
+    mono = programs(family[0])
+    p = programs(family[1])
+    backend = CpuBackend(Device("cpu:0", "cpu", 0, 1 << 30), prefix_cache=PrefixCache(16, 1 << 20))
+    ra = backend.load("a:1", p["a"], float("inf"))[0]  # type: ignore[arg-type]
+    rb = backend.load("b:1", p["b"], float("inf"))[0]  # type: ignore[arg-type]
+    assert backend.used == p["a"].block_bytes + sum(  # type: ignore[attr-defined]
+        n for c, n in p["b"].blocks if c not in set(p["a"].cids))  # type: ignore[attr-defined]
+    rng = np.random.default_rng(0)
+    # (5 and 6 rows: a BLAS kernel computes 1-3 rows otherwise than more, shared or not)
+    xa, xb = (rng.uniform(0, 4, (n, 6)).astype(np.float32) for n in (5, 6))
+    reqs_a, reqs_b = [_request(ra.program.spec, xa)], [_request(rb.program.spec, xb)]
+    outs, _, runs = backend.infer_staged([(ra, reqs_a), (rb, reqs_b)], ra.io[16])
+    assert [(k, n) for k, n, _ in runs] == [(prefix_key(p["a"].prefix), 11), (tail_key("a:1"), 5),  # type: ignore[attr-defined]
+                                            (tail_key("b:1"), 6)]
+    with torch.inference_mode():
+        for name, x, got in (("a", xa, outs[0][0]), ("b", xb, outs[1][0])):
+            want = mono[name].host_runner([torch.from_numpy(x)])[0].numpy()  # type: ignore[attr-defined]
+            np.testing.assert_array_equal(got, want)
+    # the same input sent to both again: the prefix comes from the cache, computed for neither
+    same = [(ra, [_request(ra.program.spec, xa)]), (rb, [_request(rb.program.spec, xa)])]
+    again, _, runs = backend.infer_staged(same, ra.io[16])
+    assert runs[0][1] == 0 and backend.prefix_cache.hits == 2
+    np.testing.assert_array_equal(again[0][0], outs[0][0])
+    with torch.inference_mode():
+        np.testing.assert_array_equal(again[1][0], mono["b"].host_runner([torch.from_numpy(xa)])[0].numpy())  # type: ignore[attr-defined]
+
+
+def test_one_input_sent_to_several_models_in_one_batch_runs_the_prefix_once(family: tuple[Path, Path]) -> None:
+    p = programs(family[1])
+    backend = CpuBackend(Device("cpu:0", "cpu", 0, 1 << 30), prefix_cache=PrefixCache(16, 1 << 20))
+    ra = backend.load("a:1", p["a"], float("inf"))[0]  # type: ignore[arg-type]
+    rb = backend.load("b:1", p["b"], float("inf"))[0]  # type: ignore[arg-type]
+    x = np.ones((4, 6), np.float32)
+    _, _, runs = backend.infer_staged([(ra, [_request(ra.program.spec, x)]), (rb, [_request(rb.program.spec, x)])],
+                                      ra.io[8])
+    assert runs[0][1] == 4  # one request's rows, not both
+
+
+def test_without_sharing_every_model_holds_its_own_blocks(family: tuple[Path, Path]) -> None:
+    p = programs(family[1])
+    backend = CpuBackend(Device("cpu:0", "cpu", 0, 1 << 30), shares=False)
+    ra = backend.load("a:1", p["a"], float("inf"))[0]  # type: ignore[arg-type]
+    rb = backend.load("b:1", p["b"], float("inf"))[0]  # type: ignore[arg-type]
+    assert backend.used == p["a"].block_bytes + p["b"].block_bytes  # type: ignore[attr-defined]
+    backend.unload(rb)
+    assert backend.used == p["a"].block_bytes  # type: ignore[attr-defined]
+    backend.unload(ra)
+    assert backend.used == 0
+
+
+def test_the_prefix_cache_is_bounded_in_count_and_bytes() -> None:
+    cache = PrefixCache(max_entries=3, max_bytes=100)
+    t = torch.zeros(5)  # 20 bytes
+    for i in range(5):
+        cache.put(bytes([i]), (t.clone(),))
+    assert len(cache) == 3 and cache.get(bytes([0])) is None and cache.get(bytes([4])) is not None
+    cache.put(b"big", (torch.zeros(20),))  # 80 bytes: the oldest go until it fits
+    assert cache.nbytes <= 100 and cache.get(b"big") is not None and len(cache) == 2
+    cache.put(b"huge", (torch.zeros(30),))  # more than the whole cache: not kept
+    assert cache.get(b"huge") is None
+    assert PrefixCache.key("s", [np.ones((1, 2), np.float32)]) != PrefixCache.key("s", [np.ones((2, 1), np.float32)])
+    assert PrefixCache.key("s", [np.ones((1, 2))]) != PrefixCache.key("t", [np.ones((1, 2))])
