@@ -595,3 +595,25 @@ class AsyncHttpClient:
             if resp.status != 200:
                 raise _http_error(resp.status, data)
             return http_infer_result(data, resp.headers.get(HEADER_LEN))
+
+    async def app_infer(self, app: str, inputs: Mapping[str, np.ndarray], timeout_us: int | None = None,
+                        priority: int | None = None) -> AppResult:
+        """A query to an application (binary inputs; its output comes back as JSON)."""
+        body, hlen = http_infer_body(inputs, None, timeout_us, priority)
+        async with self._session.post(f"{self.base}/v2/applications/{quote(app, safe='')}/infer", data=body,
+                                      headers={HEADER_LEN: str(hlen)}) as resp:
+            data = await resp.read()
+            if resp.status != 200:
+                raise _http_error(resp.status, data)
+        return _app_result(app, http_infer_result(data, None).outputs, orjson.loads(data).get("parameters") or {})
+
+    async def app_feedback(self, app: str, query_id: str, label: int | list[int] | None = None,
+                           reward: float | dict[str, float] | None = None) -> dict[str, Any]:
+        msg = app_feedback_message(app, query_id, label, reward)
+        body = orjson.dumps({k: v for k, v in msg.items() if k not in ("op", "app")})
+        async with self._session.post(f"{self.base}/v2/applications/{quote(app, safe='')}/feedback",
+                                      data=body) as resp:
+            data = await resp.read()
+            if resp.status != 200:
+                raise _http_error(resp.status, data)
+        return dict(orjson.loads(data))

@@ -5,6 +5,7 @@ bad call is a clear 4xx."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -245,3 +246,22 @@ def test_cli_infer_and_feedback(daemon: DaemonThread, capsys: pytest.CaptureFixt
     assert orjson.loads(capsys.readouterr().out)["application"] == "sel"
     assert cli.main(["feedback", "--socket", daemon.socket, "--app", "sel", "never-given", "1"]) == 1
     assert "404" in capsys.readouterr().err
+
+
+def test_async_clients(daemon: DaemonThread) -> None:
+    from daemon.client import AsyncHttpClient, AsyncSocketClient
+
+    async def go() -> tuple[dict, dict]:
+        c = AsyncSocketClient(daemon.socket)
+        try:
+            r = await c.app_infer("ens", {"INPUT__0": X})
+            fb_socket = await c.app_feedback("ens", r.query_id, label=2)
+        finally:
+            await c.close()
+        async with AsyncHttpClient(daemon.http) as h:
+            r = await h.app_infer("sel", {"INPUT__0": X}, timeout_us=1_000_000)
+            fb_http = await h.app_feedback("sel", r.query_id, reward=1.0)
+        return fb_socket, fb_http
+
+    fb_socket, fb_http = asyncio.run(go())
+    assert set(fb_socket["rewards"]) == {"a", "b", "c"} and len(fb_http["rewards"]) == 1
