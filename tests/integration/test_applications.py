@@ -265,3 +265,13 @@ def test_async_clients(daemon: DaemonThread) -> None:
 
     fb_socket, fb_http = asyncio.run(go())
     assert set(fb_socket["rewards"]) == {"a", "b", "c"} and len(fb_http["rewards"]) == 1
+
+
+def test_one_model_application_gives_that_model_a_default_output(daemon: DaemonThread) -> None:
+    with HttpClient(daemon.http) as c:
+        c.add_application("b_or_default", {"models": ["b"], "default_output": [9.0, 9.0, 9.0]})
+        r = c.app_infer("b_or_default", {"INPUT__0": X})
+        assert r.models == ["b"] and int(r.output.argmax()) == 1 and not r.default
+        r = c.app_infer("b_or_default", {"INPUT__0": np.repeat(X, 2, axis=0)}, timeout_us=1)
+        assert r.default and r.models == [] and r.skipped == ["b"]
+        np.testing.assert_array_equal(r.output, [[9.0, 9.0, 9.0], [9.0, 9.0, 9.0]])
