@@ -244,8 +244,8 @@ class Applications:
         else:
             run = p.run
         c.skipped += len(p.skipped)
-        outs, errors = await self._run_members(specs, run, arrays, samples, deadline, priority, client_id)
         oi = [output_index(d, s) for s in specs]
+        outs, errors = await self._run_members(specs, oi, run, arrays, samples, deadline, priority, client_id)
         out_spec = specs[0].outputs[oi[0]]
         answered = [i for i in run if i in outs]
         late = [specs[i].name for i in run if i not in outs]
@@ -261,7 +261,7 @@ class Applications:
             c.defaults += 1
             return AppAnswer(name, default_answer(d, samples, out_spec), out_spec, [], [], skipped, late, True,
                              False, "")
-        member_outs = [outs[i][oi[i]] for i in answered]
+        member_outs = [outs[i] for i in answered]
         output = member_outs[0] if d.policy == "exp3" else combine(member_outs, dep.exp4().mixture(answered),
                                                                     d.combine)
         partial = d.policy == "exp4" and len(answered) < len(specs)
@@ -273,11 +273,11 @@ class Applications:
         return AppAnswer(name, output, out_spec, [specs[i].name for i in answered],
                          [specs[i].version for i in answered], skipped, late, False, partial, qid)
 
-    async def _run_members(self, specs: Sequence[ModelSpec], run: Sequence[int], arrays: tuple[np.ndarray, ...],
-                           samples: int, deadline: float, priority: int | None, client_id: str
-                           ) -> tuple[dict[int, tuple[np.ndarray, ...]], list[EscapementError]]:
-        """Submit the members' requests and wait for them until the deadline; (outputs of those back
-        in time by member, the errors of the others)."""
+    async def _run_members(self, specs: Sequence[ModelSpec], out_index: Sequence[int], run: Sequence[int],
+                           arrays: tuple[np.ndarray, ...], samples: int, deadline: float, priority: int | None,
+                           client_id: str) -> tuple[dict[int, np.ndarray], list[EscapementError]]:
+        """Submit the members' requests and wait for them until the deadline; (the application's output
+        of each member back in time, the errors of the others)."""
         gw = self._gateway()
         loop = asyncio.get_running_loop()
         futs: dict[int, asyncio.Future[InferenceRequest]] = {}
@@ -301,14 +301,16 @@ class Applications:
                 for req in reqs.values():
                     gw.cancel(req)
                 raise
-        outs: dict[int, tuple[np.ndarray, ...]] = {}
+        outs: dict[int, np.ndarray] = {}
         for i, fut in futs.items():
             if not fut.done():
                 gw.cancel(reqs[i])  # the answer will not be used: free the device time
                 continue
             r = fut.result()
             if r.ok and r.outputs is not None:
-                outs[i] = r.outputs
+                # a copy: outputs may view the executor's buffers, reused by later batches, and this
+                # one waits for the other members and then for its feedback
+                outs[i] = np.array(r.outputs[out_index[i]], copy=True)
             elif r.error is not None:
                 errors.append(r.error)
         return outs, errors
