@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,9 @@ async def serve_daemon(daemon: Daemon) -> AsyncIterator[RunningDaemon]:
             daemon.request_stop()
             await asyncio.shield(running.serving)
     finally:
+        # the daemon made its worker pool the loop's default executor and shut it down: a loop the
+        # test goes on using (asyncio.to_thread) gets a plain one back
+        loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="loop-default"))
         loop.set_exception_handler(handler)
         logging.getLogger("escapement").removeHandler(log)
 
