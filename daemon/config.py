@@ -294,7 +294,7 @@ class AppsSettings:
     """Applications (daemon/apps/router.py, docs/applications.md): where their policies' learned
     state is stored, and how many answered queries are remembered for feedback."""
 
-    db_path: str = doc("The policies' state: an SQLite file (WAL mode; created on first use). Empty: "
+    db_path: str = doc("The policies' state: an SQLite file (WAL mode; created by the first feedback). Empty: "
                        "$STATE_DIRECTORY/applications.sqlite3 under systemd (StateDirectory=), else "
                        "state/applications.sqlite3 under the working directory.", "")
     queries: int = doc("Most answered application queries remembered for their feedback (oldest forgotten first).",
