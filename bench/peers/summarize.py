@@ -2,7 +2,8 @@
 
 One table per figure (capacity at SLO, fraction of the machine's limit, p99 at the common load
 and at 1,000 req/s, start-up, idle memory), a row per run, a column per system; then the median
-capacity ratio of escapement to the best peer over the runs.
+capacity ratio of escapement to the best peer over the runs; and, when the runs have them, the
+gRPC and shared-memory rows (escapement and Triton) with their median ratios.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def main(argv: list[str]) -> int:
     runs = [(f.stem, json.loads(f.read_text())) for f in files]
     systems = [s for s in ORDER if any(s in r["summary"].get("capacity_at_slo_rps", {}) for _, r in runs)]
     m = runs[0][1]["machine"]
-    lines = ["# peers with Triton: repeated runs", "",
+    lines = ["# peers: repeated runs", "",
              f"Machine: {m['cores']} cores, {m['cpu']}, torch {m['torch']}, commit {m['git_commit']}.", "",
              "Commands: " + "; ".join(f"`{r['config']['command']} --json .../{name}.json`" for name, r in runs), ""]
     figures = [("Capacity at SLO (req/s)", "capacity_at_slo_rps", "rps"),
@@ -60,6 +61,26 @@ def main(argv: list[str]) -> int:
     if ratios:
         lines.append(f"Median capacity ratio escapement / best peer over {len(ratios)} runs: "
                      f"**{statistics.median(ratios):.2f}** (each: {', '.join(f'{x:.2f}' for x in ratios)}).")
+    torchserve = [r["summary"]["capacity_at_slo_rps"]["escapement"] / r["summary"]["capacity_at_slo_rps"]["torchserve"]
+                  for _, r in runs if r["summary"].get("capacity_at_slo_rps", {}).get("torchserve")]
+    if torchserve:
+        lines.append(f"Median capacity ratio escapement / torchserve (HTTP JSON) over {len(torchserve)} runs: "
+                     f"**{statistics.median(torchserve):.2f}** (each: {', '.join(f'{x:.2f}' for x in torchserve)}).")
+    for kind, what in (("grpc", "gRPC (ModelInfer, raw_input_contents)"),
+                       ("shm", "HTTP with system shared memory")):
+        if not any(f"{kind}_capacity_at_slo_rps" in r["summary"] for _, r in runs):
+            continue
+        both = ["escapement", "triton"]
+        for title, key, unit in ((f"Capacity at SLO over {what} (req/s)", f"{kind}_capacity_at_slo_rps", "rps"),
+                                 (f"p99 at 1,000 req/s over {what} (ms)", f"{kind}_p99_ms_at_1000_rps", "ms")):
+            lines += ["", f"## {title}", "", "| run | " + " | ".join(both) + " |", "|---|" + "---|" * len(both)]
+            lines += [f"| {name} | " + " | ".join(_fmt(r["summary"].get(key, {}).get(x), unit) for x in both) + " |"
+                      for name, r in runs]
+        ratios = [r["summary"][f"{kind}_capacity_ratio_vs_triton"] for _, r in runs
+                  if f"{kind}_capacity_ratio_vs_triton" in r["summary"]]
+        if ratios:
+            lines += ["", f"Median capacity ratio escapement / triton over {what} over {len(ratios)} runs: "
+                          f"**{statistics.median(ratios):.2f}** (each: {', '.join(f'{x:.2f}' for x in ratios)})."]
     stats = [(name, r["summary"].get("triton_stats_us_per_request")) for name, r in runs]
     if any(s for _, s in stats):
         lines += ["", "## Triton's own statistics (µs per request, python backend)", "",
