@@ -18,7 +18,8 @@ from bench.servers import Escapement
 
 
 def run(quick: bool = False, json_out: str | None = None, model: str = "cnn_heavy", frontend: Frontend = "socket",
-        policy: str = "clockwork", seconds: float | None = None, refine: int | None = None) -> dict[str, Any]:
+        policy: str = "clockwork", seconds: float | None = None, refine: int | None = None,
+        latency_path: bool = True) -> dict[str, Any]:
     seconds = seconds or (6.0 if quick else 20.0)
     refine = 1 if quick and refine is None else (refine if refine is not None else 3)
     repo = demo_repo()
@@ -29,7 +30,7 @@ def run(quick: bool = False, json_out: str | None = None, model: str = "cnn_heav
     fractions = [0.2, 0.5, 0.7, 0.85, 1.0, 1.15] if quick else [0.1, 0.3, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0,
                                                                   1.1, 1.25]
     rows: list[dict[str, Any]] = []
-    with Escapement(repo, controller={"policy": policy}) as server:
+    with Escapement(repo, controller={"policy": policy, "latency_path": latency_path}) as server:
 
         def point(rate: float, seed: int) -> dict[str, Any]:
             sched = loadgen.poisson(rate, seconds, seed=seed)
@@ -56,8 +57,12 @@ def run(quick: bool = False, json_out: str | None = None, model: str = "cnn_heav
     summary = {"model": model, "policy": policy, "frontend": frontend, "slo_ms": spec.slo_s * 1e3,
                "capacity_at_slo_rps": cap, "raw_limit_samples_per_s": limit, "raw_limit_batch_size": best_b,
                "fraction_of_limit": cap / limit if limit else 0.0, **predictability(telemetry)}
-    config = {"command": command("curve", quick, {"model": model} if model != "cnn_heavy" else None),
+    extra: dict[str, Any] = {"model": model} if model != "cnn_heavy" else {}
+    if not latency_path:
+        extra["latency_path"] = "false"
+    config = {"command": command("curve", quick, extra or None),
               "model": model, "frontend": frontend, "policy": policy, "seconds_per_point": seconds,
+              "latency_path": latency_path,
               "arrivals": "poisson", "load_fractions": fractions, "raw_samples_per_s_by_batch": per_size,
               "server": "escapement, one cpu device, 1 intra-op thread"}
     png = results.plot_curve(f"curve-{model}", rows, spec.slo_s * 1e3, f"{model}: latency vs offered load",

@@ -9,6 +9,7 @@ batched together and the decision logic is never re-entered.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -17,6 +18,7 @@ from typing import Protocol
 from daemon.actions import Action, Result
 from daemon.clock import Clock
 from daemon.controller.driver import Driver
+from daemon.controller.latency import LatencyPath
 from daemon.controller.scheduler import Decision, Scheduler
 from daemon.errors import Unavailable
 from daemon.repository import ModelSpec
@@ -31,6 +33,12 @@ def _result_failed(result: Result, e: Exception) -> None:
 
 class ActionSink(Protocol):
     def submit(self, action: Action) -> None: ...
+
+
+class RunsHere(Protocol):
+    """An executor that can run an INFER on the calling thread (the latency path); None: submit it."""
+
+    def run_here(self, action: Action) -> Result | None: ...
 
 
 class ControllerService:
@@ -51,6 +59,8 @@ class ControllerService:
         self._settled.set()
         self._waiters: list[tuple[Callable[[Scheduler], bool], asyncio.Future[None]]] = []
         self._results: list[Result] = []  # came back since the last step
+        ctl = scheduler.settings
+        self.latency = LatencyPath(ctl.latency_path, ctl.latency_path_max_ms / 1000.0)
 
     # ---------------------------------------------------------------- from frontends
 
@@ -116,7 +126,12 @@ class ControllerService:
         now = self.clock.now()
         results, self._results = self._results, []
         try:
-            self._deliver(self.driver.step(now, results, on_error=_result_failed))
+            decision = self.driver.step(now, results, on_error=_result_failed)
+            here = self.latency.pick(self.scheduler, decision, now) if decision.actions else None
+            if here is None:
+                self._deliver(decision)
+            else:
+                self._run_here(here, decision)
         except Exception:  # a bug in a policy must not stop the controller
             log.exception("scheduling step failed")
         self._arm(now)
@@ -141,6 +156,21 @@ class ControllerService:
                 continue
             keep.append((pred, fut))
         self._waiters = keep
+
+    def _run_here(self, action: Action, decision: Decision) -> None:
+        """The latency path: run the step's one INFER on this thread, then apply its result and
+        answer in this same step (no hand-off to the lane's thread and back). Falls back to the
+        batch engine's delivery if the executor cannot run it here."""
+        sink = self.executors[action.device]
+        run_here = getattr(sink, "run_here", None)
+        result = run_here(action) if run_here is not None else None
+        if result is None:
+            self.latency.refused()
+            self._deliver(decision)
+            return
+        decision.actions.remove(action)
+        self._deliver(decision)  # whatever else the step finished (answers)
+        self._deliver(self.driver.step(self.clock.now(), (result,), on_error=_result_failed))
 
     def _arm(self, now: float) -> None:
         wake = self.scheduler.next_wakeup(now)
@@ -234,6 +264,8 @@ class ControllerService:
         self._deliver(self.scheduler.abort_all(Unavailable(why), self.clock.now()))
 
     def close(self) -> None:
+        # what the latency path did, for benchmarks reading the log (bench/scenarios/overhead.py)
+        log.info("latency path, steps by outcome: %s", json.dumps(self.latency.statistics(), sort_keys=True))
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

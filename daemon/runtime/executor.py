@@ -51,6 +51,7 @@ class Lane:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.busy = False
+        self._here = False  # an action runs on a caller's thread (run_here): the lane's thread waits
         self._free_since = 0.0  # when the lane finished its last action
 
     def start(self) -> None:
@@ -102,7 +103,7 @@ class Lane:
             while True:
                 if self._stopping:
                     return None
-                if not self._heap:
+                if not self._heap or self._here:
                     self._cond.wait()
                     continue
                 earliest, _, action, received = self._heap[0]
@@ -121,31 +122,54 @@ class Lane:
             log.exception("%s: thread set-up failed", self.name)
         while (item := self._next()) is not None:
             action, received = item
-            now = self._clock.now()
-            ready = max(action.earliest, received, self._free_since)
-            lost = self._lost()
-            if lost:
-                result = Result(action, ResultStatus.FAILED, received, now, now, error=lost, failure=Failure.DEVICE)
-            elif now > action.latest:
-                result = _refused(action, ResultStatus.TOO_LATE, received,
-                                  f"could not start by latest (late by {(now - action.latest) * 1e3:.3f} ms)",
-                                  now)
-            elif now < action.earliest:
-                result = _refused(action, ResultStatus.TOO_EARLY, received, "started before earliest", now)
-            else:
-                try:
-                    result = self._run(action, received)
-                except Exception as e:  # a failed action is a result, never a dead thread
-                    failure = _failure(e)
-                    if failure == Failure.ERROR:
-                        log.exception("%s: %r failed", self.name, action)
-                    end = self._clock.now()
-                    result = Result(action, ResultStatus.FAILED, received, now, end,
-                                    error=f"{type(e).__name__}: {e}", failure=failure)
-            result.ready_at = ready
-            self.busy = False
-            self._free_since = self._clock.now()
+            result = self._execute(action, received)
             (action.reply or self._post)(result)
+
+    def run_here(self, action: Action) -> Result | None:
+        """Run `action` on the calling thread now and return its result (not posted), if the lane is
+        idle with nothing queued; else None and nothing done (the caller submits it instead). The
+        lane's thread takes nothing meanwhile: one action at a time per lane, wherever it runs."""
+        received = self._clock.now()
+        with self._cond:
+            if self._stopping or self.busy or self._here or self._heap:
+                return None
+            self._here = True
+            self.busy = True
+        try:
+            return self._execute(action, received)
+        finally:
+            with self._cond:
+                self._here = False
+                if self._heap or self._stopping:  # queued meanwhile (from another thread): the lane's turn
+                    self._cond.notify()
+
+    def _execute(self, action: Action, received: float) -> Result:
+        """Run one taken action inside its window (the lane is marked busy); its result."""
+        now = self._clock.now()
+        ready = max(action.earliest, received, self._free_since)
+        lost = self._lost()
+        if lost:
+            result = Result(action, ResultStatus.FAILED, received, now, now, error=lost, failure=Failure.DEVICE)
+        elif now > action.latest:
+            result = _refused(action, ResultStatus.TOO_LATE, received,
+                              f"could not start by latest (late by {(now - action.latest) * 1e3:.3f} ms)",
+                              now)
+        elif now < action.earliest:
+            result = _refused(action, ResultStatus.TOO_EARLY, received, "started before earliest", now)
+        else:
+            try:
+                result = self._run(action, received)
+            except Exception as e:  # a failed action is a result, never a dead thread
+                failure = _failure(e)
+                if failure == Failure.ERROR:
+                    log.exception("%s: %r failed", self.name, action)
+                end = self._clock.now()
+                result = Result(action, ResultStatus.FAILED, received, now, end,
+                                error=f"{type(e).__name__}: {e}", failure=failure)
+        result.ready_at = ready
+        self.busy = False
+        self._free_since = self._clock.now()
+        return result
 
 
 def _failure(e: BaseException) -> Failure:
@@ -176,6 +200,7 @@ class Executor:
                                lambda: backend.thread_setup("infer"), lambda: backend.failed)
         self.load_lane = Lane(f"{device.name}/load", self._load_or_unload, clock, post,
                               lambda: backend.thread_setup("load"), lambda: backend.failed)
+        self._here_threads: set[int] = set()  # threads set up to run actions here (run_here)
 
     @property
     def used_bytes(self) -> int:
@@ -221,6 +246,21 @@ class Executor:
         if action.device != self.device.name:
             raise ValueError(f"{action!r} sent to {self.device.name}")
         (self.infer_lane if action.kind == ActionKind.INFER else self.load_lane).submit(action)
+
+    def run_here(self, action: Action) -> Result | None:
+        """The controller's latency path (daemon/controller/latency.py): run an INFER on the calling
+        thread, skipping the hand-offs to the lane's thread and back; its result, or None when it
+        cannot run here (then nothing was done: submit it). Only on a CPU device (a CUDA device's
+        streams belong to its lane's thread), and never under an injected fault (a hang or slowdown
+        must not hold the caller)."""
+        if action.kind != ActionKind.INFER or self.device.kind != "cpu" or self.faults.spec is not None:
+            return None
+        if threading.get_ident() not in self._here_threads:
+            # intra-op threads are per calling thread under OpenMP (the lane's own set-up does the
+            # same); no core pinning: the caller keeps its cores
+            self.backend.thread_setup("here")
+            self._here_threads.add(threading.get_ident())
+        return self.infer_lane.run_here(action)
 
     # ---------------------------------------------------------------- lanes
 

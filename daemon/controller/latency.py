@@ -1,0 +1,81 @@
+"""The latency path: a lone, cheap, uncontended INFER runs where it was decided, with no hand-off.
+
+Through the batch engine a request crosses threads four times (client -> event loop ->
+executor lane -> event loop -> client); each wake-up after an idle gap costs ~0.06-0.13 ms on
+two cores (bench/results/overhead.md), which at light load is most of what the daemon adds to
+the raw call. When a step decides exactly one INFER, nothing else is queued or running anywhere,
+the request's model is resident (an INFER is only issued where it is) and its estimated run
+time is at most `max_run_s`, the controller runs it on its own thread instead (the executor's
+`run_here`), applies the result and answers in the same step: two wake-ups fewer.
+
+Everything else keeps the batch engine: the moment a second request is queued or an action is
+running, a step finds them and batches as before. Running on the controller's thread holds the
+loop for the run, so the bound `max_run_s` is also the longest any other connection waits for it.
+
+Pure: reads the scheduler's state and the decision, never changes them; the caller runs it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from daemon.actions import Action, ActionKind
+
+if TYPE_CHECKING:
+    from daemon.controller.scheduler import Scheduler
+    from daemon.controller.state import Decision
+
+
+class Why(enum.Enum):
+    """Why a step's decision took, or did not take, the latency path (counted per step that issued actions)."""
+
+    TAKEN = "taken"
+    OFF = "off"
+    NOT_ONE_INFER = "not_one_infer"  # no INFER, several actions, or a parity/replica/cross-model/lane batch
+    NOT_YET = "not_yet"  # its window opens later (a batch waiting to fill)
+    BUSY = "busy"  # other requests queued or actions running: the batch engine
+    SLOW = "slow"  # its estimated run time is over the bound
+    REFUSED = "refused"  # the executor could not run it here (its lane busy, a fault injected, a device kind)
+
+
+class LatencyPath:
+    """Decides, per step, whether its one INFER runs on the controller's thread."""
+
+    def __init__(self, enabled: bool, max_run_s: float) -> None:
+        self.enabled = enabled
+        self.max_run_s = max_run_s
+        self.counts: Counter[Why] = Counter()
+
+    def pick(self, sched: Scheduler, decision: Decision, now: float) -> Action | None:
+        """The action of `decision` to run here and now, or None (the batch engine runs it)."""
+        why = self._why(sched, decision, now)
+        self.counts[why] += 1
+        return decision.actions[0] if why is Why.TAKEN else None
+
+    def refused(self) -> None:
+        """The executor declined an action `pick` chose: it went to the batch engine."""
+        self.counts[Why.TAKEN] -= 1
+        self.counts[Why.REFUSED] += 1
+
+    def _why(self, sched: Scheduler, decision: Decision, now: float) -> Why:
+        if not self.enabled:
+            return Why.OFF
+        if len(decision.actions) != 1:
+            return Why.NOT_ONE_INFER
+        a = decision.actions[0]
+        if a.kind != ActionKind.INFER or a.coded is not None or a.group or a.replica_of or a.best_effort \
+                or a.reply is not None or a.model.parity is not None:
+            return Why.NOT_ONE_INFER
+        if a.earliest > now:
+            return Why.NOT_YET
+        # nothing else accepted and unanswered, nothing else in flight on any device
+        if sched.pending != len(a.requests) or len(sched.inflight) != 1 or sched.coding.groups:
+            return Why.BUSY
+        if a.expected_duration > self.max_run_s:
+            return Why.SLOW
+        return Why.TAKEN
+
+    def statistics(self) -> dict[str, int]:
+        return {w.value: n for w, n in self.counts.items() if n}

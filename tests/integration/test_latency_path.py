@@ -1,0 +1,75 @@
+"""The controller's latency path on a real daemon: lone requests run on the controller's thread and
+answer as the batch engine does; a crowd goes to the batch engine; the setting turns it off."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from daemon.client import AsyncSocketClient, SocketClient
+from daemon.controller.latency import Why
+from tests.support import DaemonThread, TinyLinear, settings, short_tmpdir
+
+pytestmark = pytest.mark.expect_errors("is not served")
+
+
+def reference(x: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return TinyLinear()(torch.from_numpy(x)).numpy()
+
+
+@pytest.fixture(scope="module")
+def path_off(test_repo: Path) -> Iterator[DaemonThread]:
+    d = short_tmpdir()
+    try:
+        with DaemonThread(settings(test_repo, d, controller={"latency_path": False})) as dt:
+            yield dt
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _counts(dt: DaemonThread) -> dict[Why, int]:
+    return dict(dt.daemon.controller.latency.counts)
+
+
+def test_lone_requests_take_the_path_and_answer_the_same(test_daemon: DaemonThread) -> None:
+    before = _counts(test_daemon).get(Why.TAKEN, 0)
+    xs = [np.full((1, 4), i, np.float32) for i in range(20)] + [np.arange(12, dtype=np.float32).reshape(3, 4)]
+    with SocketClient(test_daemon.socket) as c:
+        for x in xs:  # one at a time: each is alone in the daemon
+            r = c.infer("tiny_pt2", {"INPUT__0": x})
+            np.testing.assert_allclose(r.outputs["OUTPUT__0"], reference(x), rtol=1e-5)
+    # (the first request of a model may find a LOAD or a warm-up still in flight)
+    assert _counts(test_daemon).get(Why.TAKEN, 0) - before >= len(xs) - 2
+
+
+def test_a_crowd_goes_to_the_batch_engine(test_daemon: DaemonThread) -> None:
+    xs = [np.full((1, 4), i, np.float32) for i in range(200)]
+    before = _counts(test_daemon).get(Why.BUSY, 0)
+
+    async def main() -> list[np.ndarray]:
+        async with AsyncSocketClient(test_daemon.socket) as c:
+            rs = await asyncio.gather(*(c.infer("tiny_pt2", {"INPUT__0": x}) for x in xs))
+            return [r.outputs["OUTPUT__0"] for r in rs]
+
+    outs = asyncio.run(main())
+    for x, y in zip(xs, outs, strict=True):
+        np.testing.assert_allclose(y, reference(x), rtol=1e-5)
+    # 200 requests sent at once: some steps find others queued or running
+    assert _counts(test_daemon).get(Why.BUSY, 0) > before
+
+
+def test_off_sends_every_infer_to_the_batch_engine(path_off: DaemonThread) -> None:
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    with SocketClient(path_off.socket) as c:
+        for _ in range(5):
+            np.testing.assert_allclose(c.infer("tiny_pt2", {"INPUT__0": x}).outputs["OUTPUT__0"], reference(x),
+                                       rtol=1e-5)
+    counts = _counts(path_off)
+    assert counts.get(Why.TAKEN, 0) == 0 and counts.get(Why.OFF, 0) >= 5
