@@ -388,7 +388,7 @@ class ControllerSettings:
                              "thread and back (docs/controller.md); false: every INFER goes through the batch "
                              "engine.", True)
     latency_path_max_ms: float = doc("The longest estimated run the latency path takes (ms); it holds the event "
-                                     "loop that long.", 1.0)
+                                     "loop that long.", 2.0)
     default_priority: int = doc("The priority of requests that give none (or 0); smaller is more urgent.", 10)
     client_priorities: bool = doc("Honour a priority more urgent than default_priority when a client asks for it "
                                   "(off: a client may lower its own priority, never jump everyone else's).", False)
