@@ -331,6 +331,10 @@ class ApplicationSettings:
     share: float = doc("The share of weight given back to every model after each update (fixed share): a model "
                        "that was bad can come back, one that was best can be overtaken.", 0.01)
     seed: int = doc("Seed of exp3's random picks.", 0)
+    skip_late: bool = doc("Leave out models the controller expects to finish after the deadline (neither run nor "
+                          "waited for) and run the others with the deadline as a hard one; false: every model "
+                          "runs to completion and the answer takes those back by the deadline, as Clipper's.",
+                          True)
 
     def __post_init__(self) -> None:
         try:
@@ -343,7 +347,8 @@ class ApplicationSettings:
         from daemon.apps.application import AppDefinition
 
         return AppDefinition(self.name, self.models, self.policy, self.output, self.combine, self.slo_ms,
-                             self.default_output, self.exploration, self.learning_rate, self.share, self.seed)
+                             self.default_output, self.exploration, self.learning_rate, self.share, self.seed,
+                             self.skip_late)
 
 
 def application_from_dict(table: dict[str, Any], where: str = "applications") -> ApplicationSettings:

@@ -294,8 +294,9 @@ def run(quick: bool = False, json_out: str | None = None, reps: int | None = Non
              "at the midpoint digits_mlp version 2 (untrained weights) is loaded through the repository API; "
              "regret = correct answers of the best single model in hindsight minus the policy's. Stragglers: "
              "cpu:0 and cpu:1, members preloaded, the device holding one member alone slowed by add_ms; the exp4 "
-             "app (slo_ms 20) answered at its SLO (members the controller expects late skipped) vs the same "
-             "queries with a 1 s timeout (waiting for all); one client, queries one after another."]
+             "app (slo_ms 20) answered at its SLO (members the controller expects late skipped), the same app with "
+             "skip_late = false (every member run, the answer at the deadline: Clipper), and the same queries "
+             "with a 1 s timeout (waiting for all); one client, queries one after another."]
     config = {"command": command("apps", quick), "reps": reps, "clients": clients, "seconds": seconds,
               "requests": n}
     return results.write("apps", config, rows, summary, json_out, notes=notes,

@@ -54,6 +54,14 @@ models = ["digits_mlp", "digits_cnn64", "digits_linear"]
 policy = "exp4"
 slo_ms = {slo_ms}
 default_output = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+
+[[applications]]
+name = "ens_clipper"
+models = ["digits_mlp", "digits_cnn64", "digits_linear"]
+policy = "exp4"
+slo_ms = {slo_ms}
+default_output = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+skip_late = false
 """
 
 
@@ -182,16 +190,17 @@ def stragglers(quick: bool, slo_ms: float = 20.0, add_ms: float = 40.0) -> tuple
                                         {"Content-Type": "application/json"})
             assert status == 200, body
             rows = []
-            for label, timeout_us in (("tight SLO, members that make it", None),
-                                      ("waiting for all members", 1_000_000)):
+            for label, app, timeout_us in (("tight SLO, members that make it", "ens_tight", None),
+                                           ("tight SLO, all run (Clipper: no forecast)", "ens_clipper", None),
+                                           ("waiting for all members", "ens_tight", 1_000_000)):
                 lat: list[float] = []
                 ok: list[int] = []
                 answers: list[dict[str, Any]] = []
-                before = c.app_status("ens_tight")["counters"]
+                before = c.app_status(app)["counters"]
                 for k in range(n):
                     i = k % len(yte)
                     t0 = time.perf_counter()
-                    r = c.call({"op": "app_infer", "app": "ens_tight", **({"timeout_us": timeout_us}
+                    r = c.call({"op": "app_infer", "app": app, **({"timeout_us": timeout_us}
                                                                            if timeout_us else {}),
                                 "inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 64],
                                             "data": xte[i : i + 1].tobytes()}]})
@@ -199,7 +208,7 @@ def stragglers(quick: bool, slo_ms: float = 20.0, add_ms: float = 40.0) -> tuple
                     out = np.frombuffer(r["outputs"][0]["data"], np.float32)
                     ok.append(_correct(out, int(yte[i])))
                     answers.append(r)
-                after = c.app_status("ens_tight")["counters"]
+                after = c.app_status(app)["counters"]
                 row = _stats(label, lat, ok, slo_ms, answers)
                 row["slow_member_skipped"] = after["skipped"] - before["skipped"]
                 row["slow_member_late"] = after["late"] - before["late"]
@@ -211,7 +220,7 @@ def stragglers(quick: bool, slo_ms: float = 20.0, add_ms: float = 40.0) -> tuple
                 alone.append({"label": f"ensemble member {m}" + (" (slowed)" if m == slow else ""),
                               "requests": len(preds), "accuracy": sum(preds) / len(preds)})
             rows += alone
-    tight, wait = rows[0], rows[1]
+    tight, clipper, wait = rows[0], rows[1], rows[2]
     summary = {
         "straggler_slo_ms": slo_ms,
         "straggler_slow_member": slow,
@@ -222,6 +231,10 @@ def stragglers(quick: bool, slo_ms: float = 20.0, add_ms: float = 40.0) -> tuple
         "straggler_tight_members_mean": tight["members_mean"],
         "straggler_slow_member_skipped": tight["slow_member_skipped"],
         "straggler_slow_member_run_late": tight["slow_member_late"],
+        "straggler_no_forecast_p50_ms": clipper["p50_ms"],
+        "straggler_no_forecast_on_time": clipper["on_time"],
+        "straggler_no_forecast_accuracy": clipper["accuracy"],
+        "straggler_no_forecast_slow_member_run_late": clipper["slow_member_late"],
         "straggler_wait_all_p50_ms": wait["p50_ms"],
         "straggler_wait_all_on_time": wait["on_time"],
         "straggler_wait_all_accuracy": wait["accuracy"],

@@ -48,6 +48,7 @@ class AppDefinition:
     learning_rate: float = 1.0  # exp4's eta
     share: float = 0.01  # fixed share: what every member gets back after each update
     seed: int = 0  # of the exp3 picks
+    skip_late: bool = True  # leave out members expected past the deadline, hard deadlines for the rest
 
     def __post_init__(self) -> None:
         if not APP_NAME.fullmatch(self.name):
@@ -81,7 +82,7 @@ class AppDefinition:
         return {"name": self.name, "models": list(self.models), "policy": self.policy, "output": self.output,
                 "combine": self.combine, "slo_ms": self.slo_ms, "default_output": list(self.default_output),
                 "exploration": self.exploration, "learning_rate": self.learning_rate, "share": self.share,
-                "seed": self.seed}
+                "seed": self.seed, "skip_late": self.skip_late}
 
 
 # ---------------------------------------------------------------- members

@@ -233,7 +233,8 @@ class Applications:
         now = self.clock.now()
         slo = d.slo_ms / 1000.0 if d.slo_ms else min(s.slo_s for s in specs)
         deadline = now + (timeout_us * 1e-6 if timeout_us is not None else slo)
-        expected = [self.forecast(s, samples) for s in specs] if self.forecast is not None else [now] * len(specs)
+        forecast = self.forecast if d.skip_late else None
+        expected = [forecast(s, samples) for s in specs] if forecast is not None else [now] * len(specs)
         p = plan(expected, deadline)
         prob = 1.0
         if d.policy == "exp3":
@@ -245,7 +246,8 @@ class Applications:
             run = p.run
         c.skipped += len(p.skipped)
         oi = [output_index(d, s) for s in specs]
-        outs, errors = await self._run_members(specs, oi, run, arrays, samples, deadline, priority, client_id)
+        outs, errors = await self._run_members(specs, oi, run, arrays, samples, deadline, priority, client_id,
+                                               hard=d.skip_late)
         out_spec = specs[0].outputs[oi[0]]
         answered = [i for i in run if i in outs]
         late = [specs[i].name for i in run if i not in outs]
@@ -256,8 +258,10 @@ class Applications:
                 c.failed += 1
                 if errors:
                     raise errors[0]
-                raise DeadlineExceeded(f"application {name}: no model can make the deadline "
-                                       f"({(deadline - now) * 1e3:.3f} ms): {', '.join(skipped)} expected later")
+                why = [f"{', '.join(skipped)} expected later"] if skipped else []
+                why += [f"{', '.join(late)} not back in time"] if late else []
+                raise DeadlineExceeded(f"application {name}: no model made the deadline "
+                                       f"({(deadline - now) * 1e3:.3f} ms): {'; '.join(why)}")
             c.defaults += 1
             return AppAnswer(name, default_answer(d, samples, out_spec), out_spec, [], [], skipped, late, True,
                              False, "")
@@ -275,16 +279,18 @@ class Applications:
 
     async def _run_members(self, specs: Sequence[ModelSpec], out_index: Sequence[int], run: Sequence[int],
                            arrays: tuple[np.ndarray, ...], samples: int, deadline: float, priority: int | None,
-                           client_id: str) -> tuple[dict[int, np.ndarray], list[EscapementError]]:
+                           client_id: str, hard: bool = True) -> tuple[dict[int, np.ndarray], list[EscapementError]]:
         """Submit the members' requests and wait for them until the deadline; (the application's output
-        of each member back in time, the errors of the others)."""
+        of each member back in time, the errors of the others). `hard`: each carries the time left as
+        a hard deadline (the controller refuses or drops it when hopeless); else each runs to its
+        model's SLO, as Clipper's do, and an answer after the deadline is dropped here."""
         gw = self._gateway()
         loop = asyncio.get_running_loop()
         futs: dict[int, asyncio.Future[InferenceRequest]] = {}
         reqs: dict[int, InferenceRequest] = {}
         errors: list[EscapementError] = []
         for i in run:
-            left_us = max(1, int((deadline - self.clock.now()) * 1e6))
+            left_us = max(1, int((deadline - self.clock.now()) * 1e6)) if hard else None
             req = gw.new_request(specs[i], arrays, samples, left_us, priority, client_id)
             fut: asyncio.Future[InferenceRequest] = loop.create_future()
             req.on_finish = _resolver(fut)

@@ -275,3 +275,17 @@ def test_one_model_application_gives_that_model_a_default_output(daemon: DaemonT
         r = c.app_infer("b_or_default", {"INPUT__0": np.repeat(X, 2, axis=0)}, timeout_us=1)
         assert r.default and r.models == [] and r.skipped == ["b"]
         np.testing.assert_array_equal(r.output, [[9.0, 9.0, 9.0], [9.0, 9.0, 9.0]])
+
+
+def test_without_the_forecast_every_model_runs_and_late_ones_are_dropped(daemon: DaemonThread) -> None:
+    with HttpClient(daemon.http) as c:
+        c.add_application("clipper", {"models": ["a", "b"], "policy": "exp4", "skip_late": False,
+                                      "default_output": [0.0, 0.0, 1.0]})
+        assert c.app_status("clipper")["skip_late"] is False
+        r = c.app_infer("clipper", {"INPUT__0": X})
+        assert sorted(r.models) == ["a", "b"] and not r.default
+        # a deadline nothing can make: nothing is left out, both are run, neither is waited for
+        r = c.app_infer("clipper", {"INPUT__0": X}, timeout_us=1)
+        assert r.default and r.skipped == [] and sorted(r.late) == ["a", "b"]
+        counters = c.app_status("clipper")["counters"]
+        assert counters["skipped"] == 0 and counters["late"] == 2 and counters["defaults"] == 1
