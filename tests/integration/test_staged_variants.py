@@ -99,3 +99,28 @@ def test_three_staged_variants_share_their_backbone_and_answer_as_alone(family: 
     # the backbone's blocks are held once, in the controller's map and on the device alike
     assert dt.call(lambda: sched.devices["cpu:0"].memory.used) == ex.used_bytes
     assert not dt.errors
+
+
+def test_staged_variants_serve_on_the_cuda_backend_as_whole_plans(family: Path) -> None:
+    """The CUDA backend (here over its CPU stand-in) runs a plan as one program: no cross-model
+    batches there (its arena holds each model apart), the same answers."""
+    d = short_tmpdir()
+    emu = {"capacity": "256MiB", "mode": "random", "seed": 11}
+    dt = DaemonThread(settings(variants.staged_out(family), d, runtime={
+        "devices": ["emucuda:0"], "weight_budget": "64MiB", "device_workspace": "16MiB", "emucuda": emu})).start()
+    try:
+        x = np.random.default_rng(2).uniform(0, 16, (8, 64)).astype(np.float32)
+        want = _alone(family, x)
+
+        async def go() -> list[np.ndarray]:
+            async with AsyncSocketClient(dt.socket) as c:
+                return [a.outputs["OUTPUT__0"] for a in
+                        await asyncio.gather(*(c.infer(n, {"INPUT__0": x}) for n in NAMES))]
+
+        for n, y in zip(NAMES, asyncio.run(go()), strict=True):
+            np.testing.assert_array_equal(y, want[n])
+        assert dt.call(lambda: dt.daemon.controller.scheduler.counters["cross_model_batches"]) == 0
+        assert not dt.errors
+    finally:
+        dt.stop()
+        shutil.rmtree(d, ignore_errors=True)
