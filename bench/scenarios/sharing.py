@@ -119,7 +119,7 @@ def _side(mode: str, repo: Path, n: int, load_reps: int) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def _load_phase(repo: Path, n: int, budget: int, reps: int, probe_s: float
+def _load_phase(repo: Path, n: int, budget: int, reps: int, probe_s: float, ablation: bool = False
                 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Capacity, p99 and cold starts without and with sharing, `reps` times (sharing_load.py)."""
     import numpy as np
@@ -133,6 +133,8 @@ def _load_phase(repo: Path, n: int, budget: int, reps: int, probe_s: float
     popularity[rng.permutation(n)] = loadgen.zipf_weights(n, 1.0)  # popularity rank -> variant, by name order
     want = sharing_load.reference(repo)
     caps, p99s, colds, ident = [], [], [], None
+    solo_caps: list[float] = []
+    solo_p99: list[float | None] = []
     rows: list[dict[str, Any]] = []
     for rep in range(reps):
         seed = 1000 * (rep + 1)
@@ -140,6 +142,12 @@ def _load_phase(repo: Path, n: int, budget: int, reps: int, probe_s: float
         shared = sharing_load.side("with sharing", family.staged_out(repo), popularity, budget, True, probe_s, seed,
                                    at_rate=alone["capacity_rps"], want=want if rep == 0 else None)
         ident = ident or shared.get("identity")
+        if ablation:  # the staged variants with their weights shared, but no cross-model batching
+            solo = sharing_load.side("sharing, no cross-model batching", family.staged_out(repo), popularity, budget,
+                                     True, probe_s, seed, at_rate=alone["capacity_rps"], cross_model=False)
+            solo_caps.append(solo["capacity_rps"])
+            solo_p99.append(solo["at_rate"]["p99_ms"] if solo["at_rate"] else None)
+            rows.extend({**r, "rep": rep} for r in solo["rows"])
         a_row, s_row = alone["at_rate"], shared["at_rate"]
         caps.append((alone["capacity_rps"], shared["capacity_rps"]))
         p99s.append((a_row["p99_ms"], s_row["p99_ms"]) if a_row and s_row else (None, None))
@@ -161,6 +169,8 @@ def _load_phase(repo: Path, n: int, budget: int, reps: int, probe_s: float
         "cold_start_rate_without_sharing": [a for a, _ in colds],
         "cold_start_rate_with_sharing": [s for _, s in colds],
         "load_budget_bytes": budget,
+        **({"capacity_rps_sharing_without_cross_model_batching": solo_caps,
+            "p99_ms_sharing_without_cross_model_batching": solo_p99} if ablation else {}),
         "outputs_identical_cross_model": ident["identical"] if ident else None,
         "identity_check": ident,
     }
@@ -169,7 +179,7 @@ def _load_phase(repo: Path, n: int, budget: int, reps: int, probe_s: float
 
 def run(quick: bool = False, json_out: str | None = None, variants: int | None = None,
         load_reps: int | None = None, reps: int | None = None, probe_s: float | None = None,
-        load: bool = True) -> dict[str, Any]:
+        load: bool = True, ablation: bool = False) -> dict[str, Any]:
     """`load` false: the memory, LOAD and identity figures only (no capacity, p99 or cold starts)."""
     from daemon import variants as family
 
@@ -177,7 +187,8 @@ def run(quick: bool = False, json_out: str | None = None, variants: int | None =
     load_reps = int(load_reps or (5 if quick else 20))
     rounds = int(reps or (1 if quick else 3))
     probe = float(probe_s or (2.0 if quick else 4.0))
-    extra = {k: v for k, v in (("variants", variants), ("reps", reps), ("probe_s", probe_s)) if v is not None}
+    extra = {k: v for k, v in (("variants", variants), ("reps", reps), ("probe_s", probe_s),
+                               ("ablation", "true" if ablation else None)) if v is not None}
     repo = Path(tempfile.gettempdir()) / f"escapement-variants-{n}"
     t0 = time.perf_counter()
     family.build(repo, n)
@@ -187,7 +198,7 @@ def run(quick: bool = False, json_out: str | None = None, variants: int | None =
     identical = shared.pop("outputs") == alone.pop("outputs")
     # a tenth of the variants' unshared weights (two variants' worth at least: a family of a few)
     budget = max(alone["device_budget_bytes"] // 10, 2 * alone["device_budget_bytes"] // n)
-    figures, load_rows = _load_phase(repo, n, budget, rounds, probe) if load else ({
+    figures, load_rows = _load_phase(repo, n, budget, rounds, probe, ablation) if load else ({
         "capacity_ratio": None, "p99_ratio": None, "outputs_identical_cross_model": None}, [])
     rows = [shared, alone, *load_rows]
     summary = {
