@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -239,7 +240,11 @@ class SocketConnection(asyncio.Protocol):
         """It holds its share of memory, or as many requests as one connection may have in flight:
         the next frame waits (unread) for one of them to finish, so one connection cannot take every
         pending slot, and a client that pipelines gets back-pressure rather than refusals."""
-        return self.share.full or len(self._inflight) >= self._cap
+        return self.share.full or len(self._inflight) + len(self._tasks) >= self._cap
+
+    def _busy(self) -> bool:
+        """Requests or ops (answered later) still to answer: the connection stays open for them."""
+        return bool(self._inflight or self._tasks)
 
     def _next_turn(self) -> None:
         self._yielded = False
@@ -252,7 +257,7 @@ class SocketConnection(asyncio.Protocol):
             self.send(error_frame(None, BadRequest(
                 f"the connection ended inside a frame ({len(self._buf)} bytes of it received)")))
             self._buf.clear()
-        if not self._inflight:
+        if not self._busy():
             self.close()
 
     def _drain_frames(self, limit: int) -> bool:
@@ -273,7 +278,7 @@ class SocketConnection(asyncio.Protocol):
                 self._input_done = True
                 buf.clear()
                 self._want_reading()
-                if not self._inflight:
+                if not self._busy():
                     self.close()
                 return False
             lease = self._frame_lease
@@ -310,7 +315,7 @@ class SocketConnection(asyncio.Protocol):
             self._frame_lease.release()
             self._frame_lease = None
         self._want_reading()
-        if not self._inflight:
+        if not self._busy():
             self.close()
 
     def _memory_freed(self) -> None:
@@ -360,9 +365,9 @@ class SocketConnection(asyncio.Protocol):
                 self._infer(req_id, msg, lease)
                 return
             if op in ASYNC_OPS:
-                self._async_op(req_id, op, msg)
-            else:
-                self._control_op(req_id, op, msg)
+                self._async_op(req_id, op, msg, lease)  # the op holds the frame's memory until answered
+                return
+            self._control_op(req_id, op, msg)
         except EscapementError as e:
             self.send(error_frame(req_id, e))
         except Exception as e:  # never let one frame kill the connection's other requests
@@ -374,11 +379,24 @@ class SocketConnection(asyncio.Protocol):
         """Answer a control op (a frontend worker forwards some to the controller process instead)."""
         self.send({"id": req_id, "status": 200, **control_answer(self.gateway, op, msg)})
 
-    def _async_op(self, req_id: Any, op: str, msg: dict[str, Any]) -> None:
-        """An op answered later (feedback waits for its commit): the connection goes on meanwhile."""
+    def _async_op(self, req_id: Any, op: str, msg: dict[str, Any], lease: Lease) -> None:
+        """An op answered later (feedback waits for its commit, an application for its models): the
+        connection goes on meanwhile, the op counted in flight and holding its frame's memory, so a
+        client pipelining them gets the same back-pressure as one pipelining inferences."""
         task = asyncio.get_running_loop().create_task(self._answer_later(req_id, op, msg), name=f"socket {op}")
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(functools.partial(self._async_done, lease))
+
+    def _async_done(self, lease: Lease, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        lease.release()
+        if self._closed:
+            return
+        if self._input_done and not self._busy():
+            self.close()
+        elif self._stalled and not self._held():
+            self._stalled = False
+            asyncio.get_running_loop().call_soon(self._pump)
 
     async def _answer_later(self, req_id: Any, op: str, msg: dict[str, Any]) -> None:
         try:
@@ -427,7 +445,7 @@ class SocketConnection(asyncio.Protocol):
         finally:
             lease.release()
             targets.release()
-            if self._input_done and not self._inflight:
+            if self._input_done and not self._busy():
                 self.close()
             elif self._stalled and not self._held():
                 # it stopped for its share or its cap; go on in a turn of its own, not inside _handle

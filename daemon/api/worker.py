@@ -21,6 +21,7 @@ orders a shutdown.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import mmap
 import pickle
@@ -76,8 +77,11 @@ class WorkerSocketConnection(SocketConnection):
             return
         self._forward(req_id, op, {k: v for k, v in msg.items() if k != "id"} if op != "stats" else {})
 
-    def _async_op(self, req_id: Any, op: str, msg: dict[str, Any]) -> None:
-        self._forward(req_id, op, {k: v for k, v in msg.items() if k != "id"})  # the users are there
+    def _async_op(self, req_id: Any, op: str, msg: dict[str, Any], lease: Lease) -> None:
+        # the users and applications are there; in flight here meanwhile, holding the frame's memory
+        task = self._forward(req_id, op, {k: v for k, v in msg.items() if k != "id"})
+        self._tasks.add(task)
+        task.add_done_callback(functools.partial(self._async_done, lease))
 
     def _infer(self, req_id: Any, msg: dict[str, Any], lease: Lease) -> None:
         # a user's request: the controller process owns the users (their weights, the queries)

@@ -228,6 +228,11 @@ class Applications:
                     timeout_us: int | None, priority: int | None, client_id: str) -> AppAnswer:
         dep = self.deployed(name)
         d = dep.definition
+        # the inputs were checked against the first model; every member must also take this many rows
+        for s in specs:
+            if samples > s.max_batch_size:
+                raise BadRequest(f"application {name}: {samples} samples exceed model {s.name}'s max_batch_size "
+                                 f"{s.max_batch_size}: send at most {min(m.max_batch_size for m in specs)} per query")
         c = dep.counters
         c.queries += 1
         now = self.clock.now()

@@ -42,7 +42,15 @@ from daemon.controller.state import (
     ModelEntry,
 )
 from daemon.controller.telemetry import Telemetry
-from daemon.errors import DeadlineExceeded, EscapementError, InternalError, NotFound, Overloaded, Unavailable
+from daemon.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    EscapementError,
+    InternalError,
+    NotFound,
+    Overloaded,
+    Unavailable,
+)
 from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest, RequestClass, RequestStatus
 from daemon.runtime.devices import Device
@@ -194,6 +202,9 @@ class Scheduler:
         entry = self.models.get(req.model.key)
         if entry is None:
             raise NotFound(f"unknown model {req.model.name} version {req.model.version}")
+        if req.samples > entry.spec.max_batch_size:  # the frontends check this; no batch could hold it
+            raise BadRequest(f"{req.samples} samples exceed model {req.model.name}'s max_batch_size "
+                             f"{entry.spec.max_batch_size}")
         if self.lost == len(self.devices):
             raise Unavailable("every device of this daemon has failed: " + "; ".join(
                 f"{d.name}: {d.failed}" for d in self.devices.values()))

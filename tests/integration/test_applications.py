@@ -57,6 +57,8 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for cls, name in enumerate("abc"):
         save_model(constant(cls), "pt2", torch.zeros(2, 4), 8, root / name / "1" / "model.pt2")
         (root / name / "config.toml").write_text(tiny_config(), encoding="utf-8")
+    save_model(constant(2), "pt2", torch.zeros(2, 4), 2, root / "small" / "1" / "model.pt2")
+    (root / "small" / "config.toml").write_text(tiny_config(max_batch=2), encoding="utf-8")
     save_model(nn.Linear(5, 3).eval(), "pt2", torch.zeros(2, 5), 8, root / "wide" / "1" / "model.pt2")
     (root / "wide" / "config.toml").write_text(tiny_config(inp=5), encoding="utf-8")
     (root / "applications.toml").write_text(APPS, encoding="utf-8")
@@ -289,3 +291,18 @@ def test_without_the_forecast_every_model_runs_and_late_ones_are_dropped(daemon:
         assert r.default and r.skipped == [] and sorted(r.late) == ["a", "b"]
         counters = c.app_status("clipper")["counters"]
         assert counters["skipped"] == 0 and counters["late"] == 2 and counters["defaults"] == 1
+
+
+def test_a_query_larger_than_a_members_batch_is_a_400(daemon: DaemonThread) -> None:
+    """Inputs are checked against the first model; a later one that takes fewer rows refuses the
+    query at once (it once reached the controller, which could not batch it)."""
+    with HttpClient(daemon.http) as c:
+        c.add_application("tight", {"models": ["a", "small"], "policy": "exp4"})
+    try:
+        status, ans = post(daemon, "/v2/applications/tight/infer", infer_body(np.tile(X, (4, 1))))
+        assert status == 400, ans
+        assert "max_batch_size 2" in ans["error"] and "small" in ans["error"]
+        status, ans = post(daemon, "/v2/applications/tight/infer", infer_body(np.tile(X, (2, 1))))
+        assert status == 200, ans
+    finally:
+        post(daemon, "/v2/repository/applications/tight/unload", {})

@@ -316,3 +316,37 @@ def test_the_sweep_refuses_a_frame_begun_too_long_ago() -> None:
     assert not t.closed and daemon.request_memory.held > 0
     fe.sweep(time.monotonic() + 0.06)  # one pass, as the sweeper makes it once request_timeout_s has passed
     assert t.closed and t.frames()[0]["status"] == 408 and daemon.request_memory.held == 0
+
+
+async def test_ops_answered_later_count_in_flight_and_hold_their_memory() -> None:
+    """`feedback` and the application ops are answered by a task of their own: they take the same
+    back-pressure as inferences (an application's query once let a client pipeline without bound)."""
+    gw, fe, _ = make({"max_inflight_per_connection": 2})
+    waiting: list[asyncio.Future[dict[str, Any]]] = []
+
+    async def feedback(name: str, version: Any, query_id: Any, label: Any) -> dict[str, Any]:
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        waiting.append(fut)
+        return await fut
+
+    gw.feedback = feedback  # type: ignore[method-assign]
+    c, t = connect(fe)
+    c.data_received(b"".join(frame({"op": "feedback", "id": i, "model": "sum", "query_id": "q", "label": 1,
+                                    "pad": PAD}) for i in range(5)))
+    await asyncio.sleep(0)
+    assert len(waiting) == 2 and not t.reading and t.frames() == []
+    assert gw.request_memory.held > 2 * len(PAD)  # their frames' memory is held while they wait
+    waiting[0].set_result({"updates": 1})
+    for _ in range(5):  # the op ends, its callback frees its place, the next frame is read, its op starts
+        await asyncio.sleep(0)
+    answered = [a["id"] for a in t.frames()]
+    assert answered == [0] and len(waiting) == 3
+    for _ in range(3):  # at most two more ops start per round
+        for fut in waiting:
+            if not fut.done():
+                fut.set_result({"updates": 1})
+        for _ in range(5):
+            await asyncio.sleep(0)
+        answered += [a["id"] for a in t.frames()]
+    assert sorted(answered) == [0, 1, 2, 3, 4] and len(waiting) == 5
+    assert gw.request_memory.held == 0 and t.reading

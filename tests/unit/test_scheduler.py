@@ -7,7 +7,7 @@ import pytest
 from daemon.actions import ActionKind, ResultStatus
 from daemon.controller.policies.clockwork import ClockworkPolicy
 from daemon.controller.scheduler import FAILURE_COOLDOWN, LOAD_BACKOFF, MAX_FAILURES
-from daemon.errors import DeadlineExceeded, InternalError, NotFound, Overloaded, Unavailable
+from daemon.errors import BadRequest, DeadlineExceeded, InternalError, NotFound, Overloaded, Unavailable
 from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest, RequestStatus
 from tests.unit.harness import MS, Harness, kinds, make_spec
@@ -426,3 +426,11 @@ def test_admission_trusts_the_rate_the_devices_really_got_through_when_it_is_low
     # trusting the estimate alone admits twice what the device gets through: most of it misses
     assert late_estimate_only > 1000
     assert late < admitted / 10 and late < late_estimate_only / 5, (late, admitted, late_estimate_only)
+
+
+def test_a_request_no_batch_can_hold_is_refused_at_submit() -> None:
+    h = Harness()
+    spec = h.add(make_spec(max_batch=4))
+    with pytest.raises(BadRequest, match="max_batch_size 4"):
+        h.request(spec, samples=5)
+    assert h.sched.pending == 0 and h.step() == []
