@@ -23,6 +23,7 @@ acknowledged once its update is committed, and a restarted daemon reads it back.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import random
@@ -49,11 +50,13 @@ from daemon.apps.application import (
 )
 from daemon.apps.selection import Exp3, Exp4, PolicyState, combine, label_reward
 from daemon.clock import Clock, MonotonicClock
+from daemon.datatypes import BY_NAME
 from daemon.errors import BadRequest, DeadlineExceeded, EscapementError, InternalError, NotFound
 from daemon.repository import ModelSpec, TensorSpec
 from daemon.request import InferenceRequest
 
 log = logging.getLogger("escapement.apps")
+FP32 = BY_NAME["FP32"]
 
 def default_app_db_path() -> str:
     """Where policy state goes when `apps.db_path` is empty: systemd's state directory
@@ -273,6 +276,8 @@ class Applications:
         member_outs = [outs[i] for i in answered]
         output = member_outs[0] if d.policy == "exp3" else combine(member_outs, dep.exp4().mixture(answered),
                                                                     d.combine)
+        if output.dtype != out_spec.datatype.numpy:  # a combination is FP32 whatever its members answer
+            out_spec = dataclasses.replace(out_spec, datatype=FP32)
         partial = d.policy == "exp4" and len(answered) < len(specs)
         c.partial += partial
         for i in answered:

@@ -58,6 +58,10 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
         save_model(constant(cls), "pt2", torch.zeros(2, 4), 8, root / name / "1" / "model.pt2")
         (root / name / "config.toml").write_text(tiny_config(), encoding="utf-8")
     save_model(constant(2), "pt2", torch.zeros(2, 4), 2, root / "small" / "1" / "model.pt2")
+    for cls, name in ((0, "h0"), (1, "h1")):  # FP16 members: an ensemble of them answers FP32
+        save_model(constant(cls).half(), "pt2", torch.zeros(2, 4, dtype=torch.float16), 8,
+                   root / name / "1" / "model.pt2")
+        (root / name / "config.toml").write_text(tiny_config().replace('"FP32"', '"FP16"'), encoding="utf-8")
     (root / "small" / "config.toml").write_text(tiny_config(max_batch=2), encoding="utf-8")
     save_model(nn.Linear(5, 3).eval(), "pt2", torch.zeros(2, 5), 8, root / "wide" / "1" / "model.pt2")
     (root / "wide" / "config.toml").write_text(tiny_config(inp=5), encoding="utf-8")
@@ -306,3 +310,22 @@ def test_a_query_larger_than_a_members_batch_is_a_400(daemon: DaemonThread) -> N
         assert status == 200, ans
     finally:
         post(daemon, "/v2/repository/applications/tight/unload", {})
+
+
+def test_an_ensemble_of_fp16_models_answers_fp32_and_says_so(daemon: DaemonThread) -> None:
+    with HttpClient(daemon.http) as c:
+        c.add_application("halves", {"models": ["h0", "h1"], "policy": "exp4", "combine": "mean"})
+    try:
+        x = X.astype(np.float16)
+        body = {"inputs": [{"name": "INPUT__0", "datatype": "FP16", "shape": list(x.shape),
+                            "data": x.ravel().tolist()}]}
+        status, ans = post(daemon, "/v2/applications/halves/infer", body)
+        assert status == 200, ans
+        (out,) = ans["outputs"]
+        assert out["datatype"] == "FP32" and out["shape"] == [1, 3]
+        assert np.allclose(out["data"], [2.5, 2.5, 0.0])  # the mean of two one-hot-ish answers
+        with SocketClient(daemon.socket) as s:
+            r = s.app_infer("halves", {"INPUT__0": x})
+        assert r.output.dtype == np.float32 and np.allclose(r.output, [[2.5, 2.5, 0.0]])
+    finally:
+        post(daemon, "/v2/repository/applications/halves/unload", {})
