@@ -75,8 +75,9 @@ def extend(view: ControllerView, dev: DeviceState, lead: ModelEntry, taken: list
             break
         reqs: list[InferenceRequest] = []
         n, due = 0, deadline
-        for r in entry.queue.first(cap - rows):
-            if rows + n + r.samples > cap:
+        room = min(cap - rows, entry.spec.max_batch_size)  # its own tail runs on its rows: its limit holds
+        for r in entry.queue.first(room):
+            if n + r.samples > room:
                 break
             reqs.append(r)
             n += r.samples

@@ -135,3 +135,22 @@ def test_a_lost_cross_model_batch_returns_each_request_to_its_own_queue() -> Non
     assert h.sched.models[a.key].queue.requests == 1 and h.sched.models[b.key].queue.requests == 1
     assert all(q.status == RequestStatus.QUEUED for q in action.requests)
     assert h.sched.devices["cpu:0"].busy[a.key] == 1  # only the first batch, still running
+
+
+def test_a_member_joins_with_no_more_rows_than_its_own_largest_batch() -> None:
+    """Its tail runs on its rows alone: the lead's larger limit must not stretch it."""
+    h = Harness(policy=ClockworkPolicy(batch_wait=0.0))
+    (a,) = staged(h, "a")
+    b = make_spec("b", max_batch=2)
+    h.sched.add_model(b, 650, {1: 1.2 * MS, 2: 1.4 * MS}, "cpu", blocks=(("bb", 600), ("hb", 50)), prefix="bb")
+    h.sched.seed_stages(b.key, "cpu", STAGES)  # estimates up to 8 rows: only its limit holds it to 2
+    h.use(b)
+    assert not infers(h.step())
+    h.request(a, timeout=0.1)
+    assert len(infers(h.step())) == 1  # a's batch in flight; the rest queue behind it
+    h.request(a, timeout=0.1)
+    for _ in range(4):
+        h.request(b, timeout=0.1)
+    nxt = infers(h.step())
+    groups = [dict((s.key, n) for s, n in x.group) for x in nxt if x.group is not None]
+    assert groups and all(g.get(b.key, 0) <= 2 for g in groups)
