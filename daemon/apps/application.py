@@ -121,6 +121,13 @@ def check_members(app: AppDefinition, specs: Sequence[ModelSpec]) -> str:
     if app.default_output and len(app.default_output) != out0.sample_elements:
         return (f"default_output has {len(app.default_output)} values, but one sample of the output has "
                 f"{out0.sample_elements} ({list(out0.sample_shape)})")
+    dt = out0.datatype.numpy
+    if app.default_output and dt.kind in "fiu":
+        info = np.finfo(dt) if dt.kind == "f" else np.iinfo(dt)
+        bad = [v for v in app.default_output if not float(info.min) <= v <= float(info.max)]
+        if bad:
+            return (f"default_output value {bad[0]!r} does not fit the output's datatype {out0.datatype.name} "
+                    f"([{info.min}, {info.max}])")
     return ""
 
 

@@ -189,7 +189,8 @@ def test_bad_calls_are_clear_4xx(daemon: DaemonThread) -> None:
     assert status == 400 and "different inputs" in ans["error"]
     for cfg, needle in (({"models": ["a", "ghost"]}, "ghost"), ({"models": []}, "at least one model"),
                         ({"models": ["a"], "policy": "exp9"}, "policy"), ({"models": ["a"], "nope": 1}, "nope"),
-                        ({"models": ["a"], "default_output": [1.0]}, "default_output has 1 values")):
+                        ({"models": ["a"], "default_output": [1.0]}, "default_output has 1 values"),
+                        ({"models": ["a"], "default_output": [1e308, 0.0, 0.0]}, "does not fit")):
         status, ans = post(daemon, "/v2/repository/applications/mix/load", {"parameters": {"config": cfg}})
         assert status in (400, 404) and needle in ans["error"], (cfg, ans)
     with SocketClient(daemon.socket) as c:
