@@ -234,7 +234,7 @@ class FrontendWorkers:
         if req.ok:
             assert req.outputs is not None
             w.link.send([DONE, rid, 200, "", None, req.reconstructed,
-                         [[list(a.shape), tensor_bytes(a)] for a in req.outputs], req.cached])
+                         [[list(a.shape), tensor_bytes(a)] for a in req.outputs], req.cached, req.defaulted])
         else:
             err: BaseException = req.error if req.error is not None else Cancelled("the request was cancelled")
             w.link.send([DONE, rid, status_of(err), message_of(err), retry_after_of(err), False, []])

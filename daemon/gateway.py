@@ -44,7 +44,7 @@ from daemon.clock import Clock, MonotonicClock
 from daemon.config import ApplicationSettings, Settings, application_from_dict
 from daemon.controller.classes import classify, priority_rank
 from daemon.controller.telemetry import ModelStats, Span
-from daemon.errors import BadRequest, ConfigError, NotFound, Overloaded, Unavailable
+from daemon.errors import BadRequest, ConfigError, DeadlineExceeded, NotFound, Overloaded, Unavailable
 from daemon.overload import LagTracker
 from daemon.registry import ModelRegistry, ModelState, VersionEntry
 from daemon.repository import ModelSpec
@@ -157,12 +157,34 @@ class Gateway:
                               "read; retry")
         if req.user and spec.personalization is not None:  # first: a cached answer is personalized too
             self.personal.attach(req)
+        if spec.default_output:  # inside the cache's hook: a default answer is never cached
+            self._default_when_late(req)
         # Inputs over max_entry_bytes are not hashed: hashing holds the loop (~2 ms per MiB).
         cache = self.cache
         if spec.response_cache and cache.enabled and req.nbytes <= cache.max_entry_bytes and \
                 self._answer_from_cache(req):
             return
-        self.controller.submit(req)
+        try:
+            self.controller.submit(req)
+        except DeadlineExceeded:
+            if not spec.default_output:
+                raise
+            _answer_default(req, self.clock.now())  # refused at once as hopeless: the default, now
+            if req.on_finish is not None:
+                req.on_finish(req)
+
+    def _default_when_late(self, req: InferenceRequest) -> None:
+        """A request of a model with a default_output that misses its deadline is answered with it."""
+        answer = req.on_finish
+        clock = self.clock
+
+        def finish(r: InferenceRequest) -> None:
+            if isinstance(r.error, DeadlineExceeded):
+                _answer_default(r, clock.now())
+            if answer is not None:
+                answer(r)
+
+        req.on_finish = finish
 
     def _answer_from_cache(self, req: InferenceRequest) -> bool:
         """Answer a request from the prediction cache (True; the controller never sees it), or set it
@@ -438,3 +460,14 @@ def model_stats_json(sched: Scheduler, spec: ModelSpec, epoch: float, cache: Pre
         "escapement_classes": {klass: {what: n for (k, what), n in sorted(m.classes.items()) if k == klass}
                                for klass in sorted({k for k, _ in m.classes})},
     }
+
+
+def _answer_default(req: InferenceRequest, now: float) -> None:
+    """The model's default_output, one row per sample, as the request's answer (flagged)."""
+    out = req.model.outputs[0]
+    row = np.asarray(req.model.default_output, dtype=out.datatype.numpy).reshape(out.sample_shape)
+    req.outputs = (np.broadcast_to(row, (req.samples, *out.sample_shape)).copy(),)
+    req.error = None
+    req.status = RequestStatus.SUCCEEDED
+    req.defaulted = True
+    req.finished_at = now

@@ -77,7 +77,8 @@ Layout = Literal["versions", "bare"]  # <model>/<version>/model.pt2, or <model>/
 MODEL_FILES: dict[str, ModelFormat] = {"model.pt2": "pt2", "model.ts": "ts"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _KNOWN_KEYS = {"name", "description", "max_batch_size", "slo_ms", "inputs", "outputs", "metadata", "parity",
-               "preload_replicas", "queue_policy", "response_cache", "personalization", "stages"}
+               "preload_replicas", "queue_policy", "response_cache", "personalization", "stages",
+               "default_output"}
 MAX_STAGES = 8
 STAGED_FILE = "model.stages"  # a staged version's `path`: a name in its directory, never a file
 _QUEUE_KEYS = {"default_timeout_ms", "timeout_action", "allow_timeout_override", "max_queue_size", "max_wait_s"}
@@ -251,6 +252,9 @@ class ModelSpec:
     memory_bytes: int | None = None  # what its KServe TrainedModel declares (spec.model.memory), if any
     response_cache: bool = False  # its answers are kept in the prediction cache (daemon/apps/cache.py)
     personalization: PersonalSpec | None = None  # per-user weights on a feature output (daemon/apps/personal.py)
+    # One sample of its only output: the answer (flagged `default`) to a request that cannot be
+    # answered by its deadline, in place of a 504 (Clipper's default answers). Empty: none.
+    default_output: tuple[float, ...] = ()
     # A plan of stages: the programs run in turn, resolved (empty: one program at `path`).
     stages: tuple[Path, ...] = field(default=(), compare=False)
     key: str = field(init=False, compare=False)  # "name:version", used on every hot path
@@ -478,7 +482,36 @@ def check_model_config(raw: dict[str, Any], name: str, default_slo_ms: float) ->
         # a PersonalConfig here; _model_versions makes it each version's PersonalSpec (its head file)
         "personalization": _personal_config(raw.get("personalization"), name, outputs),
         "stages": stages,  # relative paths here; _model_versions resolves them per version
+        "default_output": _default_output(raw.get("default_output"), name, outputs),
     }
+
+
+def _default_output(raw: Any, name: str, outputs: tuple[TensorSpec, ...]) -> tuple[float, ...]:
+    """`default_output = [...]`: one sample of the model's only output, numbers its datatype holds."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in raw):
+        raise ModelConfigError(f"{name}: default_output = {raw!r:.80}: expected a list of numbers (one sample "
+                               "of the output)")
+    if len(outputs) != 1:
+        raise ModelConfigError(f"{name}: default_output needs a model with one output (it has {len(outputs)})")
+    out = outputs[0]
+    dt = out.datatype.numpy
+    if dt.kind not in "fiub":
+        raise ModelConfigError(f"{name}: default_output: output {out.name} is {out.datatype.name}, not numbers")
+    if any(d < 0 for d in out.sample_shape):
+        raise ModelConfigError(f"{name}: default_output needs output {out.name}'s sample shape fixed "
+                               f"(it is {list(out.sample_shape)})")
+    if len(raw) != out.sample_elements:
+        raise ModelConfigError(f"{name}: default_output has {len(raw)} values, but one sample of output "
+                               f"{out.name} has {out.sample_elements} ({list(out.sample_shape)})")
+    lo, hi = (np.finfo(dt).min, np.finfo(dt).max) if dt.kind == "f" else \
+        (np.iinfo(dt).min, np.iinfo(dt).max) if dt.kind in "iu" else (0, 1)
+    for v in raw:
+        if not (math.isfinite(v) and float(lo) <= v <= float(hi)):
+            raise ModelConfigError(f"{name}: default_output value {v!r} does not fit {out.datatype.name}")
+    return tuple(float(v) for v in raw)
 
 
 def _stages(raw: Any, name: str) -> tuple[str, ...]:

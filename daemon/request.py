@@ -60,6 +60,7 @@ class InferenceRequest:
     error: EscapementError | None = None
     reconstructed: bool = False
     cached: bool = False  # answered from the prediction cache (daemon/apps/cache.py), the model not run
+    defaulted: bool = False  # answered with its model's default_output: it could not make its deadline
     user: str = ""  # personalized models: whose weights add the personalized output (daemon/apps/personal.py)
     query_id: str = ""  # personalized answers: the id feedback for this query names
     cold_start: bool = False

@@ -364,6 +364,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             resp.parameters["reconstructed"].bool_param = True
         if req.cached:
             resp.parameters["cached"].bool_param = True
+        if req.defaulted:  # its model's default_output: no answer could make the deadline
+            resp.parameters["default"].bool_param = True
         if req.query_id:  # personalized: feedback names this query
             resp.parameters["query_id"].string_param = req.query_id
         return resp

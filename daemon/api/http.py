@@ -611,6 +611,8 @@ class HttpFrontend:
             params["reconstructed"] = True
         elif req.cached:
             params["cached"] = True
+        if req.defaulted:  # its model's default_output: no answer could make the deadline
+            params["default"] = True
         if req.query_id:  # personalized: feedback names this query
             params["query_id"] = req.query_id
             params["user"] = req.user

@@ -18,7 +18,8 @@ Records (arrays; "->" controller to worker, "<-" worker to controller):
   <- SUBMIT   [SUBMIT, rid, name, version, samples, arrival, deadline, priority, rank, klass,
                give_up_at, client_id, [[offset, shape], ...] (model input order)]
   <- CANCEL   [CANCEL, rid]
-  -> DONE     [DONE, rid, status, error, retry_after_s, reconstructed, [[shape, bytes], ...], cached]
+  -> DONE     [DONE, rid, status, error, retry_after_s, reconstructed, [[shape, bytes], ...], cached,
+               defaulted]
   <- CALL     [CALL, cid, kind, payload]   an HTTP request or socket op for the controller to answer
   -> REPLY    [REPLY, cid, payload]
   <- ABORT    [ABORT, cid]   nobody waits for that CALL's answer any more (its client left, its

@@ -121,7 +121,7 @@ class RemoteController:
             self.link.send([CANCEL, req.id])  # its DONE still comes, and frees the slot
 
     def done(self, rid: int, status: int, error: str, retry_after_s: float | None, reconstructed: bool,
-             outputs: list[list[Any]], cached: bool = False) -> None:
+             outputs: list[list[Any]], cached: bool = False, defaulted: bool = False) -> None:
         item = self.inflight.pop(rid, None)
         if item is None:
             return
@@ -137,6 +137,7 @@ class RemoteController:
             req.status = RequestStatus.CANCELLED if status == 499 else RequestStatus.FAILED
         req.reconstructed = reconstructed
         req.cached = cached
+        req.defaulted = defaulted
         self._finish(req)
 
     @staticmethod

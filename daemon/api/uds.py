@@ -566,6 +566,8 @@ def answer_body(req: InferenceRequest, out_idx: list[int], targets: OutputTarget
         outputs.append(item)
     body = {"model": spec.name, "version": str(spec.version), "outputs": outputs, "reconstructed": req.reconstructed,
             "cached": req.cached}
+    if req.defaulted:  # its model's default_output: no answer could make the deadline
+        body["default"] = True
     if req.query_id:  # personalized: feedback names this query
         body["query_id"] = req.query_id
     return body

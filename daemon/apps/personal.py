@@ -385,7 +385,7 @@ class Personalizer:
             raise BadRequest(f"query_id must be the non-empty string a personalized answer gave, got {query_id!r}")
         q = self.queries.get(query_id)
         if q is None or q.spec.name != spec.name:
-            raise NotFound(f"unknown or expired query_id {query_id!r} for model {spec.name} (a query takes one "
+            raise NotFound(f"unknown or expired query_id {query_id!r:.80} for model {spec.name} (a query takes one "
                            "feedback, and is remembered for a bounded time and number of queries)")
         spec, p = q.spec, q.spec.personalization  # the version that answered it
         assert p is not None
@@ -421,7 +421,7 @@ class Personalizer:
         user = check_user(user)
         st = await self.state(spec, user)
         if st.updates == 0:
-            raise NotFound(f"model {spec.name} version {spec.version} has no user {user!r} (no feedback from it)")
+            raise NotFound(f"model {spec.name} version {spec.version} has no user {user!r:.80} (no feedback from it)")
         return {"model_name": spec.name, "model_version": str(spec.version), "user": user,
                 "updates": st.updates, "last_update": st.updated_at}
 

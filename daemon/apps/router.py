@@ -190,7 +190,7 @@ class Applications:
 
     def remove(self, name: str) -> dict[str, Any]:
         if self.apps.pop(name, None) is None:
-            raise NotFound(f"unknown application {name!r}; applications: {sorted(self.apps)}")
+            raise NotFound(f"unknown application {name!r:.80}; applications: {sorted(self.apps)}")
         return {"name": name, "state": "UNLOADED"}
 
     def _misfit(self, d: AppDefinition) -> str:
@@ -206,7 +206,7 @@ class Applications:
     def deployed(self, name: str) -> Deployed:
         dep = self.apps.get(name)
         if dep is None:
-            raise NotFound(f"unknown application {name!r}; applications: {sorted(self.apps)}")
+            raise NotFound(f"unknown application {name!r:.80}; applications: {sorted(self.apps)}")
         return dep
 
     def resolve(self, name: str) -> list[ModelSpec]:
@@ -343,10 +343,10 @@ class Applications:
             raise BadRequest('feedback gives exactly one of "label" (the true class) and "reward" (in [0, 1])')
         q = self.queries.get(query_id)
         if q is None or q.app != name:
-            raise NotFound(f"unknown or expired query_id {query_id!r} for application {name} (a query takes one "
+            raise NotFound(f"unknown or expired query_id {query_id!r:.80} for application {name} (a query takes one "
                            "feedback, and is remembered for a bounded time and number of queries)")
         if q.digest != d.digest:
-            raise NotFound(f"query {query_id!r} was answered before application {name} was redefined")
+            raise NotFound(f"query {query_id!r:.80} was answered before application {name} was redefined")
         before = PolicyState(list(dep.state.weights), dep.state.updates)
         if d.policy == "exp3":
             if reward is not None:

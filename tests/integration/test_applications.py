@@ -330,3 +330,8 @@ def test_an_ensemble_of_fp16_models_answers_fp32_and_says_so(daemon: DaemonThrea
         assert r.output.dtype == np.float32 and np.allclose(r.output, [[2.5, 2.5, 0.0]])
     finally:
         post(daemon, "/v2/repository/applications/halves/unload", {})
+
+
+def test_a_huge_unknown_query_id_is_not_echoed_whole(daemon: DaemonThread) -> None:
+    status, ans = post(daemon, "/v2/applications/sel/feedback", {"query_id": "q" * 100_000, "label": 1})
+    assert status == 404 and len(ans["error"]) < 400, len(ans["error"])
