@@ -464,9 +464,7 @@ def model_stats_json(sched: Scheduler, spec: ModelSpec, epoch: float, cache: Pre
 
 def _answer_default(req: InferenceRequest, now: float) -> None:
     """The model's default_output, one row per sample, as the request's answer (flagged)."""
-    out = req.model.outputs[0]
-    row = np.asarray(req.model.default_output, dtype=out.datatype.numpy).reshape(out.sample_shape)
-    req.outputs = (np.broadcast_to(row, (req.samples, *out.sample_shape)).copy(),)
+    req.outputs = (req.model.outputs[0].rows(req.model.default_output, req.samples),)
     req.error = None
     req.status = RequestStatus.SUCCEEDED
     req.defaulted = True

@@ -60,6 +60,7 @@ import os
 import re
 import stat
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -161,6 +162,19 @@ class TensorSpec:
 
     def as_json(self) -> dict[str, Any]:
         return {"name": self.name, "datatype": self.datatype.name, "shape": list(self.shape)}
+
+    def misfit(self, values: Sequence[float]) -> str:
+        """Why `values` cannot be numbers of this datatype ('' when they can: NaN and inf never)."""
+        dt = self.datatype.numpy
+        lo, hi = (np.finfo(dt).min, np.finfo(dt).max) if dt.kind == "f" else \
+            (np.iinfo(dt).min, np.iinfo(dt).max) if dt.kind in "iu" else (0, 1)
+        bad = next((v for v in values if not float(lo) <= v <= float(hi)), None)
+        return "" if bad is None else f"value {bad!r} does not fit {self.datatype.name} ([{lo}, {hi}])"
+
+    def rows(self, sample: Sequence[float], samples: int) -> np.ndarray:
+        """`sample` (one sample's values, checked) repeated as `samples` rows of this tensor."""
+        row = np.asarray(sample, dtype=self.datatype.numpy).reshape(self.sample_shape)
+        return np.broadcast_to(row, (samples, *self.sample_shape)).copy()
 
 
 @dataclass(frozen=True, slots=True)
@@ -506,11 +520,9 @@ def _default_output(raw: Any, name: str, outputs: tuple[TensorSpec, ...]) -> tup
     if len(raw) != out.sample_elements:
         raise ModelConfigError(f"{name}: default_output has {len(raw)} values, but one sample of output "
                                f"{out.name} has {out.sample_elements} ({list(out.sample_shape)})")
-    lo, hi = (np.finfo(dt).min, np.finfo(dt).max) if dt.kind == "f" else \
-        (np.iinfo(dt).min, np.iinfo(dt).max) if dt.kind in "iu" else (0, 1)
-    for v in raw:
-        if not (math.isfinite(v) and float(lo) <= v <= float(hi)):
-            raise ModelConfigError(f"{name}: default_output value {v!r} does not fit {out.datatype.name}")
+    why = out.misfit(raw)
+    if why:
+        raise ModelConfigError(f"{name}: default_output {why}")
     return tuple(float(v) for v in raw)
 
 

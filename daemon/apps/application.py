@@ -121,14 +121,8 @@ def check_members(app: AppDefinition, specs: Sequence[ModelSpec]) -> str:
     if app.default_output and len(app.default_output) != out0.sample_elements:
         return (f"default_output has {len(app.default_output)} values, but one sample of the output has "
                 f"{out0.sample_elements} ({list(out0.sample_shape)})")
-    dt = out0.datatype.numpy
-    if app.default_output and dt.kind in "fiu":
-        info = np.finfo(dt) if dt.kind == "f" else np.iinfo(dt)
-        bad = [v for v in app.default_output if not float(info.min) <= v <= float(info.max)]
-        if bad:
-            return (f"default_output value {bad[0]!r} does not fit the output's datatype {out0.datatype.name} "
-                    f"([{info.min}, {info.max}])")
-    return ""
+    why = out0.misfit(app.default_output) if out0.datatype.numpy.kind in "fiub" else ""
+    return f"default_output {why}" if why else ""
 
 
 def _describe(specs: Sequence[TensorSpec]) -> str:
@@ -154,8 +148,7 @@ def plan(expected: Sequence[float], deadline: float) -> Plan:
 
 def default_answer(app: AppDefinition, samples: int, like: TensorSpec) -> np.ndarray:
     """The configured default output, one row per sample (BadRequest-free: checked at definition)."""
-    row = np.asarray(app.default_output, dtype=like.datatype.numpy)
-    return np.broadcast_to(row.reshape(like.sample_shape), (samples, *like.sample_shape)).copy()
+    return like.rows(app.default_output, samples)
 
 
 # ---------------------------------------------------------------- feedback
