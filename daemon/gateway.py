@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from daemon import metrics
 from daemon.api.budget import RequestMemory
 from daemon.api.sharedmem import SharedMemoryRegions
 from daemon.api.throttle import RenderBudget
@@ -43,8 +42,9 @@ from daemon.apps.userdb import UserDB
 from daemon.clock import Clock, MonotonicClock
 from daemon.config import ApplicationSettings, Settings, application_from_dict
 from daemon.controller.classes import classify, priority_rank
-from daemon.controller.telemetry import ModelStats, Span
 from daemon.errors import BadRequest, ConfigError, DeadlineExceeded, NotFound, Overloaded, Unavailable
+from daemon.observability import metrics
+from daemon.observability.stats import ModelStats, Span
 from daemon.overload import LagTracker
 from daemon.registry import ModelRegistry, ModelState, VersionEntry
 from daemon.repository import ModelSpec

@@ -37,13 +37,14 @@ from daemon.config import Settings, parse_hostport
 from daemon.controller.policy import make_policy
 from daemon.controller.scheduler import Scheduler
 from daemon.controller.service import ControllerService
-from daemon.controller.telemetry import Telemetry, TraceWriter
 from daemon.errors import ConfigError
 from daemon.frontends import FrontendWorkers, default_workers
 from daemon.gateway import Gateway, Health
 from daemon.lifecycle import State
 from daemon.models import ModelManager
 from daemon.notify import Notifier, keep_alive
+from daemon.observability.telemetry import Telemetry
+from daemon.observability.trace import TraceWriter
 from daemon.overload import LagTracker, LoopMonitor
 from daemon.registry import ModelRegistry
 from daemon.runtime.devices import Device, plan_cores, resolve_devices
@@ -354,7 +355,7 @@ class Daemon:
         if self._controller is not None:
             self._controller.close()
         if self._trace is not None:
-            await asyncio.to_thread(self._trace.close)
+            await self._trace.aclose()
         for closer in (self.http, self.grpc, self.socket, self.frontends):
             if closer is not None:
                 await closer.close()

@@ -18,7 +18,6 @@ import numpy as np
 import orjson
 
 from daemon import __version__
-from daemon.api import observe
 from daemon.api.codec import (
     WireTensor,
     assemble_inputs,
@@ -44,6 +43,7 @@ from daemon.errors import (
     UnsupportedMediaType,
 )
 from daemon.gateway import Gateway
+from daemon.observability import metrics
 from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest
 
@@ -103,8 +103,8 @@ class HttpFrontend:
         bases = ("/v2/models/{model}", "/v2/models/{model}/versions/{version:[0-9]+}")
         for base in bases:  # first: routes are tried in order, and infer is the hot path
             r.add("POST", base + "/infer", self.infer)
-        # /metrics and the statistics extension (api/observe.py), before `/v2/models/{model}` matches "stats"
-        observe.add_routes(r, gateway)
+        # /metrics and the statistics extension (observability/metrics.py), before `/v2/models/{model}` matches "stats"
+        metrics.add_routes(r, gateway)
         r.add("GET", "/v2", self.server_metadata)
         r.add("GET", "/v2/health/live", self.live)
         r.add("GET", "/v2/health/ready", self.ready)

@@ -41,7 +41,6 @@ from daemon.controller.state import (
     DeviceState,
     ModelEntry,
 )
-from daemon.controller.telemetry import Telemetry
 from daemon.errors import (
     BadRequest,
     DeadlineExceeded,
@@ -51,6 +50,7 @@ from daemon.errors import (
     Overloaded,
     Unavailable,
 )
+from daemon.observability.telemetry import Telemetry
 from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest, RequestClass, RequestStatus
 from daemon.runtime.devices import Device

@@ -8,9 +8,9 @@ import pytest
 
 from daemon.actions import Action, ActionKind, ResultStatus
 from daemon.controller.policies.clockwork import ClockworkPolicy
-from daemon.controller.telemetry import Histogram
 from daemon.controller.timeline import LaneTimeline
 from daemon.errors import DeadlineExceeded, Overloaded
+from daemon.observability.stats import Histogram
 from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest, RequestStatus
 from tests.unit.harness import MS, Harness, kinds, make_spec

@@ -12,10 +12,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.actions import Action, ActionKind, Result, ResultStatus
-from daemon.controller.telemetry import Buckets
 from daemon.errors import DeadlineExceeded, Overloaded
 from daemon.gateway import model_stats_json
-from daemon.metrics import make_registry
+from daemon.observability.metrics import make_registry
+from daemon.observability.stats import Buckets
 from daemon.repository import ModelSpec
 from tests.unit.harness import Harness, make_spec
 
@@ -161,7 +161,7 @@ def test_buckets_count_values_at_their_bound_as_prometheus_le() -> None:
 @pytest.mark.slow  # asserts in wall-clock time
 @pytest.mark.expect_errors(r"trace /dev/full cannot be written")
 def test_a_trace_on_a_full_disk_drops_lines_and_never_blocks_the_shutdown() -> None:
-    from daemon.controller.telemetry import TraceWriter
+    from daemon.observability.trace import TraceWriter
 
     before = set(threading.enumerate())
     w = TraceWriter("/dev/full", max_pending=8)  # every write: ENOSPC
@@ -177,7 +177,7 @@ def test_a_trace_on_a_full_disk_drops_lines_and_never_blocks_the_shutdown() -> N
 
 def test_prediction_error_is_absolute_seconds_per_kind() -> None:
     """|measured - expected| of INFERs and LOADs with an estimate, in ms, in /v2/controller/stats's summary."""
-    from daemon.controller.telemetry import Telemetry
+    from daemon.observability.telemetry import Telemetry
 
     t = Telemetry()
     spec = make_spec()

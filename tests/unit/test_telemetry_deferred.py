@@ -7,9 +7,10 @@ import math
 
 import numpy as np
 
-from daemon.controller import telemetry as tm
-from daemon.controller.telemetry import Histogram, Telemetry
 from daemon.errors import DeadlineExceeded
+from daemon.observability import telemetry as tm
+from daemon.observability.stats import Histogram
+from daemon.observability.telemetry import Telemetry
 from daemon.request import InferenceRequest, RequestStatus
 from daemon.sim import sim_spec
 

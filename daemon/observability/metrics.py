@@ -1,4 +1,11 @@
-"""Prometheus metrics: a collector that reads the controller's state when it is scraped.
+"""Metrics over HTTP: Prometheus's /metrics and Triton's statistics extension.
+
+`GET /metrics` is the text exposition of the daemon's own registry, read by a collector from the
+controller's state when it is scraped. `GET /v2/models[/{model}[/versions/{version}]]/stats`
+answers in the shape of Triton's statistics extension, which `tritonclient`'s
+`get_inference_statistics` and perf_analyzer read; without a version, every ready version of the
+model is reported, as Triton does. Both are rendered by the gateway, on the event loop, where the
+controller's state is consistent.
 
 Nothing is instrumented on the hot path for Prometheus: the scheduler already counts every
 event (`Scheduler.counters`, and the per-model and per-device records of `Telemetry`), and
@@ -19,23 +26,26 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+import orjson
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.utils import floatToGoString
 
+from daemon.api.httpserver import Request, Response, Router
 from daemon.controller.scheduler import Scheduler
-from daemon.controller.telemetry import Buckets, ModelStats
+from daemon.observability.stats import Buckets, ModelStats
 from daemon.overload import LagTracker
 
 if TYPE_CHECKING:
     from daemon.apps.cache import PredictionCache
     from daemon.apps.personal import Personalizer
     from daemon.apps.router import Applications
+    from daemon.gateway import Gateway  # a type only: the gateway renders through this module
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # text/plain; version=0.0.4; charset=utf-8
 
-# Every reason a request may fail with (telemetry.failure_reason), all exposed from the start
+# Every reason a request may fail with (stats.failure_reason), all exposed from the start
 # so that a rate over a reason never begins with a missing series.
 FAILURE_REASONS = ("REJECTED", "DEADLINE", "CANCELED", "BACKEND", "UNAVAILABLE", "OTHER")
 MODEL = ["model", "version"]
@@ -365,3 +375,26 @@ def make_registry(scheduler: Callable[[], Scheduler], overload: LagTracker | Non
 def render(registry: CollectorRegistry) -> bytes:
     """The text exposition (format 0.0.4, `CONTENT_TYPE`); call it on the event loop thread."""
     return generate_latest(registry)
+
+
+def add_routes(router: Router, gateway: Gateway) -> None:
+    """Add /metrics and the statistics routes. Call it before the routes of `/v2/models/{model}`:
+    routes are tried in order, and `{model}` would match `stats`."""
+    handlers = MetricsHandlers(gateway)
+    router.add("GET", "/metrics", handlers.metrics)
+    router.add("GET", "/v2/models/stats", handlers.stats)
+    router.add("GET", "/v2/models/{model}/stats", handlers.stats)
+    router.add("GET", "/v2/models/{model}/versions/{version:[0-9]+}/stats", handlers.stats)
+
+
+class MetricsHandlers:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.gateway.metrics(), 200, CONTENT_TYPE)
+
+    async def stats(self, request: Request) -> Response:
+        """Raises NotFound for an unknown model or version, Unavailable for one that is not ready."""
+        stats = self.gateway.model_statistics(request.params.get("model"), request.params.get("version"))
+        return Response(orjson.dumps({"model_stats": stats}))

@@ -1,0 +1,253 @@
+"""Statistics records: log-bucketed histograms, Prometheus-shaped buckets, Triton's duration spans.
+
+`Histogram` keeps percentiles of anything (latency, slack, prediction errors) in log-spaced
+buckets, cheap to update on the loop and mergeable. `Buckets` are fixed-bound histograms that map
+one to one onto Prometheus histograms, and `Span` is Triton's `$duration_stat` (a count and a
+total). `ModelStats` and `DeviceStats` gather them per model version and per device: what the
+statistics extension and /metrics report. The controller's recorder (`telemetry.py`) updates them;
+the readers (`metrics.py`, the gateway's statistics) turn them into their formats when asked.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections import Counter
+from collections.abc import Iterable
+
+import numpy as np
+
+from daemon.errors import Cancelled, DeadlineExceeded, EscapementError, InternalError, Overloaded, Unavailable
+from daemon.repository import ModelSpec
+
+_log10 = math.log10
+_INV_LOW = 1e7  # 1 / Histogram.LOW
+
+
+class Histogram:
+    """Counts of values in log-spaced buckets (10 per decade) from 1e-7 up; signed values kept apart."""
+
+    PER_DECADE = 10
+    LOW = 1e-7
+
+    __slots__ = ("count", "max", "min", "neg", "pos", "total", "zero")
+
+    def __init__(self) -> None:
+        self.neg: dict[int, int] = {}
+        self.pos: dict[int, int] = {}
+        self.zero = 0
+        self.count = 0
+        self.total = 0.0
+        self.min = math.inf
+        self.max = -math.inf
+
+    def _bucket(self, x: float) -> int:
+        return max(0, math.floor(math.log10(x / self.LOW) * self.PER_DECADE))
+
+    def add(self, x: float) -> None:
+        # on every request's path (several per request): plain comparisons, one log
+        self.count += 1
+        self.total += x
+        if x < self.min:
+            self.min = x
+        if x > self.max:
+            self.max = x
+        if x >= self.LOW:
+            b = int(_log10(x * _INV_LOW) * 10)  # >= 0 here, so int() is floor()
+            pos = self.pos
+            pos[b] = pos.get(b, 0) + 1
+        elif x <= -self.LOW:
+            b = int(_log10(-x * _INV_LOW) * 10)
+            neg = self.neg
+            neg[b] = neg.get(b, 0) + 1
+        else:
+            self.zero += 1
+
+    def add_many(self, xs: np.ndarray) -> None:
+        """`add` for every value of `xs` at once (the deferred path: one numpy pass per flush)."""
+        if not xs.size:
+            return
+        self.count += int(xs.size)
+        self.total += float(xs.sum())
+        lo, hi = float(xs.min()), float(xs.max())
+        if lo < self.min:
+            self.min = lo
+        if hi > self.max:
+            self.max = hi
+        for mask, sign, into in ((xs >= self.LOW, 1.0, self.pos), (xs <= -self.LOW, -1.0, self.neg)):
+            vals = xs[mask]
+            if vals.size:
+                bs, ns = np.unique((np.log10(sign * vals * _INV_LOW) * 10).astype(np.int64), return_counts=True)
+                for b, n in zip(bs.tolist(), ns.tolist(), strict=True):
+                    into[b] = into.get(b, 0) + n
+        self.zero += int(((xs < self.LOW) & (xs > -self.LOW)).sum())
+
+    def _edge(self, b: int) -> float:
+        return self.LOW * 10 ** ((b + 1) / self.PER_DECADE)  # upper edge: percentiles err high
+
+    def percentile(self, q: float) -> float:
+        """The q-th percentile (0..100), accurate to a bucket (~26%), never above max."""
+        if not self.count:
+            return math.nan
+        rank = q / 100.0 * self.count
+        seen = 0
+        for b in sorted(self.neg, reverse=True):
+            seen += self.neg[b]
+            if seen >= rank:
+                return max(self.min, -self.LOW * 10 ** (b / self.PER_DECADE))
+        seen += self.zero
+        if seen >= rank:
+            return 0.0
+        for b in sorted(self.pos):
+            seen += self.pos[b]
+            if seen >= rank:
+                return min(self.max, self._edge(b))
+        return self.max
+
+    def merge(self, other: Histogram) -> None:
+        for mine, theirs in ((self.neg, other.neg), (self.pos, other.pos)):
+            for b, n in theirs.items():
+                mine[b] = mine.get(b, 0) + n
+        self.zero += other.zero
+        self.count += other.count
+        self.total += other.total
+        self.min = min(self.min, other.min)
+        self.max = max(self.max, other.max)
+
+    def summary(self, scale: float = 1.0, qs: Iterable[float] = (50, 90, 99, 99.9)) -> dict[str, float]:
+        if not self.count:
+            return {"count": 0}
+        out: dict[str, float] = {"count": self.count, "mean": self.total / self.count * scale}
+        for q in qs:
+            out[f"p{q:g}"] = self.percentile(q) * scale
+        out["max"] = self.max * scale
+        return out
+
+
+# Upper bounds of the Prometheus histograms. Seconds for latencies: 100 µs (a small model's
+
+
+LATENCY_BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                  5.0, 10.0)
+LATENESS_BOUNDS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                   0.1)
+DURATION_ERROR_BOUNDS = (-0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)  # measured/expected - 1
+
+
+class Buckets:
+    """A Prometheus-shaped histogram: counts of values at or under fixed upper bounds, exact at them."""
+
+    __slots__ = ("bounds", "count", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
+        self.count = 0
+        self.total = 0.0
+
+    def add(self, x: float) -> None:
+        self.counts[bisect_left(self.bounds, x)] += 1  # the first bound >= x: Prometheus's `le`
+        self.count += 1
+        self.total += x
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, count of values at or under it), ending with (inf, count)."""
+        out: list[tuple[float, int]] = []
+        seen = 0
+        for bound, n in zip((*self.bounds, math.inf), self.counts, strict=True):
+            seen += n
+            out.append((bound, seen))
+        return out
+
+
+class Span:
+    """A count and a total duration: Triton's `$duration_stat`."""
+
+    __slots__ = ("count", "seconds")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.seconds = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.seconds += seconds
+
+    def as_json(self) -> dict[str, int]:
+        return {"count": self.count, "ns": round(self.seconds * 1e9)}
+
+
+class BatchStats:
+    """Executions of one batch size: model run time, and the copies and host work around it."""
+
+    __slots__ = ("count", "infer_s", "other_s")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.infer_s = 0.0
+        self.other_s = 0.0
+
+
+def failure_reason(error: EscapementError | None) -> str:
+    """The `reason` label of a failed request: Triton's names where they fit, two of escapement's."""
+    if isinstance(error, Overloaded):
+        return "REJECTED"  # a bounded queue was full (Triton's reason for the same refusal)
+    if isinstance(error, DeadlineExceeded):
+        return "DEADLINE"
+    if error is None or isinstance(error, Cancelled):
+        return "CANCELED"
+    if isinstance(error, InternalError):
+        return "BACKEND"
+    if isinstance(error, Unavailable):
+        return "UNAVAILABLE"  # its model failed to load or was unloaded, or the daemon shut down
+    return "OTHER"
+
+
+class ModelStats:
+    """One model version's cumulative statistics, as Triton's statistics extension counts them.
+
+    Requests count when they reach the controller: answered, failed, cancelled, or refused at
+    admission. Requests refused earlier (malformed, unknown model, event loop overloaded) do not.
+    """
+
+    __slots__ = ("batches", "classes", "compute_infer", "compute_input", "compute_output", "compute_time",
+                 "execution_count",
+                 "fail", "failures", "inference_count", "last_inference", "latency", "load_failures", "loads",
+                 "queue", "queue_time", "slo_met", "slo_missed", "spec", "success", "unloads")
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.success = Span()  # arrival -> answer, successful requests
+        self.fail = Span()  # arrival -> answer, failed and cancelled requests
+        self.queue = Span()  # arrival -> dispatch, successful requests
+        # Per successful request answered by an execution: that execution's times (Triton's way).
+        self.compute_input = Span()  # always 0 ns: input copies are measured with the output's
+        self.compute_infer = Span()
+        self.compute_output = Span()
+        self.failures: Counter[str] = Counter()  # failure_reason -> requests
+        self.inference_count = 0  # samples of successful requests
+        self.execution_count = 0  # INFER actions that ran to completion
+        self.batches: dict[int, BatchStats] = {}  # samples run -> executions
+        self.last_inference = 0.0  # clock time of the last request answered or refused; 0: none yet
+        self.slo_met = 0  # answered successfully by the deadline
+        self.slo_missed = 0  # answered late, failed or refused (cancelled requests are neither)
+        self.latency = Buckets(LATENCY_BOUNDS)  # as `success`
+        self.queue_time = Buckets(LATENCY_BOUNDS)  # as `queue`
+        self.compute_time = Buckets(LATENCY_BOUNDS)  # model run time per execution
+        self.loads: Counter[str] = Counter()  # device -> completed LOADs
+        self.load_failures: Counter[str] = Counter()
+        self.unloads: Counter[str] = Counter()
+        # (request class, outcome) -> requests: on_time, late (answered after its deadline), refused
+        # (at arrival), dropped (504: it could not make its hard deadline), expired (504: it waited
+        # the longest a best-effort request may), failed, cancelled
+        self.classes: Counter[tuple[str, str]] = Counter()
+
+
+class DeviceStats:
+    __slots__ = ("duration_error", "lateness", "load_time")
+
+    def __init__(self) -> None:
+        self.lateness: dict[str, Buckets] = {}  # action kind -> executor start lateness (s)
+        self.duration_error = Buckets(DURATION_ERROR_BOUNDS)  # INFER: measured / expected - 1
+        self.load_time = Buckets(LATENCY_BOUNDS)
+
