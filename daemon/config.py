@@ -386,7 +386,7 @@ class ControllerSettings:
     batch_wait_ms: float = doc("clockwork: how long a batch may wait for more requests of a model arriving fast "
                                "enough to fill it (at most a tenth of its SLO, never past a deadline; 0 is "
                                "work-conserving).", 4.0)
-    cross_model_batching: bool = doc("clockwork: run a leading stage that models declared as plans of stages share "
+    cross_model_batching: bool = doc("Every policy: run a leading stage that models declared as plans of stages share "
                                      "once for their queued requests together (docs/controller.md).", True)
     latency_path: bool = doc("Run a lone INFER on the controller's thread when nothing else is queued or running "
                              "and its estimate is at most latency_path_max_ms: no hand-off to the device's "

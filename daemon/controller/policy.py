@@ -52,11 +52,13 @@ def make_policy(settings: ControllerSettings) -> Policy:
     if settings.policy == "dynamic":
         from daemon.controller.policies.dynamic import DynamicBatchingPolicy
 
-        return DynamicBatchingPolicy(max_queue_delay=settings.max_queue_delay_ms / 1000.0)
+        return DynamicBatchingPolicy(max_queue_delay=settings.max_queue_delay_ms / 1000.0,
+                                     cross_model=settings.cross_model_batching)
     if settings.policy == "aimd":
         from daemon.controller.policies.aimd import AimdPolicy
 
-        return AimdPolicy(step=settings.aimd_step, backoff=settings.aimd_backoff)
+        return AimdPolicy(step=settings.aimd_step, backoff=settings.aimd_backoff,
+                          cross_model=settings.cross_model_batching)
     if settings.policy == "clockwork":
         from daemon.controller.policies.clockwork import ClockworkPolicy
 

@@ -12,7 +12,7 @@ Pure code: a read-only view in, the requests to add out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from daemon.controller.state import DeviceState, ModelEntry
 from daemon.controller.view import ControllerView
@@ -42,14 +42,20 @@ def cost(view: ControllerView, dev: DeviceState, prefix: str, rows: int, tails: 
     return total
 
 
+def own_limit(spec: ModelSpec) -> int:
+    return spec.max_batch_size
+
+
 def extend(view: ControllerView, dev: DeviceState, lead: ModelEntry, taken: list[InferenceRequest],
-           start: float, candidates: Iterable[str], now: float) -> tuple[Members, float] | None:
+           start: float, candidates: Iterable[str], now: float,
+           limit: Callable[[ModelSpec], int] = own_limit) -> tuple[Members, float] | None:
     """Requests of other models sharing `lead`'s prefix, ready on `dev`, that can join the batch
     `taken` of `lead` starting at `start`: (members with their requests, the batch's expected
     seconds), or None when none can. The batch holds at most `lead`'s largest batch of rows (the
     prefix runs in the lead's buffers); members are looked at most urgent first, and each joins
-    with as many of its queued requests as fit, if every request in the batch still meets its
-    deadline (else it is left out whole and the next one is tried)."""
+    with as many of its queued requests as fit (at most `limit(its spec)` rows: its own largest
+    batch, or what the policy lets it run now, as AIMD's learned size), if every request in the
+    batch still meets its deadline (else it is left out whole and the next one is tried)."""
     prefix, cap = lead.prefix, lead.spec.max_batch_size
     rows = sum(r.samples for r in taken)
     deadline = min(r.deadline for r in taken)
@@ -75,7 +81,7 @@ def extend(view: ControllerView, dev: DeviceState, lead: ModelEntry, taken: list
             break
         reqs: list[InferenceRequest] = []
         n, due = 0, deadline
-        room = min(cap - rows, entry.spec.max_batch_size)  # its own tail runs on its rows: its limit holds
+        room = min(cap - rows, limit(entry.spec))  # its own tail runs on its rows: its limit holds
         for r in entry.queue.first(room):
             if n + r.samples > room:
                 break
@@ -93,3 +99,16 @@ def extend(view: ControllerView, dev: DeviceState, lead: ModelEntry, taken: list
     if not members or total is None:
         return None
     return members, total
+
+
+def candidates(view: ControllerView, lead: ModelEntry) -> list[str]:
+    """Models with queued work that share `lead`'s prefix (for policies that keep no index of their
+    own, as clockwork does: one pass over the models with work)."""
+    return [e.spec.key for e in view.active() if e.prefix == lead.prefix and e is not lead]
+
+
+def allowed(dev: DeviceState, lead: ModelEntry) -> bool:
+    """Whether a batch of `lead` on `dev` may take in other models' requests: `lead` is a plan of
+    stages, the device keeps shared weights once (a CUDA arena holds each model apart), and ParM
+    does not protect the model (its coding groups are one model's batches)."""
+    return bool(lead.prefix) and dev.memory.shares and lead.spec.parity is None

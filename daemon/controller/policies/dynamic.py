@@ -8,11 +8,16 @@
 - A model with queued requests that is on no device is loaded on demand, onto the device with
   the most free weight memory, unloading least-recently-used models nobody is waiting for
   first when the budget is full.
+- Cross-model batching (controller/sharing.py, as under `clockwork`): a batch of a model whose
+  leading stage other models share takes in their queued requests too, each with at most as
+  many rows as the policy would run for it alone, when every request still meets its deadline
+  by the stage estimates, on devices that keep shared weights once; the stage then runs once.
 """
 
 from __future__ import annotations
 
 from daemon.actions import Result
+from daemon.controller import sharing
 from daemon.controller.decisions import Drop, Infer, Load, Steps, Unload
 from daemon.controller.state import LATEST_GRACE, DeviceState, ModelEntry
 from daemon.controller.view import ControllerView
@@ -24,8 +29,9 @@ from daemon.request import InferenceRequest
 class DynamicBatchingPolicy:
     name = "dynamic"
 
-    def __init__(self, max_queue_delay: float = 0.0) -> None:
+    def __init__(self, max_queue_delay: float = 0.0, cross_model: bool = True) -> None:
         self.max_queue_delay = max_queue_delay
+        self.cross_model = cross_model
         self._wake: float | None = None
 
     def next_wakeup(self, view: ControllerView, now: float) -> float | None:
@@ -111,9 +117,26 @@ class DynamicBatchingPolicy:
             taken, samples = keep, sum(r.samples for r in keep)
             if not taken:
                 return True  # the device is still free: look for more work
-        latest = max(min(r.deadline for r in taken) - est, now + LATEST_GRACE)
-        yield Infer(spec, dev.name, taken, b, latest, est)
+        deadline = min(r.deadline for r in taken)
+        group = self._group(view, entry, taken, dev, now) if self.cross_model else None
+        if group is not None:
+            members, est = group
+            samples += sum(r.samples for _, reqs in members for r in reqs)
+            deadline = min(deadline, *(r.deadline for _, reqs in members for r in reqs))
+            b = spec.batch_size_for(samples)
+        latest = max(deadline - est, now + LATEST_GRACE)
+        yield Infer(spec, dev.name, taken, b, latest, est, group=group[0] if group is not None else None)
         return True
+
+    def _group(self, view: ControllerView, entry: ModelEntry, taken: list[InferenceRequest], dev: DeviceState,
+               now: float) -> tuple[sharing.Members, float] | None:
+        """Other models' requests that can join this batch to share its prefix (sharing.py)."""
+        if not sharing.allowed(dev, entry):
+            return None
+        cands = sharing.candidates(view, entry)
+        if not cands:
+            return None
+        return sharing.extend(view, dev, entry, taken, now, cands, now, limit=self._cap)
 
     @staticmethod
     def _dispatch_lane(view: ControllerView, dev: DeviceState, lane: list[ModelEntry]) -> Steps:
