@@ -119,8 +119,8 @@ def _side(mode: str, repo: Path, n: int, load_reps: int) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def _load_phase(repo: Path, n: int, budget: int, reps: int, probe_s: float, ablation: bool = False
-                ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _load_phase(repo: Path, n: int, budget: int, reps: int, probe_s: float, ablation: bool = False,
+                policy: str = "clockwork") -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Capacity, p99 and cold starts without and with sharing, `reps` times (sharing_load.py)."""
     import numpy as np
 
@@ -138,13 +138,14 @@ def _load_phase(repo: Path, n: int, budget: int, reps: int, probe_s: float, abla
     rows: list[dict[str, Any]] = []
     for rep in range(reps):
         seed = 1000 * (rep + 1)
-        alone = sharing_load.side("without sharing", repo, popularity, budget, False, probe_s, seed)
+        alone = sharing_load.side("without sharing", repo, popularity, budget, False, probe_s, seed, policy=policy)
         shared = sharing_load.side("with sharing", family.staged_out(repo), popularity, budget, True, probe_s, seed,
-                                   at_rate=alone["capacity_rps"], want=want if rep == 0 else None)
+                                   at_rate=alone["capacity_rps"], want=want if rep == 0 else None, policy=policy)
         ident = ident or shared.get("identity")
         if ablation:  # the staged variants with their weights shared, but no cross-model batching
             solo = sharing_load.side("sharing, no cross-model batching", family.staged_out(repo), popularity, budget,
-                                     True, probe_s, seed, at_rate=alone["capacity_rps"], cross_model=False)
+                                     True, probe_s, seed, at_rate=alone["capacity_rps"], cross_model=False,
+                                     policy=policy)
             solo_caps.append(solo["capacity_rps"])
             solo_p99.append(solo["at_rate"]["p99_ms"] if solo["at_rate"] else None)
             rows.extend({**r, "rep": rep} for r in solo["rows"])
@@ -179,8 +180,11 @@ def _load_phase(repo: Path, n: int, budget: int, reps: int, probe_s: float, abla
 
 def run(quick: bool = False, json_out: str | None = None, variants: int | None = None,
         load_reps: int | None = None, reps: int | None = None, probe_s: float | None = None,
-        load: bool = True, ablation: bool = False) -> dict[str, Any]:
-    """`load` false: the memory, LOAD and identity figures only (no capacity, p99 or cold starts)."""
+        load: bool = True, ablation: bool = False, policy: str = "clockwork") -> dict[str, Any]:
+    """`load` false: the memory, LOAD and identity figures only (no capacity, p99 or cold starts).
+    `policy`: the controller's policy on every side of the load phase (clockwork, dynamic, aimd)."""
+    if policy not in ("clockwork", "dynamic", "aimd"):
+        raise SystemExit(f"--policy {policy!r}: one of clockwork, dynamic, aimd")
     from daemon import variants as family
 
     n = int(variants or (40 if quick else 200))
@@ -188,7 +192,8 @@ def run(quick: bool = False, json_out: str | None = None, variants: int | None =
     rounds = int(reps or (1 if quick else 3))
     probe = float(probe_s or (2.0 if quick else 4.0))
     extra = {k: v for k, v in (("variants", variants), ("reps", reps), ("probe_s", probe_s),
-                               ("ablation", "true" if ablation else None)) if v is not None}
+                               ("ablation", "true" if ablation else None),
+                               ("policy", policy if policy != "clockwork" else None)) if v is not None}
     repo = Path(tempfile.gettempdir()) / f"escapement-variants-{n}"
     t0 = time.perf_counter()
     family.build(repo, n)
@@ -198,11 +203,12 @@ def run(quick: bool = False, json_out: str | None = None, variants: int | None =
     identical = shared.pop("outputs") == alone.pop("outputs")
     # a tenth of the variants' unshared weights (two variants' worth at least: a family of a few)
     budget = max(alone["device_budget_bytes"] // 10, 2 * alone["device_budget_bytes"] // n)
-    figures, load_rows = _load_phase(repo, n, budget, rounds, probe, ablation) if load else ({
+    figures, load_rows = _load_phase(repo, n, budget, rounds, probe, ablation, policy) if load else ({
         "capacity_ratio": None, "p99_ratio": None, "outputs_identical_cross_model": None}, [])
     rows = [shared, alone, *load_rows]
     summary = {
         "variants": n,
+        "policy": policy,
         "memory_ratio": alone["device_budget_bytes"] / shared["device_budget_bytes"],
         "device_budget_shared_bytes": shared["device_budget_bytes"],
         "device_budget_unshared_bytes": alone["device_budget_bytes"],
@@ -233,6 +239,7 @@ def run(quick: bool = False, json_out: str | None = None, variants: int | None =
         "afresh, without sharing first.",
         "p99_ratio: p99 without sharing at its own capacity over p99 with sharing at that same offered load "
         "(median of the reps); cold-start rates are at that load too.",
+        f"policy: {policy} on both sides of the load phase (every policy forms cross-model batches).",
         "without sharing: the monolithic variants, runtime.share_weights = false (each model charged and held in "
         "full), no cross-model batching; with sharing: the staged variants (backbone stage shared), cross-model "
         "batching on, prefix cache off (each model's load repeats one input, which it would serve).",
@@ -241,8 +248,8 @@ def run(quick: bool = False, json_out: str | None = None, variants: int | None =
         "batches), equal its monolithic program alone on the same 8-row requests.",
         f"variant family built (or found) in {build_s:.1f} s",
     ]
-    config = {"variants": n, "load_reps": load_reps, "repo": str(repo), "load_rounds": rounds, "probe_s": probe,
-              "command": command("sharing", quick, extra)}
+    config = {"variants": n, "policy": policy, "load_reps": load_reps, "repo": str(repo), "load_rounds": rounds,
+              "probe_s": probe, "command": command("sharing", quick, extra)}
     return results.write("sharing", config, rows, summary, json_out, notes)
 
 

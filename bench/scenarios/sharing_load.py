@@ -33,7 +33,8 @@ import numpy as np
 from bench import loadgen
 from bench.scenarios.many_models import point, stats
 from bench.servers import Escapement
-from daemon.repository import ModelSpec, scan
+from daemon.model import ModelSpec
+from daemon.repository import scan
 
 CHECK_ROWS = 8  # samples per request of the identity check (BLAS runs 1-3 rows otherwise than more)
 CHECK_INPUTS = 2
@@ -104,14 +105,15 @@ def identity_check(server: Escapement, names: list[str], want: dict[str, list[st
 
 def side(label: str, repo: Path, popularity: np.ndarray, budget: int, shared: bool, probe_s: float, seed: int,
          at_rate: float | None = None, want: dict[str, list[str]] | None = None,
-         cross_model: bool | None = None) -> dict[str, Any]:
+         cross_model: bool | None = None, policy: str = "clockwork") -> dict[str, Any]:
     """One daemon: its capacity at SLO, and its row at `at_rate` (default: its capacity). `cross_model`
-    (default: `shared`) apart from `shared` measures what weight sharing alone buys."""
+    (default: `shared`) apart from `shared` measures what weight sharing alone buys; `policy` is the
+    controller's (every policy forms cross-model batches)."""
     specs: dict[str, ModelSpec] = {m.name: m for m in scan(repo).models}
     names = sorted(specs)
     n = len(names)
     runtime = {"weight_budget": budget, "share_weights": shared, "prefix_cache_entries": 0}
-    controller = {"policy": "clockwork", "cross_model_batching": shared if cross_model is None else cross_model}
+    controller = {"policy": policy, "cross_model_batching": shared if cross_model is None else cross_model}
     with Escapement(repo, runtime=runtime, controller=controller) as server:
         slo = max(s.slo_s for s in specs.values())
 
