@@ -217,6 +217,9 @@ class RuntimeSettings:
         "executor thread by milliseconds; a shorter interval keeps action starts on time.", 200)
     share_weights: bool = doc("Count a weight tensor several models hold once in a device's budget (CPU devices); "
                               "off: every model is charged in full, as black-box serving (for comparisons).", True)
+    detect_shared_prefix: bool = doc("Find a leading stage single-program (model.pt2) models share (the same ops over "
+                                     "the same weights up to one tensor) when they load, and serve them split there "
+                                     "as plans of stages (docs/models.md); with share_weights.", True)
     prefix_cache_entries: int = doc("CPU devices: outputs of a shared leading stage kept per device, by input, so "
                                     "the same input sent to several models that share it runs it once; 0 disables.",
                                     4096)

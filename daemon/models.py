@@ -29,6 +29,7 @@ from daemon.lifecycle import State
 from daemon.notify import Notifier
 from daemon.registry import ModelRegistry, ModelState
 from daemon.repository import ModelSpec, ScanResult, parity_model, scan
+from daemon.runtime import shared_prefix
 from daemon.runtime.devices import Device
 from daemon.runtime.executor import Executor
 from daemon.runtime.hostmem import HostPins
@@ -317,6 +318,10 @@ class ModelManager:
         for key in todo:
             if key not in self._served:
                 self.registry.add(wanted[key], ModelState.LOADING)
+        runtime = self.settings.runtime
+        if runtime.detect_shared_prefix and runtime.share_weights and len(todo) > 1:
+            # every new single-program model read before any loads: a prefix it shares is found from the first
+            await asyncio.to_thread(shared_prefix.INDEX.read_ahead, [wanted[k] for k in todo])
         for i, key in enumerate(todo, 1):
             if self.state > State.RUNNING:
                 raise Unavailable("the daemon is shutting down")

@@ -39,7 +39,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
@@ -48,6 +48,9 @@ from daemon.repository import ModelSpec
 from daemon.runtime.objstore import STORE, ObjectStore, block_bytes
 from daemon.runtime.retarget import capture_lint, check_runs_on, to_device
 from daemon.runtime.weights import WeightLayout, pack
+
+if TYPE_CHECKING:
+    from daemon.runtime.shared_prefix import PrefixIndex
 
 log = logging.getLogger("escapement.repository")
 
@@ -280,13 +283,19 @@ def _stored(weights: list[tuple[str, torch.Tensor]], store: ObjectStore
     return WeightLayout.of(weights), tuple(t for _, t in held), tuple(c for c, _ in held)
 
 
-def _load_exported(spec: ModelSpec, store: ObjectStore) -> Program:
+def read_exported(spec: ModelSpec) -> torch.export.ExportedProgram:
     with warnings.catch_warnings():  # torch 2.11 reads the archive's weights from a read-only buffer
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        ep = torch.export.load(str(spec.path))
+        return torch.export.load(str(spec.path))
+
+
+def exported_weights(ep: torch.export.ExportedProgram, spec: ModelSpec
+                     ) -> tuple[list[tuple[str, torch.Tensor]], list[int]]:
+    """The program's weights (name, tensor) in signature order, and its argument plan: per graph
+    argument, >= 0 a weight's index, < 0 user input -(k+1). Raises ProgramError for what cannot be served."""
     sig = ep.graph_signature
     weights: list[tuple[str, torch.Tensor]] = []
-    plan: list[int] = []  # per graph argument: >= 0 weight index, < 0 user input -(k+1)
+    plan: list[int] = []
     n_inputs = 0
     for s in sig.input_specs:
         if s.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
@@ -313,9 +322,12 @@ def _load_exported(spec: ModelSpec, store: ObjectStore) -> Program:
     if n_inputs != len(spec.inputs):
         raise ProgramError(f"{spec.key}: the program takes {n_inputs} inputs but config.toml lists "
                            f"{len(spec.inputs)}")
-    gm = ep.graph_module
-    layout, tensors, cids = _stored(weights, store)
-    simple = plan == list(range(len(layout.entries))) + [-(k + 1) for k in range(n_inputs)]
+    return weights, plan
+
+
+def _graph_binder(gm: torch.fx.GraphModule, plan: list[int], n_weights: int, spec: ModelSpec) -> Binder:
+    """A binder calling the lifted graph `gm` with the weights as arguments, in `plan`'s order."""
+    simple = plan == list(range(n_weights)) + [-(k + 1) for k in range(len(plan) - n_weights)]
     moved: dict[str, torch.fx.GraphModule] = {"cpu": gm}
 
     def bind_graph(views: list[torch.Tensor], owner: str | None = None,
@@ -333,12 +345,65 @@ def _load_exported(spec: ModelSpec, store: ObjectStore) -> Program:
         return run
 
     bind_graph.plan = plan  # type: ignore[attr-defined]
+    return bind_graph
+
+
+def _load_exported(spec: ModelSpec, store: ObjectStore, ep: torch.export.ExportedProgram | None = None) -> Program:
+    ep = ep if ep is not None else read_exported(spec)
+    weights, plan = exported_weights(ep, spec)
+    gm = ep.graph_module
+    layout, tensors, cids = _stored(weights, store)
+    bind_graph = _graph_binder(gm, plan, len(weights), spec)
     native = _trace_binder(ep, spec, layout)
     lint = capture_lint(gm)
     if native is None:
         return Program(spec, layout, tensors, cids, bind_graph, None, graph=gm, capture_problem=lint)
     return Program(spec, layout, tensors, cids, bind_graph, native[0], releasers=[native[1]], graph=gm,
                    capture_problem=lint)
+
+
+def graph_stage(spec: ModelSpec, gm: torch.fx.GraphModule, weights: list[tuple[str, torch.Tensor]],
+                store: ObjectStore) -> Program:
+    """A stage cut out of an exported program (shared_prefix.py): `gm` takes `weights`, then the
+    stage's inputs. Its native runner is a trace of the same graph over the same weight slots."""
+    layout, tensors, cids = _stored(weights, store)
+    plan = list(range(len(weights))) + [-(k + 1) for k in range(len(spec.inputs))]
+    bind_graph = _graph_binder(gm, plan, len(weights), spec)
+    native = _trace_graph(gm, spec, tensors)
+    lint = capture_lint(gm)
+    if native is None:
+        return Program(spec, layout, tensors, cids, bind_graph, None, graph=gm, capture_problem=lint)
+    return Program(spec, layout, tensors, cids, bind_graph, native[0], releasers=[native[1]], graph=gm,
+                   capture_problem=lint)
+
+
+class _GraphShell(torch.nn.Module):
+    """A module holding a lifted graph's weights as buffers `w0..wn`, calling the graph with them:
+    what TorchScript traces for a stage cut out of an exported program."""
+
+    def __init__(self, gm: torch.fx.GraphModule, weights: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.gm = gm
+        self.n = len(weights)
+        for i, t in enumerate(weights):
+            self.register_buffer(f"w{i}", t)
+
+    def forward(self, *xs: torch.Tensor) -> object:
+        return self.gm(*(getattr(self, f"w{i}") for i in range(self.n)), *xs)
+
+
+def _trace_graph(gm: torch.fx.GraphModule, spec: ModelSpec, weights: Sequence[torch.Tensor]
+                 ) -> tuple[Binder, Callable[[str], None]] | None:
+    example = [torch.zeros((min(2, spec.max_batch_size), *t.sample_shape), dtype=t.datatype.tensor_dtype)
+               for t in spec.inputs]
+    try:
+        with warnings.catch_warnings(), torch.inference_mode():
+            warnings.simplefilter("ignore")
+            traced = torch.jit.trace(_GraphShell(gm, weights), tuple(example), check_trace=False, strict=False)
+        return _script_binder(traced, spec, lambda path, attr, _t: int(attr[1:]))
+    except Exception as e:  # an optimisation, as for whole programs
+        log.info("%s: no native runner (%s: %s); CPU devices use the graph runner", spec.key, type(e).__name__, e)
+        return None
 
 
 def _trace_binder(ep: torch.export.ExportedProgram, spec: ModelSpec, layout: WeightLayout
@@ -399,13 +464,19 @@ def _stage_specs(spec: ModelSpec) -> list[ModelSpec]:
 
 
 def _load_staged(spec: ModelSpec, store: ObjectStore) -> Program:
-    programs = [_load_exported(s, store) for s in _stage_specs(spec)]
+    return plan_of(spec, [_load_exported(s, store) for s in _stage_specs(spec)])
+
+
+def plan_of(spec: ModelSpec, programs: list[Program], sids: Sequence[str | None] = ()) -> Program:
+    """One program made of `programs` run in turn (a plan of stages); `sids` may give a stage's
+    identity (else it is its graph's, stage_id)."""
     stages: list[Stage] = []
     entries: list[tuple[str, torch.Tensor]] = []
     first = 0
     for i, p in enumerate(programs):
         assert p.graph is not None
-        stages.append(Stage(stage_id(p.graph, p.cids, p.spec), first, len(p.layout.entries), p))
+        sid = sids[i] if i < len(sids) else None
+        stages.append(Stage(sid or stage_id(p.graph, p.cids, p.spec), first, len(p.layout.entries), p))
         entries.extend((f"s{i}.{e.name}", t) for e, t in zip(p.layout.entries, p.host_tensors, strict=True))
         first += len(p.layout.entries)
     layout = WeightLayout.of(entries)
@@ -498,18 +569,27 @@ def _native_agrees(spec: ModelSpec, native: Runner, xs: list[torch.Tensor], refe
     return _same(outs, reference)
 
 
-def load_program(spec: ModelSpec, store: ObjectStore = STORE) -> Program:
+def load_program(spec: ModelSpec, store: ObjectStore = STORE, prefixes: PrefixIndex | None = None) -> Program:
     """Read the model file into host memory (its weights into `store`: each distinct tensor once)
-    and check it against its config by running it.
+    and check it against its config by running it. A single-program model read ahead into
+    `prefixes` (default: the process's, shared_prefix.INDEX) is split at the longest leading stage
+    it shares with another model there.
 
     Runs batch 1, 2 and the largest batch size on the host CPU: this validates the shapes,
     checks the native runner against the graph, and gives first timings to seed estimates.
     """
+    from daemon.runtime.shared_prefix import INDEX
+
+    index = prefixes if prefixes is not None else INDEX
     try:
         if spec.stages:
             program = _load_staged(spec, store)
+        elif spec.format == "pt2":
+            read = index.take(spec)  # read ahead when detection is on (runtime.detect_shared_prefix)
+            split = index.split(spec, read, store) if read is not None else None
+            program = split or _load_exported(spec, store, read.ep if read is not None else None)
         else:
-            program = _load_exported(spec, store) if spec.format == "pt2" else _load_torchscript(spec, store)
+            program = _load_torchscript(spec, store)
     except ProgramError:
         raise
     except Exception as e:  # torch raises many types for a bad file
