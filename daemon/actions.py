@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 from daemon.request import InferenceRequest
 
 # A LOAD moves at least this many bytes per second; one slower than that (plus the hang timeout)

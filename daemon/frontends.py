@@ -55,7 +55,7 @@ from daemon.request import InferenceRequest, RequestClass, RequestStatus
 
 log = logging.getLogger("escapement.workers")
 
-STATE_TICK_S = 0.005  # how often overload, health and the registry are compared with what workers have
+STATE_TICK_S = 0.005  # how often overload, health and the catalog are compared with what workers have
 READY_TIMEOUT_S = 60.0
 WORKER_EXIT_S = 5.0
 MAX_EARLY_DEATHS = 5
@@ -68,8 +68,8 @@ def default_workers(cores: int) -> int:
     return 0 if cores <= 2 else max(1, cores // 4)
 
 
-def registry_snapshot(gateway: Gateway) -> bytes:
-    reg = gateway.registry
+def catalog_snapshot(gateway: Gateway) -> bytes:
+    reg = gateway.catalog
     entries = [(e.spec, e.state.value, e.reason) for n in reg.names() for e in reg.versions(n).values()]
     return pickle.dumps((entries, reg.broken()), protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -171,7 +171,7 @@ class FrontendWorkers:
                          on_wedged=lambda: self._wedged(w)), sock=mine)
         w.link.send([HELLO, pickle.dumps(self.settings, protocol=pickle.HIGHEST_PROTOCOL), index, self.count,
                      self.http_host, self.http_port, self.grpc_host, self.grpc_port])
-        w.link.send([MODELS, registry_snapshot(self.gateway)])
+        w.link.send([MODELS, catalog_snapshot(self.gateway)])
         w.link.send(self._state())
         log.info("frontend worker %d started (pid %d)", index, proc.pid)
 
@@ -203,7 +203,7 @@ class FrontendWorkers:
          refs) = record
         assert w.link is not None
         try:
-            spec = self.gateway.registry.resolve(name, version)
+            spec = self.gateway.catalog.resolve(name, version)
             if len(refs) != len(spec.inputs):
                 raise InternalError(f"a frontend worker sent {len(refs)} inputs for {spec.name}")
             try:
@@ -276,7 +276,7 @@ class FrontendWorkers:
         self._answer_call(w, cid, answer(), f"forwarded {method} {path}")
 
     def _reply(self, link: Link, cid: int, payload: Any) -> None:
-        """Answer a forwarded call; the registry first if the call changed it (a load, an unload), so
+        """Answer a forwarded call; the catalog first if the call changed it (a load, an unload), so
         that the worker's next request sees what the answer says (records arrive in order)."""
         self._push_registry()
         link.send([REPLY, cid, payload])
@@ -318,11 +318,11 @@ class FrontendWorkers:
         return [STATE, o.overloaded, o.lag_s, h.ready, h.lost_devices]
 
     def _push_registry(self) -> None:
-        gen = self.gateway.registry.generation
+        gen = self.gateway.catalog.generation
         if gen == self._generation:
             return
         self._generation = gen
-        snapshot = registry_snapshot(self.gateway)
+        snapshot = catalog_snapshot(self.gateway)
         for w in self.workers:
             if w is not None and w.link is not None:
                 w.link.send([MODELS, snapshot])
@@ -331,7 +331,7 @@ class FrontendWorkers:
         self._tick = asyncio.get_running_loop().call_later(STATE_TICK_S, self._on_tick)
 
     def _on_tick(self) -> None:
-        """Push what changed: the registry (by its generation), overload and health."""
+        """Push what changed: the catalog (by its generation), overload and health."""
         self._push_registry()
         state = self._state()
         key = (state[1], state[3], tuple(sorted(state[4].items())))

@@ -39,15 +39,15 @@ from daemon.apps.cache import PredictionCache
 from daemon.apps.personal import Personalizer, default_db_path
 from daemon.apps.router import Applications, default_app_db_path
 from daemon.apps.userdb import UserDB
+from daemon.catalog import ModelCatalog, ModelState, VersionEntry
 from daemon.clock import Clock, MonotonicClock
 from daemon.config import ApplicationSettings, Settings, application_from_dict
 from daemon.controller.classes import classify, priority_rank
 from daemon.errors import BadRequest, ConfigError, DeadlineExceeded, NotFound, Overloaded, Unavailable
+from daemon.model import ModelSpec
 from daemon.observability import metrics
 from daemon.observability.stats import ModelStats, Span
 from daemon.overload import LagTracker
-from daemon.registry import ModelRegistry, ModelState, VersionEntry
-from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest, RequestStatus
 
 log = logging.getLogger("escapement.gateway")
@@ -85,7 +85,7 @@ def _always_ready() -> Health:
 
 
 class Gateway:
-    def __init__(self, settings: Settings, registry: ModelRegistry, controller: Controller, *,
+    def __init__(self, settings: Settings, catalog: ModelCatalog, controller: Controller, *,
                  clock: Clock | None = None, overload: LagTracker | None = None,
                  request_memory: RequestMemory | None = None, models: RepositoryControl | None = None,
                  executors: Mapping[str, Executor] | None = None, health: Callable[[], Health] = _always_ready,
@@ -93,7 +93,7 @@ class Gateway:
                  personal: Personalizer | None = None, apps: Applications | None = None) -> None:
         s = settings.server
         self.settings = settings
-        self.registry = registry
+        self.catalog = catalog
         self.controller = controller
         self.clock = clock or MonotonicClock()
         self.overload = overload or LagTracker(s.shed_lag_ms / 1000.0)
@@ -131,7 +131,7 @@ class Gateway:
             self.overload.shed += 1
             raise Overloaded(f"the daemon is overloaded: its event loop is {self.overload.lag_s * 1e3:.0f} ms "
                              "behind; retry later", retry_after_s=1.0)
-        return self.registry.resolve(name, version)
+        return self.catalog.resolve(name, version)
 
     def new_request(self, spec: ModelSpec, arrays: tuple[np.ndarray, ...], samples: int, timeout_us: int | None,
                     priority: int | None, client_id: str) -> InferenceRequest:
@@ -151,8 +151,8 @@ class Gateway:
         failure or cancellation). Raises the refusal (Unavailable, Overloaded, DeadlineExceeded)."""
         spec = req.model
         # A version being unloaded or replaced stays in the scheduler until its accepted requests
-        # are answered: only the registry says it admits no more (a request built before that).
-        if self.registry.resolve(spec.name, spec.version) is not spec:
+        # are answered: only the catalog says it admits no more (a request built before that).
+        if self.catalog.resolve(spec.name, spec.version) is not spec:
             raise Unavailable(f"model {spec.name} version {spec.version} was reloaded while the request was "
                               "read; retry")
         if req.user and spec.personalization is not None:  # first: a cached answer is personalized too
@@ -242,11 +242,11 @@ class Gateway:
     async def feedback(self, name: str, version: str | int | None, query_id: Any, label: Any) -> dict[str, Any]:
         """The true label(s) of a personalized answer: its user's weights are updated, and the answer
         comes once that is committed. NotFound (model, query), BadRequest (label, not personalized)."""
-        return await self.personal.feedback(self.registry.resolve(name, version), query_id, label)
+        return await self.personal.feedback(self.catalog.resolve(name, version), query_id, label)
 
     async def user(self, name: str, version: str | int | None, user: Any) -> dict[str, Any]:
         """A personalized model's user: updates so far and the last one's time; NotFound if none."""
-        return await self.personal.user_status(self.registry.resolve(name, version), user)
+        return await self.personal.user_status(self.catalog.resolve(name, version), user)
 
     # ---------------------------------------------------------------- applications
 
@@ -261,7 +261,7 @@ class Gateway:
 
     def resolve_member(self, name: str) -> ModelSpec:
         """An application's member: the model's newest ready version (NotFound, Unavailable)."""
-        return self.registry.resolve(name, None)
+        return self.catalog.resolve(name, None)
 
     async def load_applications(self) -> list[str]:
         """Serve the applications declared in the config and in the repository's applications.toml
@@ -310,14 +310,14 @@ class Gateway:
 
     def model(self, name: str, version: str | int | None = None) -> VersionEntry:
         """A model version (None: the newest that serves) whatever its state; NotFound, Unavailable."""
-        return self.registry.entry(name, version)
+        return self.catalog.entry(name, version)
 
     def versions(self, name: str) -> list[int]:
-        return sorted(self.registry.versions(name))
+        return sorted(self.catalog.versions(name))
 
     def index(self, ready_only: bool = False) -> list[dict[str, str]]:
         """The repository index: one entry per version (and per broken entry), Triton's shape."""
-        return self.registry.index(ready_only)
+        return self.catalog.index(ready_only)
 
     async def load_model(self, name: str) -> dict[str, Any]:
         return await self._repository().load_model(name)
@@ -356,16 +356,16 @@ class Gateway:
         """Triton's statistics extension (`model_stats`), for every ready version, one model's ready
         versions, or one version. NotFound for an unknown model or version, Unavailable for one
         with no version ready."""
-        registry = self.registry
+        catalog = self.catalog
         if name is None:
-            specs = [e.spec for n in registry.names() for _, e in sorted(registry.versions(n).items())
+            specs = [e.spec for n in catalog.names() for _, e in sorted(catalog.versions(n).items())
                      if e.state == ModelState.READY]
         elif version is not None and version != "":
-            specs = [registry.resolve(name, version)]
+            specs = [catalog.resolve(name, version)]
         else:
-            specs = [e.spec for _, e in sorted(registry.versions(name).items()) if e.state == ModelState.READY]
+            specs = [e.spec for _, e in sorted(catalog.versions(name).items()) if e.state == ModelState.READY]
             if not specs:
-                specs = [registry.resolve(name)]  # raises: unknown, broken, or no version ready
+                specs = [catalog.resolve(name)]  # raises: unknown, broken, or no version ready
         sched = self._scheduler()
         epoch = time.time() - self.clock.now()  # the daemon's clock is monotonic
         return [model_stats_json(sched, spec, epoch, self.cache) for spec in specs]

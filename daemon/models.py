@@ -1,6 +1,6 @@
 """The model manager: which model versions the daemon serves, and changing that without dropping a request.
 
-It owns the repository scans and the served versions (`ModelRegistry` says what frontends see;
+It owns the repository scans and the served versions (`ModelCatalog` says what frontends see;
 `ModelManager` decides it). A new version is read (in a worker thread), warmed up on a serving
 device and profiled before it is admitted; a version leaving is refused new requests at once
 and unloaded once its accepted ones are answered. SIGHUP reloads (`reload_repository`), and the
@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from daemon.catalog import ModelCatalog, ModelState
 from daemon.clock import Clock
 from daemon.coding import codes
 from daemon.config import Settings
@@ -26,9 +27,9 @@ from daemon.controller.scheduler import Scheduler
 from daemon.controller.service import ControllerService
 from daemon.errors import BadRequest, ConfigError, Forbidden, NotFound, Unavailable
 from daemon.lifecycle import State
+from daemon.model import ModelSpec
 from daemon.notify import Notifier
-from daemon.registry import ModelRegistry, ModelState
-from daemon.repository import ModelSpec, ScanResult, parity_model, scan
+from daemon.repository import ScanResult, parity_model, scan
 from daemon.runtime import shared_prefix
 from daemon.runtime.devices import Device
 from daemon.runtime.executor import Executor
@@ -135,12 +136,12 @@ def _landed(sched: Scheduler, keys: Sequence[str]) -> bool:
 class ModelManager:
     """Serves the repository's models: reads, warms up, installs, reloads and retires versions."""
 
-    def __init__(self, settings: Settings, registry: ModelRegistry, controller: ControllerService,
+    def __init__(self, settings: Settings, catalog: ModelCatalog, controller: ControllerService,
                  executors: dict[str, Executor], devices: Sequence[Device], programs: dict[str, Program],
                  host_pins: HostPins, notifier: Notifier, clock: Clock, *, spawn: Spawn,
                  phase: Callable[[], State], status_line: Callable[[], str]) -> None:
         self.settings = settings
-        self.registry = registry
+        self.catalog = catalog
         self.controller = controller
         self.executors = executors
         self.devices = devices
@@ -166,7 +167,7 @@ class ModelManager:
 
     def serving(self) -> int:
         """How many model versions are READY."""
-        return sum(1 for m in self.registry.index() if m["state"] == "READY")
+        return sum(1 for m in self.catalog.index() if m["state"] == "READY")
 
     async def load_repository(self) -> None:
         """Serve every model of the repository: read each (in a worker thread), warm it up and
@@ -246,7 +247,7 @@ class ModelManager:
         UNAVAILABLE ("unloaded"), and reloads leave it so until `load_model`. NotFound if unknown;
         with `only_if_gone` (a caller without the token), Forbidden while its directory is there."""
         self._check_running()
-        if name not in self.registry.names():
+        if name not in self.catalog.names():
             raise NotFound(f"unknown model {name!r}")
         if only_if_gone and await asyncio.to_thread(os.path.lexists, Path(self.settings.models.repository) / name):
             raise Forbidden(f"model {name}: without the admin token, a model is unloaded only once its directory "
@@ -255,9 +256,9 @@ class ModelManager:
             self._unloaded.add(name)
             keys = sorted(k for k, v in self._served.items() if v.spec.name == name and not v.retiring)
             changes = await self._retire_all(keys, "unloading", self._mark_unloaded)
-            for entry in self.registry.versions(name).values():
+            for entry in self.catalog.versions(name).values():
                 if entry.spec.key not in self._served:  # a version that had failed to load, say
-                    self.registry.set_state(entry.spec, ModelState.UNAVAILABLE, "unloaded")
+                    self.catalog.set_state(entry.spec, ModelState.UNAVAILABLE, "unloaded")
         log.info("unload %s: %s", name, changes.summary())
         return changes.as_json()
 
@@ -266,10 +267,10 @@ class ModelManager:
             raise Unavailable("the daemon is starting or shutting down; retry once it is running")
 
     def _mark_unloaded(self, spec: ModelSpec) -> None:
-        self.registry.set_state(spec, ModelState.UNAVAILABLE, "unloaded")
+        self.catalog.set_state(spec, ModelState.UNAVAILABLE, "unloaded")
 
     def _forget_version(self, spec: ModelSpec) -> None:
-        self.registry.remove(spec.name, spec.version)
+        self.catalog.remove(spec.name, spec.version)
 
     async def _scan(self) -> tuple[ScanResult, dict[str, Stamp]]:
         root = Path(self.settings.models.repository)
@@ -293,11 +294,11 @@ class ModelManager:
         in_repo = {m.key for m in result.models}
         # 1. Broken entries are reported; a model whose entry broke keeps what it serves.
         broken = {n: why for n, why in result.broken.items() if mine(n)}
-        for name in self.registry.names():
+        for name in self.catalog.names():
             if mine(name) and name not in broken:
-                self.registry.remove(name)  # its broken entry, if it had one
+                self.catalog.remove(name)  # its broken entry, if it had one
         for name, why in broken.items():
-            self.registry.set_broken(name, why)
+            self.catalog.set_broken(name, why)
         # 2. Versions gone from the repository: refused from now on, unloaded once answered.
         gone = sorted(k for k, v in self._served.items() if mine(v.spec.name) and k not in wanted
                       and not v.retiring and v.spec.name not in broken and v.spec.name not in skip)
@@ -306,18 +307,18 @@ class ModelManager:
         changes = await self._retire_all(gone, "unloading: gone from the repository", self._forget_version)
         changes.broken = broken
         # 3. Entries nothing stands behind any more (a failed version since deleted, say).
-        for name in [n for n in self.registry.names() if mine(n)]:
-            for version, entry in list(self.registry.versions(name).items()):
+        for name in [n for n in self.catalog.names() if mine(n)]:
+            for version, entry in list(self.catalog.versions(name).items()):
                 key = entry.spec.key
                 if key not in self._served and key not in wanted and not (name in skip and key in in_repo):
-                    self.registry.remove(name, version)
+                    self.catalog.remove(name, version)
         self._unloaded &= {m.name for m in result.models} | set(result.broken)
         # 4. New versions, and versions whose files changed (removed, then added).
         todo = sorted(k for k, m in wanted.items()
                       if k not in self._served or self._served[k].spec != m or self._served[k].stamp != stamps[k])
         for key in todo:
             if key not in self._served:
-                self.registry.add(wanted[key], ModelState.LOADING)
+                self.catalog.add(wanted[key], ModelState.LOADING)
         runtime = self.settings.runtime
         if runtime.detect_shared_prefix and runtime.share_weights and len(todo) > 1:
             # every new single-program model read before any loads: a prefix it shares is found from the first
@@ -357,16 +358,16 @@ class ModelManager:
         except _NotServed as e:
             if old is not None:
                 return f"{e} (the version read before is still served)"
-            self.registry.set_state(spec, ModelState.UNAVAILABLE, str(e))
+            self.catalog.set_state(spec, ModelState.UNAVAILABLE, str(e))
             return str(e)
         if old is not None:
             self._stop_admitting(spec.key, ModelState.LOADING, "reloading: its files changed")
-            ok = await self._retire(spec.key, lambda s: self.registry.set_state(
+            ok = await self._retire(spec.key, lambda s: self.catalog.set_state(
                 s, ModelState.UNAVAILABLE, "unloaded for a reload that could not finish (a device did not "
                 "return); reload again"))
             if not ok:
                 return "the version read before is still running on a device; reload again once it is unloaded"
-            self.registry.add(spec, ModelState.LOADING)
+            self.catalog.add(spec, ModelState.LOADING)
         await self._install(prepared)
         return None
 
@@ -502,7 +503,7 @@ class ModelManager:
             await self.controller.until(lambda s: _landed(s, served.keys))
             if not sched.ready_on.get(spec.key):
                 log.warning("model %s: preloading failed; it is loaded when requests come", spec.key)
-        self.registry.set_state(spec, ModelState.READY, p.notes)
+        self.catalog.set_state(spec, ModelState.READY, p.notes)
         log.info("model %s ready (%s, %.1f MiB of weights)%s", spec.key, spec.format, p.program.weight_bytes / 2**20,
                  f"; {p.notes}" if p.notes else "")
 
@@ -510,7 +511,7 @@ class ModelManager:
         """New requests for a served version are refused from now on (its accepted ones are not)."""
         served = self._served[key]
         served.retiring = True
-        self.registry.set_state(served.spec, state, reason)
+        self.catalog.set_state(served.spec, state, reason)
         self.on_retire(served.spec)
 
     async def _retire(self, key: str, after: Callable[[ModelSpec], None]) -> bool:

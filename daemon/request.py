@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from daemon.errors import EscapementError
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 
 
 class RequestStatus(IntEnum):

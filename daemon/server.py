@@ -32,6 +32,7 @@ from daemon.api.budget import RequestMemory
 from daemon.api.grpc_v2 import GrpcFrontend
 from daemon.api.http import HttpFrontend
 from daemon.api.uds import SocketFrontend
+from daemon.catalog import ModelCatalog
 from daemon.clock import Clock, MonotonicClock
 from daemon.config import Settings, parse_hostport
 from daemon.controller.policy import make_policy
@@ -46,7 +47,6 @@ from daemon.notify import Notifier, keep_alive
 from daemon.observability.telemetry import Telemetry
 from daemon.observability.trace import TraceWriter
 from daemon.overload import LagTracker, LoopMonitor
-from daemon.registry import ModelRegistry
 from daemon.runtime.devices import Device, plan_cores, resolve_devices
 from daemon.runtime.executor import Executor, default_pinned_budget, make_backend
 from daemon.runtime.hostmem import HostPins
@@ -89,7 +89,7 @@ class Daemon:
         self.clock = clock or MonotonicClock()
         self.notifier = notifier if notifier is not None else Notifier.from_env()
         self.state = State.STARTING
-        self.registry = ModelRegistry()
+        self.catalog = ModelCatalog()
         self.programs: dict[str, Program] = {}
         self.devices: list[Device] = []
         self.executors: dict[str, Executor] = {}
@@ -210,10 +210,10 @@ class Daemon:
         log.info("devices: %s", ", ".join(
             f"{d.name} ({d.weight_budget / 2**20:.0f} MiB budget"
             + (f", {d.workspace / 2**20:.0f} MiB of it workspace)" if d.workspace else ")") for d in self.devices))
-        self._models = ModelManager(s, self.registry, self.controller, self.executors, self.devices, self.programs,
+        self._models = ModelManager(s, self.catalog, self.controller, self.executors, self.devices, self.programs,
                                     self.host_pins, self.notifier, self.clock, spawn=self._spawn,
                                     phase=lambda: self.state, status_line=self._status_line)
-        self._gateway = Gateway(s, self.registry, self.controller, clock=self.clock, overload=self.overload,
+        self._gateway = Gateway(s, self.catalog, self.controller, clock=self.clock, overload=self.overload,
                                 request_memory=self.request_memory, models=self._models, executors=self.executors,
                                 health=self.health, admin_token=self.admin_token)
         self._models.on_retire = self._gateway.cache.drop

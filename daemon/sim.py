@@ -32,7 +32,7 @@ from daemon.controller.driver import Driver
 from daemon.controller.policy import Policy
 from daemon.controller.scheduler import Decision, Scheduler
 from daemon.datatypes import BY_NAME
-from daemon.repository import ModelSpec, TensorSpec
+from daemon.model import ModelSpec, TensorSpec
 from daemon.request import InferenceRequest, RequestClass, RequestStatus
 from daemon.runtime.devices import Device
 from daemon.runtime.simdevice import SimExecutor, SimProfile, Slowdown

@@ -23,10 +23,10 @@ import orjson
 
 from daemon.api.http import HttpFrontend, answer_error
 from daemon.api.httpserver import HttpConnection, HttpServer
+from daemon.catalog import ModelCatalog, ModelState
 from daemon.config import settings_from_dict
 from daemon.gateway import Gateway, Health
-from daemon.registry import ModelRegistry, ModelState
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 from daemon.request import InferenceRequest, RequestStatus
 
 Answer = Callable[[tuple[np.ndarray, ...]], tuple[np.ndarray, ...]]
@@ -69,12 +69,12 @@ class FakeGateway(Gateway):
     ({"server": {...}}). `ready` and `lag_s` stand for the daemon's health and its loop's lag."""
 
     def __init__(self, *specs: ModelSpec, answer: Answer = echo, **sections: dict[str, Any]) -> None:
-        registry = ModelRegistry()
+        catalog = ModelCatalog()
         for spec in specs:
-            registry.add(spec, ModelState.READY)
+            catalog.add(spec, ModelState.READY)
         self.fake = FakeController(answer)
         self.ready = True
-        super().__init__(settings_from_dict(sections), registry, self.fake, health=lambda: Health(self.ready))
+        super().__init__(settings_from_dict(sections), catalog, self.fake, health=lambda: Health(self.ready))
 
     def lag(self, seconds: float) -> None:
         """As if the event loop ran `seconds` behind (what the daemon's loop monitor measures)."""

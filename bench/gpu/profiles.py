@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from daemon.demo import save_model
-from daemon.repository import ModelSpec, scan
+from daemon.model import ModelSpec
+from daemon.repository import scan
 from daemon.request import InferenceRequest
 from daemon.runtime.backend import IOBuffers, Resident
 from daemon.runtime.cuda import CudaBackend

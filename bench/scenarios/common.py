@@ -20,7 +20,8 @@ from bench import loadgen
 from bench.loadgen import HttpRequest, Run, Schedule, SocketFrame
 from bench.servers import ROOT, CpuMeter
 from daemon.client import http_infer_body, infer_message
-from daemon.repository import ModelSpec, scan
+from daemon.model import ModelSpec
+from daemon.repository import scan
 
 Frontend = Literal["socket", "http", "http-json"]
 FRONTENDS: tuple[Frontend, ...] = ("socket", "http", "http-json")

@@ -22,7 +22,8 @@ import orjson
 from bench import loadgen, raw, results
 from bench.scenarios.common import command, demo_repo, measure, spec_of
 from bench.servers import Escapement
-from daemon.repository import ModelSpec, scan
+from daemon.model import ModelSpec
+from daemon.repository import scan
 
 BASE = ("digits_mlp", "digits_cnn", "mlp_784", "cnn_heavy")
 

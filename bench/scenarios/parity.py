@@ -44,7 +44,8 @@ from bench.scenarios.common import demo_repo, measure, spec_of
 from bench.servers import Escapement
 from daemon.coding import codes, trainer, zoo
 from daemon.controller.policies.clockwork import ClockworkPolicy
-from daemon.repository import ParitySpec, parity_model, scan
+from daemon.model import ParitySpec
+from daemon.repository import parity_model, scan
 from daemon.request import InferenceRequest
 from daemon.runtime.backend import IOBuffers
 from daemon.runtime.program import load_program

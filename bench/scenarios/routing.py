@@ -37,7 +37,7 @@ from daemon.config import ControllerSettings
 from daemon.controller.driver import Driver
 from daemon.controller.estimates import EXACT_ROW_KINDS
 from daemon.controller.policies.clockwork import LOAD_BANDWIDTH_GUESS, ClockworkPolicy
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 from daemon.request import InferenceRequest
 from daemon.sim import SimRecords, Simulation
 

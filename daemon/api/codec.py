@@ -18,7 +18,7 @@ import numpy as np
 
 from daemon.datatypes import BY_NAME, DataType
 from daemon.errors import BadRequest
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 
 _LEN = struct.Struct("<I")  # a BYTES element's length prefix
 

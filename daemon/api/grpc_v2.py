@@ -53,6 +53,7 @@ from daemon.api.http import EXTENSIONS, is_loopback
 from daemon.api.metadata import model_config_json
 from daemon.api.sharedmem import SHM_PARAMS, OutputTargets, SharedMemoryRegions, shm_ref
 from daemon.apps.personal import check_user
+from daemon.catalog import ModelState
 from daemon.datatypes import BY_NAME
 from daemon.errors import (
     BadRequest,
@@ -64,8 +65,7 @@ from daemon.errors import (
     retry_after_of,
 )
 from daemon.gateway import Gateway
-from daemon.registry import ModelState
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 from daemon.request import InferenceRequest
 
 log = logging.getLogger("escapement.grpc")

@@ -43,8 +43,8 @@ from daemon.errors import (
     UnsupportedMediaType,
 )
 from daemon.gateway import Gateway
+from daemon.model import ModelSpec
 from daemon.observability import metrics
-from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest
 
 log = logging.getLogger("escapement.http")

@@ -13,7 +13,7 @@ reading side too: the unpacker holds at most `max_record` bytes of one record.
 
 Records (arrays; "->" controller to worker, "<-" worker to controller):
   -> HELLO    [HELLO, settings (pickle), worker index, workers, http host, http port, grpc host, grpc port]
-  -> MODELS   [MODELS, registry snapshot (pickle)]            the served models changed
+  -> MODELS   [MODELS, catalog snapshot (pickle)]            the served models changed
   -> STATE    [STATE, overloaded, lag_s, ready, lost_devices]  health or overload changed
   <- SUBMIT   [SUBMIT, rid, name, version, samples, arrival, deadline, priority, rank, klass,
                give_up_at, client_id, [[offset, shape], ...] (model input order)]
@@ -28,7 +28,7 @@ Records (arrays; "->" controller to worker, "<-" worker to controller):
   -> STOP     [STOP]    close every connection and exit
   <- READY    [READY]   listening
 
-The registry snapshot and the settings go as pickles: rare, small, between two processes of the
+The catalog snapshot and the settings go as pickles: rare, small, between two processes of the
 same program over a private socketpair (never a tensor, never from a client).
 """
 

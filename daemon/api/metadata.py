@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from daemon.repository import ModelSpec, TensorSpec
+from daemon.model import ModelSpec, TensorSpec
 
 
 def model_metadata_json(spec: ModelSpec, versions: list[int]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 `RemoteGateway` is a `Gateway` whose controller is a `RemoteController`: the frontends in the
 worker (HTTP, the socket) use it exactly as they use the local one. What a worker answers itself:
-admission (from its replica of the registry and the controller's overload flag, both pushed over
+admission (from its replica of the catalog and the controller's overload flag, both pushed over
 the link), the request's deadline and class (`new_request`: CLOCK_MONOTONIC is the same clock in
 every process) and health. Submitting writes the request's inputs into a shared-memory slot and
 sends a small SUBMIT record; the DONE record answers it. Everything else (statistics, metrics,
@@ -23,6 +23,7 @@ from daemon.api.budget import RequestMemory
 from daemon.api.link import ABORT, CALL, CANCEL, SUBMIT, Link
 from daemon.api.slots import ALIGN, SlotPool, packed_size
 from daemon.apps.cache import PredictionCache
+from daemon.catalog import ModelCatalog, ModelState
 from daemon.config import Settings
 from daemon.errors import (
     BadRequest,
@@ -40,7 +41,6 @@ from daemon.errors import (
 )
 from daemon.gateway import Gateway, Health
 from daemon.overload import LagTracker
-from daemon.registry import ModelRegistry, ModelState
 from daemon.request import InferenceRequest, RequestStatus
 
 log = logging.getLogger("escapement.workers")
@@ -62,17 +62,17 @@ def error_from(status: int, message: str, retry_after_s: float | None) -> Escape
     return cls(message)
 
 
-def registry_from(snapshot: bytes) -> ModelRegistry:
-    """A registry replica from the controller's snapshot (daemon/frontends.py registry_snapshot)."""
+def catalog_from(snapshot: bytes) -> ModelCatalog:
+    """A catalog replica from the controller's snapshot (daemon/frontends.py catalog_snapshot)."""
     entries, broken = pickle.loads(snapshot)  # our own controller process, over a private socketpair
-    registry = ModelRegistry()
+    catalog = ModelCatalog()
     for spec, state, reason in entries:
-        registry.add(spec, ModelState(state))
+        catalog.add(spec, ModelState(state))
         if reason:
-            registry.set_state(spec, ModelState(state), reason)
+            catalog.set_state(spec, ModelState(state), reason)
     for name, reason in broken.items():
-        registry.set_broken(name, reason)
-    return registry
+        catalog.set_broken(name, reason)
+    return catalog
 
 
 class RemoteController:
@@ -186,13 +186,13 @@ class RemoteController:
 
 
 class RemoteGateway(Gateway):
-    """A Gateway over a RemoteController, with the registry, health and overload pushed to it."""
+    """A Gateway over a RemoteController, with the catalog, health and overload pushed to it."""
 
-    def __init__(self, settings: Settings, registry: ModelRegistry, controller: RemoteController,
+    def __init__(self, settings: Settings, catalog: ModelCatalog, controller: RemoteController,
                  workers: int) -> None:
         s = settings.server
         share = s.connection_share
-        super().__init__(settings, registry, controller, overload=LagTracker(s.shed_lag_ms / 1000.0),
+        super().__init__(settings, catalog, controller, overload=LagTracker(s.shed_lag_ms / 1000.0),
                          request_memory=RequestMemory(max(s.request_memory_bytes // max(workers, 1), share), share),
                          health=self._pushed_health,
                          # one prediction cache, the controller process's: one budget, one set of

@@ -42,6 +42,7 @@ from daemon.api.codec import (
 from daemon.api.metadata import model_config_json, model_metadata_json
 from daemon.api.sharedmem import OutputTargets, ShmRef, shm_ref
 from daemon.apps.personal import check_user
+from daemon.catalog import ModelState
 from daemon.errors import (
     BadRequest,
     EscapementError,
@@ -53,8 +54,7 @@ from daemon.errors import (
     status_of,
 )
 from daemon.gateway import Gateway
-from daemon.registry import ModelState
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 from daemon.request import InferenceRequest
 
 log = logging.getLogger("escapement.socket")

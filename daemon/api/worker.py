@@ -8,7 +8,7 @@ inflates, decodes JSON, validates against the model's metadata and encodes answe
 controller process only sees small SUBMIT records whose tensors lie in the region.
 
 What a worker answers itself: inference (HTTP, gRPC and the socket), liveness, and the socket's
-and gRPC's model calls from its registry replica. Everything else over HTTP (readiness, metadata,
+and gRPC's model calls from its catalog replica. Everything else over HTTP (readiness, metadata,
 statistics, metrics, management), the socket's `stats` and gRPC's statistics, repository and
 shared-memory calls are forwarded whole to the controller process, which answers them with its
 own handlers: one implementation, and nothing there is hot.
@@ -38,15 +38,15 @@ from daemon.api.grpc_v2 import GrpcFrontend
 from daemon.api.http import HttpFrontend
 from daemon.api.httpserver import Request, Response, Router
 from daemon.api.link import DONE, DRAIN, HELLO, MODELS, READY, REPLY, STATE, STOP, Link
-from daemon.api.remote import RemoteController, RemoteGateway, error_from, registry_from
+from daemon.api.remote import RemoteController, RemoteGateway, catalog_from, error_from
 from daemon.api.sharedmem import names_region
 from daemon.api.slots import SlotPool, pool_bytes, pool_classes
 from daemon.api.uds import SocketConnection, SocketFrontend, error_frame
+from daemon.catalog import ModelCatalog
 from daemon.config import Settings
 from daemon.errors import EscapementError, PayloadTooLarge
 from daemon.gateway import Health
 from daemon.overload import LoopMonitor
-from daemon.registry import ModelRegistry
 
 log = logging.getLogger("escapement.workers")
 
@@ -152,7 +152,7 @@ class Worker:
         classes = pool_classes(s.frontend_slots, s.max_body_bytes)
         region = mmap.mmap(self.pool_fd, pool_bytes(classes))
         self.remote = RemoteController(self.link, SlotPool(classes), memoryview(region))
-        self.gateway = gw = RemoteGateway(settings, ModelRegistry(), self.remote, workers)
+        self.gateway = gw = RemoteGateway(settings, ModelCatalog(), self.remote, workers)
         for record in self._early:
             self._on_record(record)
         self._early.clear()
@@ -210,7 +210,7 @@ class Worker:
         elif self.gateway is None:
             self._early.append(record)
         elif op == MODELS:
-            self.gateway.registry = registry_from(record[1])
+            self.gateway.catalog = catalog_from(record[1])
         elif op == STATE:
             _, overloaded, lag_s, ready, lost = record
             self.gateway.controller_overloaded, self.gateway.controller_lag_s = overloaded, lag_s

@@ -27,7 +27,7 @@ import numpy as np
 from daemon.apps.selection import Combine, PolicyName
 from daemon.clock import Clock
 from daemon.errors import BadRequest, Unavailable
-from daemon.repository import ModelSpec, TensorSpec
+from daemon.model import ModelSpec, TensorSpec
 
 APP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 QUERY_OVERHEAD = 256  # bytes a remembered query costs beyond its arrays

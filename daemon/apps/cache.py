@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from daemon.api.codec import tensor_bytes
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 
 ENTRY_OVERHEAD = 256  # bytes an entry costs beyond its outputs (the key, the dict slot, array headers)
 _DIM = struct.Struct("<q")

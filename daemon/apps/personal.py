@@ -41,7 +41,7 @@ import numpy as np
 from daemon.apps.userdb import StoredUser, UserDB
 from daemon.clock import Clock, MonotonicClock
 from daemon.errors import BadRequest, EscapementError, InternalError, NotFound
-from daemon.repository import ModelSpec, PersonalSpec
+from daemon.model import ModelSpec, PersonalSpec
 from daemon.request import InferenceRequest, RequestStatus
 
 log = logging.getLogger("escapement.personal")

@@ -52,7 +52,7 @@ from daemon.apps.selection import Exp3, Exp4, PolicyState, combine, label_reward
 from daemon.clock import Clock, MonotonicClock
 from daemon.datatypes import BY_NAME
 from daemon.errors import BadRequest, DeadlineExceeded, EscapementError, InternalError, NotFound
-from daemon.repository import ModelSpec, TensorSpec
+from daemon.model import ModelSpec, TensorSpec
 from daemon.request import InferenceRequest
 
 log = logging.getLogger("escapement.apps")

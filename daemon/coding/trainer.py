@@ -48,7 +48,7 @@ import torch
 from torch.export.graph_signature import InputKind
 
 from daemon.coding import codes
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 
 log = logging.getLogger("escapement.coding")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from daemon.config import ControllerSettings
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 from daemon.request import RequestClass
 
 

@@ -42,7 +42,7 @@ import torch
 from daemon.actions import Action
 from daemon.coding.codes import decode
 from daemon.controller.decisions import Release, Save
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 from daemon.request import RequestStatus
 
 DECODE_MARGIN = 0.0005  # reconstruct this long before a deadline if the original is not back

@@ -16,7 +16,7 @@ import numpy as np
 
 from daemon.actions import Action
 from daemon.errors import EscapementError
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 from daemon.request import InferenceRequest
 
 

@@ -18,7 +18,8 @@ from daemon.controller.coding import DECODE_MARGIN, Coding, Group, MemberState
 from daemon.controller.decisions import Infer, Load, Save, Steps, Unload
 from daemon.controller.state import LATEST_GRACE, DeviceState
 from daemon.controller.view import ControllerView
-from daemon.repository import ModelSpec, parity_key
+from daemon.model import ModelSpec
+from daemon.repository import parity_key
 from daemon.request import InferenceRequest, RequestStatus
 
 

@@ -50,8 +50,8 @@ from daemon.errors import (
     Overloaded,
     Unavailable,
 )
+from daemon.model import ModelSpec
 from daemon.observability.telemetry import Telemetry
-from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest, RequestClass, RequestStatus
 from daemon.runtime.devices import Device
 from daemon.runtime.program import prefix_key, tail_key

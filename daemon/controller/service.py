@@ -21,7 +21,7 @@ from daemon.controller.driver import Driver
 from daemon.controller.latency import LatencyPath
 from daemon.controller.scheduler import Decision, Scheduler
 from daemon.errors import Unavailable
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 from daemon.request import InferenceRequest
 
 log = logging.getLogger("escapement.controller")

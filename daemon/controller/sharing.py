@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 from daemon.controller.state import DeviceState, ModelEntry
 from daemon.controller.view import ControllerView
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 from daemon.request import InferenceRequest
 from daemon.runtime.program import prefix_key, tail_key
 

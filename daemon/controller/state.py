@@ -13,7 +13,7 @@ from daemon.actions import Action
 from daemon.controller.memory import Blocks, DeviceMemory
 from daemon.controller.queues import ModelQueue
 from daemon.controller.timeline import DeviceTimeline
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 from daemon.request import InferenceRequest
 from daemon.runtime.devices import Device
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from daemon.errors import Cancelled, DeadlineExceeded, EscapementError, InternalError, Overloaded, Unavailable
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 
 _log10 = math.log10
 _INV_LOW = 1e7  # 1 / Histogram.LOW

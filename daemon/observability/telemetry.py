@@ -23,6 +23,7 @@ import numpy as np
 
 from daemon.actions import Action, ActionKind, Result, ResultStatus
 from daemon.errors import DeadlineExceeded, EscapementError
+from daemon.model import ModelSpec
 from daemon.observability.stats import (
     LATENESS_BOUNDS,
     BatchStats,
@@ -33,7 +34,6 @@ from daemon.observability.stats import (
     failure_reason,
 )
 from daemon.observability.trace import TraceWriter
-from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest, RequestClass, RequestStatus
 
 # (an enum's `.name` is a descriptor call: read once per action it costs more than the histogram)

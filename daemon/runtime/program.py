@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 from daemon.runtime.objstore import STORE, ObjectStore, block_bytes
 from daemon.runtime.retarget import capture_lint, check_runs_on, to_device
 from daemon.runtime.weights import WeightLayout, pack

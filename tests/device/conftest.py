@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.repository import ModelSpec, scan
+from daemon.model import ModelSpec
+from daemon.repository import scan
 from daemon.runtime.cuda import CudaBackend
 from daemon.runtime.devapi import DeviceApi
 from daemon.runtime.devices import Device

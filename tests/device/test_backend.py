@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from daemon.errors import ConfigError
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 from daemon.request import InferenceRequest
 from daemon.runtime.backend import NoMemory, Resident
 from daemon.runtime.cuda import OUTPUT_RING, CudaBackend

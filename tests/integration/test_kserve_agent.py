@@ -152,7 +152,7 @@ def test_declared_memory_is_checked(pod: tuple[DaemonThread, Agent], demo_repo: 
     agent.download("big-enough", {"model.pt2": demo_repo / "mlp_784" / "1" / "model.pt2"},
                    "s3://models/mlp_784/1/model.pt2", "1Gi")
     assert agent.load("big-enough")[0] == 200
-    entry = dt.call(lambda: dt.daemon.registry.entry("big-enough"))
+    entry = dt.call(lambda: dt.daemon.catalog.entry("big-enough"))
     assert entry.spec.memory_bytes == 2**30
 
 

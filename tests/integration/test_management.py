@@ -21,8 +21,8 @@ import numpy as np
 import orjson
 import pytest
 
+from daemon.catalog import ModelState
 from daemon.errors import ConfigError
-from daemon.registry import ModelState
 from daemon.server import read_admin_token
 from tests.support import DaemonThread, settings, short_tmpdir
 
@@ -225,7 +225,7 @@ def test_a_valid_fault_is_applied_and_cleared(guarded: DaemonThread) -> None:
 
 def test_a_client_priority_is_clamped_unless_allowed(guarded: DaemonThread) -> None:
     dt = guarded
-    spec = dt.daemon.registry.resolve("digits_mlp")
+    spec = dt.daemon.catalog.resolve("digits_mlp")
     x = (np.zeros((1, 784), np.float32),)
     default = dt.daemon.settings.controller.default_priority
     urgent = dt.call(dt.daemon.gateway.new_request, spec, x, 1, None, 1, "c")
@@ -236,7 +236,7 @@ def test_a_client_priority_is_clamped_unless_allowed(guarded: DaemonThread) -> N
 
 def test_a_request_with_no_version_goes_to_the_newest_ready_one(guarded: DaemonThread) -> None:
     dt = guarded
-    reg = dt.daemon.registry
+    reg = dt.daemon.catalog
     ready = reg.resolve("digits_mlp")
     newer = dataclasses.replace(ready, version=99)
 

@@ -138,7 +138,7 @@ def test_an_unloaded_and_reloaded_version_answers_afresh(daemon: DaemonThread) -
     assert _binary(daemon, "cached", x)[0].get("parameters") == {"cached": True}
     assert raw(daemon, "POST", "/v2/repository/models/cached/unload", b"{}")[0] == 200
     assert raw(daemon, "POST", "/v2/repository/models/cached/load", b"{}")[0] == 200
-    # A frontend worker learns of the unload and the load from the controller's registry snapshots,
+    # A frontend worker learns of the unload and the load from the controller's catalog snapshots,
     # which may come after the answers: it refuses (503) until its replica has the version ready.
     answers: list[bytes] = []
     _until(lambda: _answered(daemon, x, answers))

@@ -66,7 +66,7 @@ def post(dt: DaemonThread, path: str, body: Any = None, token: str | None = None
 
 def states(dt: DaemonThread) -> dict[str, tuple[str, str]]:
     return {f"{m['name']}:{m.get('version', '-')}": (m["state"], m.get("reason", ""))
-            for m in dt.call(dt.daemon.registry.index)}
+            for m in dt.call(dt.daemon.catalog.index)}
 
 
 def test_load_and_unload_with_tritonclient(daemon: DaemonThread, repo: Path, demo_repo: Path) -> None:
@@ -135,7 +135,7 @@ def test_unload_answers_accepted_requests_before_unloading(daemon: DaemonThread)
     d = daemon.daemon
 
     async def scenario() -> tuple[list[Any], dict[str, Any], BaseException | None]:
-        spec = d.registry.resolve("digits_mlp")
+        spec = d.catalog.resolve("digits_mlp")
         x = (np.zeros((1, 64), np.float32),)
         accepted = [asyncio.ensure_future(d.gateway.infer(d.gateway.new_request(spec, x, 1, 1_000_000, None, "")))
                     for _ in range(12)]
@@ -180,7 +180,7 @@ def test_reload_applies_what_changed_in_the_repository(daemon: DaemonThread, rep
     shutil.rmtree(repo / "bad")
     r = daemon.on_loop(d.models.reload_repository())
     assert r["reloaded"] == ["mlp_784:1"] and r["broken"] == {}
-    assert d.registry.resolve("mlp_784").slo_s == 0.25
+    assert d.catalog.resolve("mlp_784").slo_s == 0.25
     with HttpClient(daemon.http) as h:
         assert h.infer("mlp_784", X784).outputs["OUTPUT__0"].shape == (2, 10)
     # An entry that breaks keeps what it served; an unloaded model stays unloaded across reloads.

@@ -9,7 +9,7 @@ import pytest
 from daemon.api.codec import WireTensor, assemble_inputs, select_outputs, tensor_bytes
 from daemon.datatypes import BY_NAME
 from daemon.errors import BadRequest
-from daemon.repository import ModelSpec, TensorSpec
+from daemon.model import ModelSpec, TensorSpec
 
 FP32 = BY_NAME["FP32"]
 SPEC = ModelSpec("m", 1, Path("/x"), "pt2",

@@ -23,12 +23,12 @@ from daemon.api.codec import WireTensor, assemble_inputs, decode_bytes, json_dat
 from daemon.api.grpc_v2 import GrpcFrontend
 from daemon.api.http import HttpFrontend
 from daemon.api.uds import SocketConnection, SocketFrontend
+from daemon.catalog import ModelCatalog, ModelState
 from daemon.config import settings_from_dict
 from daemon.datatypes import BY_NAME
 from daemon.errors import BadRequest
 from daemon.gateway import Gateway
-from daemon.registry import ModelRegistry, ModelState
-from daemon.repository import ModelSpec, TensorSpec
+from daemon.model import ModelSpec, TensorSpec
 from daemon.request import InferenceRequest, RequestStatus
 from tests.protocol.test_socket_framing import FakeTransport, frame
 
@@ -65,9 +65,9 @@ class EchoController:
 
 
 def gateway(ctl: EchoController) -> Gateway:
-    registry = ModelRegistry()
-    registry.add(SPEC, ModelState.READY)
-    return Gateway(settings_from_dict({"server": {"max_body_bytes": 64 * 1024}}), registry, ctl)
+    catalog = ModelCatalog()
+    catalog.add(SPEC, ModelState.READY)
+    return Gateway(settings_from_dict({"server": {"max_body_bytes": 64 * 1024}}), catalog, ctl)
 
 
 def length_prefixed(words: np.ndarray) -> bytes:

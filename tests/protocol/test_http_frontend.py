@@ -13,7 +13,7 @@ import pytest
 
 from daemon.api.http import HttpFrontend
 from daemon.datatypes import BY_NAME
-from daemon.repository import ModelSpec, TensorSpec
+from daemon.model import ModelSpec, TensorSpec
 from tests.fakes import FakeGateway, HttpWire
 
 FP32 = BY_NAME["FP32"]

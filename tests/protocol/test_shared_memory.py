@@ -16,12 +16,12 @@ import pytest
 from daemon.api.http import HttpFrontend
 from daemon.api.httpserver import Request
 from daemon.api.sharedmem import OutputTargets, SharedMemoryRegions, ShmRef
+from daemon.catalog import ModelCatalog, ModelState
 from daemon.config import SharedMemorySettings, settings_from_dict
 from daemon.datatypes import BY_NAME
 from daemon.errors import BadRequest, Conflict, Forbidden, NotFound, NotImplementedByServer, PayloadTooLarge
 from daemon.gateway import Gateway
-from daemon.registry import ModelRegistry, ModelState
-from daemon.repository import ModelSpec, TensorSpec
+from daemon.model import ModelSpec, TensorSpec
 from daemon.request import RequestStatus
 from tests.protocol.test_datatypes import EchoController
 
@@ -139,9 +139,9 @@ def test_unregister_while_in_use_is_deferred(objects: Path) -> None:
 
 
 def _frontend(ctl: EchoController, objects: Path) -> HttpFrontend:
-    registry = ModelRegistry()
-    registry.add(SPEC, ModelState.READY)
-    gw = Gateway(settings_from_dict({}), registry, ctl)
+    catalog = ModelCatalog()
+    catalog.add(SPEC, ModelState.READY)
+    gw = Gateway(settings_from_dict({}), catalog, ctl)
     gw.shared_memory = SharedMemoryRegions(SharedMemorySettings(), objects)
     return HttpFrontend(gw)
 

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from daemon.api.uds import SocketConnection, SocketFrontend
+from daemon.catalog import ModelCatalog, ModelState
 from daemon.config import settings_from_dict
 from daemon.datatypes import BY_NAME
 from daemon.errors import BadRequest
 from daemon.gateway import Gateway
-from daemon.registry import ModelRegistry, ModelState
-from daemon.repository import ModelSpec, TensorSpec
+from daemon.model import ModelSpec, TensorSpec
 from daemon.request import InferenceRequest, RequestStatus
 from tests.fakes import FakeTransport
 
@@ -52,9 +52,9 @@ Conn = tuple[SocketConnection, FakeTransport, InstantController]
 
 def gateway(server: dict[str, Any], ctl: InstantController) -> Gateway:
     """A gateway serving SPEC over a fake controller: the frontend alone, no daemon."""
-    registry = ModelRegistry()
-    registry.add(SPEC, ModelState.READY)
-    return Gateway(settings_from_dict({"server": server}), registry, ctl)
+    catalog = ModelCatalog()
+    catalog.add(SPEC, ModelState.READY)
+    return Gateway(settings_from_dict({"server": server}), catalog, ctl)
 
 
 @pytest.fixture

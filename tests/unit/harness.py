@@ -14,7 +14,7 @@ from daemon.controller.policies.dynamic import DynamicBatchingPolicy
 from daemon.controller.policy import Policy
 from daemon.controller.scheduler import Decision, Scheduler
 from daemon.datatypes import BY_NAME
-from daemon.repository import ModelSpec, TensorSpec
+from daemon.model import ModelSpec, TensorSpec
 from daemon.request import InferenceRequest, RequestClass
 from daemon.runtime.devices import Device
 

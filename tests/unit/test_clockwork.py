@@ -10,8 +10,8 @@ from daemon.actions import Action, ActionKind, ResultStatus
 from daemon.controller.policies.clockwork import ClockworkPolicy
 from daemon.controller.timeline import LaneTimeline
 from daemon.errors import DeadlineExceeded, Overloaded
+from daemon.model import ModelSpec
 from daemon.observability.stats import Histogram
-from daemon.repository import ModelSpec
 from daemon.request import InferenceRequest, RequestStatus
 from tests.unit.harness import MS, Harness, kinds, make_spec
 

@@ -9,7 +9,7 @@ import pytest
 
 from daemon.actions import Action, ActionKind, Result, ResultStatus
 from daemon.controller.policies.clockwork import ClockworkPolicy
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 from daemon.request import RequestStatus
 from daemon.runtime.program import prefix_key, tail_key
 from tests.unit.harness import MS, Harness, make_spec

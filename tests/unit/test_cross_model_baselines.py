@@ -13,7 +13,7 @@ from daemon.config import ControllerSettings
 from daemon.controller.policies.aimd import AimdPolicy
 from daemon.controller.policies.dynamic import DynamicBatchingPolicy
 from daemon.controller.policy import make_policy
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 from daemon.request import RequestStatus
 from daemon.runtime.program import prefix_key, tail_key
 from tests.unit.harness import MS, Harness

@@ -10,7 +10,8 @@ import pytest
 
 from daemon.datatypes import BY_NAME
 from daemon.errors import DeadlineExceeded, Unavailable
-from daemon.repository import ModelConfigError, ModelSpec, TensorSpec, check_model_config
+from daemon.model import ModelSpec, TensorSpec
+from daemon.repository import ModelConfigError, check_model_config
 from daemon.request import InferenceRequest, RequestStatus
 from tests.fakes import FakeGateway
 

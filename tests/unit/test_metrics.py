@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from daemon.actions import Action, ActionKind, Result, ResultStatus
 from daemon.errors import DeadlineExceeded, Overloaded
 from daemon.gateway import model_stats_json
+from daemon.model import ModelSpec
 from daemon.observability.metrics import make_registry
 from daemon.observability.stats import Buckets
-from daemon.repository import ModelSpec
 from tests.unit.harness import Harness, make_spec
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

@@ -11,7 +11,8 @@ import torch
 
 from daemon import variants
 from daemon.demo import save_model
-from daemon.repository import ModelSpec, scan
+from daemon.model import ModelSpec
+from daemon.repository import scan
 from daemon.runtime.backend import CpuBackend
 from daemon.runtime.devices import Device
 from daemon.runtime.objstore import ObjectStore, content_id

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from daemon.coding import codes, trainer, zoo
-from daemon.repository import ModelSpec, scan
+from daemon.model import ModelSpec
+from daemon.repository import scan
 from daemon.runtime.program import load_program
 
 CONFIG = """max_batch_size = 16

@@ -24,7 +24,8 @@ from daemon.apps.userdb import StoredUser, UserDB
 from daemon.clock import FakeClock
 from daemon.datatypes import BY_NAME
 from daemon.errors import BadRequest, NotFound
-from daemon.repository import ModelSpec, PersonalConfig, TensorSpec, load_head, scan
+from daemon.model import ModelSpec, PersonalConfig, TensorSpec
+from daemon.repository import load_head, scan
 from daemon.request import InferenceRequest, RequestStatus
 from tests.support import tiny_config
 

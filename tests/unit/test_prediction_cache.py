@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 from daemon.apps.cache import ENTRY_OVERHEAD, PredictionCache
+from daemon.catalog import ModelCatalog, ModelState
 from daemon.config import settings_from_dict
 from daemon.datatypes import BY_NAME
 from daemon.errors import ConfigError
 from daemon.gateway import Gateway
-from daemon.registry import ModelRegistry, ModelState
-from daemon.repository import ModelConfigError, ModelSpec, TensorSpec, parse_model_config
+from daemon.model import ModelSpec, TensorSpec
+from daemon.repository import ModelConfigError, parse_model_config
 from daemon.request import InferenceRequest, RequestStatus
 from tests.support import tiny_config
 
@@ -192,9 +193,9 @@ class CountingController:
 
 
 def gateway(spec: ModelSpec, ctl: CountingController, cache_bytes: str = "1MiB") -> Gateway:
-    registry = ModelRegistry()
-    registry.add(spec, ModelState.READY)
-    return Gateway(settings_from_dict({"cache": {"bytes": cache_bytes}}), registry, ctl)
+    catalog = ModelCatalog()
+    catalog.add(spec, ModelState.READY)
+    return Gateway(settings_from_dict({"cache": {"bytes": cache_bytes}}), catalog, ctl)
 
 
 def ask(gw: Gateway, spec: ModelSpec, *values: float) -> InferenceRequest:
@@ -239,9 +240,9 @@ def test_reconstructed_answers_are_not_kept() -> None:
 
 def test_requests_over_max_entry_bytes_are_not_hashed() -> None:
     spec, ctl = spec_of(), CountingController()
-    registry = ModelRegistry()
-    registry.add(spec, ModelState.READY)
-    gw = Gateway(settings_from_dict({"cache": {"max_entry_bytes": 1024}}), registry, ctl)
+    catalog = ModelCatalog()
+    catalog.add(spec, ModelState.READY)
+    gw = Gateway(settings_from_dict({"cache": {"max_entry_bytes": 1024}}), catalog, ctl)
     big = (np.ones((129, 2), np.float32),)  # 1,032 input bytes
     for _ in range(2):
         req = gw.new_request(spec, big, 129, None, None, "")

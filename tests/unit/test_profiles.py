@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from daemon.repository import ModelSpec, scan
+from daemon.model import ModelSpec
+from daemon.repository import scan
 from daemon.runtime import devices, torchcuda
 from daemon.runtime.devices import (
     EMUCUDA_MODEL,

@@ -11,7 +11,8 @@ import torch
 
 from daemon.actions import Action, ActionKind, Result, ResultStatus
 from daemon.clock import MonotonicClock
-from daemon.repository import ModelSpec, scan
+from daemon.model import ModelSpec
+from daemon.repository import scan
 from daemon.request import InferenceRequest
 from daemon.runtime.backend import CpuBackend
 from daemon.runtime.devices import Device, resolve_devices

@@ -8,7 +8,7 @@ from daemon.actions import ActionKind, ResultStatus
 from daemon.controller.policies.clockwork import ClockworkPolicy
 from daemon.controller.scheduler import FAILURE_COOLDOWN, LOAD_BACKOFF, MAX_FAILURES
 from daemon.errors import BadRequest, DeadlineExceeded, InternalError, NotFound, Overloaded, Unavailable
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 from daemon.request import InferenceRequest, RequestStatus
 from tests.unit.harness import MS, Harness, kinds, make_spec
 

@@ -25,7 +25,7 @@ from daemon.apps.selection import Exp3, Exp4, PolicyState, combine, label_reward
 from daemon.clock import FakeClock
 from daemon.datatypes import BY_NAME
 from daemon.errors import BadRequest
-from daemon.repository import ModelSpec, TensorSpec
+from daemon.model import ModelSpec, TensorSpec
 
 
 class Scripted:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from daemon.actions import ActionKind, Result
 from daemon.controller.policies.dynamic import DynamicBatchingPolicy
 from daemon.controller.view import ControllerView
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 
 
 class AimdPolicy(DynamicBatchingPolicy):

@@ -22,7 +22,7 @@ from daemon.controller.decisions import Drop, Infer, Load, Steps, Unload
 from daemon.controller.state import LATEST_GRACE, DeviceState, ModelEntry
 from daemon.controller.view import ControllerView
 from daemon.errors import Unavailable
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 from daemon.request import InferenceRequest
 
 

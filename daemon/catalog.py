@@ -1,4 +1,4 @@
-"""The served models: every version the repository scan found, with its state and reason.
+"""The catalog of served models: every version the repository scan found, with its state and reason.
 
 Frontends resolve a (name, version) here; the daemon fills it as programs load. States follow
 Triton's repository index: READY, LOADING, UNAVAILABLE (with a reason).
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from daemon.errors import NotFound, Unavailable
-from daemon.repository import ModelSpec
+from daemon.model import ModelSpec
 
 
 class ModelState(StrEnum):
@@ -26,7 +26,7 @@ class VersionEntry:
     reason: str = ""
 
 
-class ModelRegistry:
+class ModelCatalog:
     def __init__(self) -> None:
         self._models: dict[str, dict[int, VersionEntry]] = {}
         self._broken: dict[str, str] = {}  # model name -> why its config cannot be read
