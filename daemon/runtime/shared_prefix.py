@@ -34,7 +34,7 @@ import torch
 from torch import fx
 
 from daemon.datatypes import BY_TORCH, WIRE_ONLY
-from daemon.repository import ModelSpec, TensorSpec
+from daemon.model import ModelSpec, TensorSpec
 from daemon.runtime.objstore import STORE, ObjectStore
 from daemon.runtime.program import Program, ProgramError, exported_weights, graph_stage, plan_of, read_exported
 

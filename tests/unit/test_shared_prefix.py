@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from daemon.demo import save_model
-from daemon.repository import ModelSpec, scan
+from daemon.model import ModelSpec
+from daemon.repository import scan
 from daemon.request import InferenceRequest
 from daemon.runtime.backend import CpuBackend
 from daemon.runtime.devices import Device
