@@ -52,6 +52,8 @@ from daemon.request import InferenceRequest, RequestStatus
 
 log = logging.getLogger("escapement.gateway")
 
+MAX_FORECAST_MODELS = 4096  # a forecast is built on the loop: bounded like every answer
+
 if TYPE_CHECKING:
     from daemon.controller.scheduler import Scheduler
     from daemon.runtime.executor import Executor
@@ -380,6 +382,14 @@ class Gateway:
 
     def _scheduler(self) -> Scheduler:
         return self.controller.scheduler  # type: ignore[attr-defined]  # the real service's
+
+    def forecast(self, limit: int) -> dict[str, Any]:
+        """When this node would answer a request of each model it holds, for a cluster router
+        (daemon/routing.py; the socket's `forecast` op). Read-only; at most `limit` models."""
+        fn = getattr(self.controller, "forecast", None)
+        if fn is None:
+            raise Unavailable("this daemon's controller gives no forecast")
+        return fn(max(0, min(limit, MAX_FORECAST_MODELS)))
 
     # ---------------------------------------------------------------- management (fault injection)
 

@@ -23,30 +23,37 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 import orjson
 import ray
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
+from ray.serve.request_router import FIFOMixin, MultiplexMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 from starlette.requests import Request
 from starlette.responses import Response
 
 from daemon.api.codec import WireTensor, decode_tensor, json_data, tensor_bytes
 from daemon.client import HEADER_LEN, AsyncSocketClient, InferenceServerError, SocketClient, _wire_array
 from daemon.datatypes import BY_NAME
+from daemon.routing import REPORT_MODELS, REPORT_PERIOD_S, NodeForecast, route
 
 # How many model ids Serve remembers per replica for routing; not what the daemon keeps in memory.
 MODELS_PER_REPLICA = int(os.environ.get("ESCAPEMENT_RAY_MODELS_PER_REPLICA", "8"))
 MARGIN_S = 5.0  # past a request's own deadline the daemon has answered 504 already; this is for a dead one
 REPLICA_HEADER = "escapement-replica"
+ROUTERS = ("deadline", "multiplex")  # build(router=...): the first is the default
+SENT_MEMORY = 4096  # requests remembered per replica, to add those sent after its last report
 
 
 class Failed(Exception):
@@ -162,6 +169,15 @@ class EscapementReplica:
         except (ConnectionError, OSError) as e:
             raise Failed(503, f"replica {self.replica}: lost its escapement daemon: {e}") from None
 
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's routing stats, for DeadlineRouter: the daemon's forecast (daemon/routing.py),
+        stamped with this host's clock. {} when the daemon cannot answer: routed without it."""
+        try:
+            answer = await self._call({"op": "forecast", "limit": REPORT_MODELS}, REPORT_PERIOD_S * 4)
+        except Failed:
+            return {}
+        return {**answer.get("forecast", {}), "at": time.time()}
+
     @serve.multiplexed(max_num_models_per_replica=MODELS_PER_REPLICA)
     async def _model(self, model_id: str) -> str:
         """Routing affinity only: checks the daemon serves `model_id` (404 if not); holds no weights."""
@@ -203,6 +219,50 @@ class EscapementReplica:
     def info(self) -> dict[str, Any]:
         return {"replica": self.replica, "pid": os.getpid(), "daemon_pid": self.proc.pid,
                 "node_id": ray.get_runtime_context().get_node_id()}
+
+
+class DeadlineRouter(FIFOMixin, MultiplexMixin, RequestRouter):
+    """Serve's request router for escapement replicas: the deadline-aware rule (daemon/routing.py;
+    `python -m bench run routing` measures it against Serve's multiplexed routing). Each replica
+    reports its daemon's forecast every REPORT_PERIOD_S; a request goes to the replica holding
+    its model that would answer first, while that leaves a quarter of the model's SLO to spare,
+    else to the replica that would answer first. Requests sent to a replica after its last report
+    are added to its forecast. Before any report, Serve's multiplexed power of two choices."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.sent: dict[ReplicaID, deque[float]] = {}
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self.sent.setdefault(replica_id, deque(maxlen=SENT_MEMORY)).append(time.time())
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.sent.pop(replica_id, None)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        model = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
+        if model and candidate_replicas:
+            forecasts = [NodeForecast.parse(r.routing_stats) for r in candidate_replicas]
+            sent = [self._sent_after(r.replica_id, f.at) if f is not None else 0
+                    for r, f in zip(candidate_replicas, forecasts, strict=True)]
+            order = route(forecasts, model, time.time(), sent)
+            if order:  # one rank each: Serve takes the first that has room, in this order
+                return [[candidate_replicas[i]] for i in order]
+        ids = self.apply_multiplex_routing(pending_request) if model else {r.replica_id for r in candidate_replicas}
+        chosen = [r for r in candidate_replicas if r.replica_id in ids]
+        return [random.sample(chosen, min(2, len(chosen)))] if chosen else []
+
+    def _sent_after(self, replica_id: ReplicaID, at: float) -> int:
+        times = self.sent.get(replica_id)
+        if not times:
+            return 0
+        n = 0
+        for t in reversed(times):  # newest first: stops at the report
+            if t <= at:
+                break
+            n += 1
+        return n
 
 
 Binary = tuple[dict[str, bool], bool]  # binary_data per output asked for, and binary_data_output
@@ -341,19 +401,31 @@ def _version() -> str:
 
 def build(models: str, num_replicas: int = 1, config: str | None = None, extra_args: list[str] | None = None,
           num_gpus: float = 0, num_cpus: float = 1, max_wait_s: float = 60.0,
-          models_per_replica: int = MODELS_PER_REPLICA) -> Any:
-    """The application: `num_replicas` daemons (each `num_gpus` GPUs) behind a KServe v2 ingress."""
+          models_per_replica: int = MODELS_PER_REPLICA, router: str = ROUTERS[0]) -> Any:
+    """The application: `num_replicas` daemons (each `num_gpus` GPUs) behind a KServe v2 ingress,
+    routed by `router`: "deadline" (DeadlineRouter) or "multiplex" (Serve's own)."""
+    if router not in ROUTERS:
+        raise ValueError(f"router must be one of {', '.join(ROUTERS)}, not {router!r}")
     env = {"ESCAPEMENT_RAY_MODELS_PER_REPLICA": str(models_per_replica)}
+    options: dict[str, Any] = {}
+    if router == "deadline":
+        fields: dict[str, Any] = {"request_router_class": DeadlineRouter,  # (ray's stubs type each field as a dict)
+                                  "request_routing_stats_period_s": REPORT_PERIOD_S,
+                                  "request_routing_stats_timeout_s": REPORT_PERIOD_S * 4}
+        options["request_router_config"] = RequestRouterConfig(**fields)
     backend = EscapementReplica.options(  # type: ignore[attr-defined]  # @serve.deployment adds it
         num_replicas=num_replicas,
         ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus, "runtime_env": {"env_vars": env}},
+        **options,
     ).bind(str(Path(models).resolve()), config, extra_args, max_wait_s=max_wait_s)
     return V2Ingress.bind(backend, max_wait_s)  # type: ignore[attr-defined]  # @serve.deployment adds it
 
 
 def app(args: dict[str, str]) -> Any:
-    """`serve run daemon.rayserve:app models=DIR [num_replicas=N] [num_gpus=G] [config=TOML]`."""
+    """`serve run daemon.rayserve:app models=DIR [num_replicas=N] [num_gpus=G] [config=TOML]
+    [router=deadline|multiplex]`."""
     return build(args["models"], int(args.get("num_replicas", 1)), args.get("config"),
                  num_gpus=float(args.get("num_gpus", 0)), num_cpus=float(args.get("num_cpus", 1)),
-                 models_per_replica=int(args.get("models_per_replica", MODELS_PER_REPLICA)))
+                 models_per_replica=int(args.get("models_per_replica", MODELS_PER_REPLICA)),
+                 router=args.get("router", ROUTERS[0]))
 

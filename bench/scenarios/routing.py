@@ -13,7 +13,9 @@ leave them). Every request is routed by one of:
 - `deadline`: each node's controller is asked when it would finish the request (read-only, from
   its view: the earliest a device holding the model frees, or could load it, plus the run, plus
   the work queued for that model there): the node holding the model that finishes first, while it
-  finishes with a quarter of the SLO to spare; else the earliest finish anywhere (loading it).
+  finishes with a quarter of the SLO to spare; else the earliest finish anywhere (loading it);
+- `reported`: the same rule as the Ray application runs it (daemon/rayserve.py DeadlineRouter):
+  on the forecast each node reports every half second, aged since, plus what was sent after it.
 
 Per router and offered load (a share of the cluster's batched capacity): SLO attainment, goodput,
 cold-start rate. `summary.slo_attainment_by_router` = {router: {load: attainment}}.
@@ -32,8 +34,10 @@ import numpy as np
 from bench import loadgen, results
 from bench.scenarios.common import command
 from bench.scenarios.scale import batched_capacity, models
+from daemon import routing
 from daemon.clock import VirtualClock
 from daemon.config import ControllerSettings
+from daemon.controller import forecast
 from daemon.controller.driver import Driver
 from daemon.controller.estimates import EXACT_ROW_KINDS
 from daemon.controller.policies.clockwork import LOAD_BANDWIDTH_GUESS, ClockworkPolicy
@@ -164,29 +168,45 @@ def predicted_finish(sched: Any, spec: ModelSpec, now: float) -> float:
     return best
 
 
-SLACK = 0.25  # a holder is good enough while it would finish with this share of the SLO to spare
-
-
 def deadline_router(cluster: Cluster, rng: np.random.Generator) -> Router:
-    """Affinity while it meets the deadline: the node holding the model that would finish first, if it
-    finishes with SLACK of the SLO to spare; else whichever node would finish first, loading it if
-    need be. (Always taking the earliest finish spreads copies of every model over idle nodes: each
-    LOAD evicts another model, and the cold starts it causes later cost more than it saved.)"""
+    """The rule the Ray application routes by (daemon/routing.py: affinity while the holder that
+    finishes first leaves a quarter of the SLO to spare, else the earliest finish anywhere), fed
+    each node's forecast read from its controller's state at the request's arrival."""
     scheds = [node.scheduler for node in cluster.nodes]
 
     def route(spec: ModelSpec, now: float) -> int:
-        preds = [(predicted_finish(s, spec, now), s.pending, i) for i, s in enumerate(scheds)]
-        held = [p for p in preds if scheds[p[2]].placed_on.get(spec.key)]
-        if held:
-            best = min(held)
-            if best[0] <= now + (1.0 - SLACK) * spec.slo_s:
-                return best[2]
-        return min(preds)[2]
+        cands = [routing.Candidate(predicted_finish(s, spec, now) - now, bool(s.placed_on.get(spec.key)), s.pending)
+                 for s in scheds]
+        return routing.rank(cands, spec.slo_s)[0]
 
     return route
 
 
-ROUTERS = {"random": random_router, "ray": ray_router, "deadline": deadline_router}
+def reported_router(cluster: Cluster, rng: np.random.Generator) -> Router:
+    """The Ray application's DeadlineRouter as it runs: the same rule, fed the forecast each node's
+    daemon reports (controller/forecast.py node_forecast, its REPORT_MODELS most queued models)
+    every REPORT_PERIOD_S, aged since, plus what was sent to the node after it."""
+    scheds = [node.scheduler for node in cluster.nodes]
+    reports: list[routing.NodeForecast | None] = [None] * len(scheds)
+    sent = [0] * len(scheds)
+    taken_at = -math.inf
+
+    def route(spec: ModelSpec, now: float) -> int:
+        nonlocal taken_at
+        if now - taken_at >= routing.REPORT_PERIOD_S:
+            taken_at = now
+            reports[:] = [routing.NodeForecast.parse({**forecast.node_forecast(s, now, routing.REPORT_MODELS),
+                                                      "at": now}) for s in scheds]
+            sent[:] = [0] * len(scheds)
+        order = routing.route(reports, spec.name, now, sent)
+        i = order[0] if order else int(rng.integers(len(scheds)))
+        sent[i] += 1
+        return i
+
+    return route
+
+
+ROUTERS = {"random": random_router, "ray": ray_router, "deadline": deadline_router, "reported": reported_router}
 
 
 def point(router: str, load: float, n_models: int, nodes: int, devices: int, budget_gib: float, seconds: float,
@@ -220,6 +240,8 @@ def run(quick: bool = False, json_out: str | None = None, n_models: int = 10_000
     summary = {"slo_attainment_by_router": by_router,
                "deadline_minus_random_at_70pct_points": (at70["deadline"] - at70["random"]) * 100,
                "deadline_minus_ray_at_70pct_points": (at70["deadline"] - at70["ray"]) * 100,
+               "reported_minus_random_at_70pct_points": (at70["reported"] - at70["random"]) * 100,
+               "reported_minus_ray_at_70pct_points": (at70["reported"] - at70["ray"]) * 100,
                "cold_start_rate_by_router": {r: {f"{row['load']:g}": row["cold_start_rate"] for row in rows
                                                  if row["router"] == r} for r in ROUTERS}}
     config = {"command": command("routing", quick), "nodes": nodes, "devices_per_node": devices,
@@ -228,8 +250,10 @@ def run(quick: bool = False, json_out: str | None = None, n_models: int = 10_000
               "arrivals": "poisson, zipf(1.0) popularity; the same arrivals for every router at a load",
               "warm": "the most popular models spread round robin over every node's devices (90% of a budget)"}
     notes = ["Virtual time: every node runs the real scheduler and clockwork policy; only devices are simulated.",
-             "The deadline router reads each node's controller state directly (in a real cluster it would ask each "
-             "node, e.g. over the repository API, or learn from their answers)."]
+             "deadline: the rule of daemon/routing.py with each node's controller state read at every arrival "
+             "(the rule's best case). reported: the same rule as the Ray application runs it (DeadlineRouter), "
+             f"on each node's forecast reported every {routing.REPORT_PERIOD_S:g} s (the `forecast` op's "
+             "node_forecast), aged since and plus the requests sent after it."]
     return results.write("routing", config, rows, summary, json_out, notes,
                          columns=["label", "offered_rps", "goodput_rps", "slo_attainment", "cold_start_rate", "loads",
                                   "requests"])

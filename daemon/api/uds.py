@@ -648,6 +648,11 @@ def control_answer(gw: Gateway, op: Any, msg: dict[str, Any]) -> dict[str, Any]:
         return {"models": gw.index(bool(msg.get("ready", False)))}
     if op == "stats":
         return {"controller": gw.statistics()}
+    if op == "forecast":
+        limit = msg.get("limit", 1024)
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise BadRequest("op forecast: limit must be an integer")
+        return {"forecast": gw.forecast(limit)}
     if op in ("shm_register", "shm_unregister", "shm_status"):
         return _shm_op(gw, op, msg)
     name = msg.get("model")
@@ -661,9 +666,9 @@ def control_answer(gw: Gateway, op: Any, msg: dict[str, Any]) -> dict[str, Any]:
         if op == "config":
             return {"config": model_config_json(spec)}
         return model_metadata_json(spec, gw.versions(spec.name))
-    raise BadRequest(f"unknown op {op!r}; ops are infer, live, ready, index, stats, metadata, model_ready, config, "
-                     "shm_register, shm_unregister, shm_status, feedback, user, app_infer, app_feedback, "
-                     "app_status, apps")
+    raise BadRequest(f"unknown op {op!r}; ops are infer, live, ready, index, stats, forecast, metadata, "
+                     "model_ready, config, shm_register, shm_unregister, shm_status, feedback, user, app_infer, "
+                     "app_feedback, app_status, apps")
 
 
 def _shm_op(gw: Gateway, op: str, msg: dict[str, Any]) -> dict[str, Any]:

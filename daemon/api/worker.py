@@ -54,7 +54,7 @@ CALL_HTTP, CALL_SOCKET, CALL_GRPC = 0, 1, 2
 STOP_ANSWER_S = 2.0  # on STOP, how long answers already sent by the controller may take to be written
 
 
-FORWARDED_OPS = ("stats", "shm_register", "shm_unregister", "shm_status")
+FORWARDED_OPS = ("stats", "forecast", "shm_register", "shm_unregister", "shm_status")
 
 
 class WorkerSocketConnection(SocketConnection):

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from daemon.actions import Action, Result
 from daemon.clock import Clock
+from daemon.controller import forecast
 from daemon.controller.driver import Driver
 from daemon.controller.latency import LatencyPath
 from daemon.controller.scheduler import Decision, Scheduler
@@ -78,31 +78,13 @@ class ControllerService:
         self._kick()
 
     def expected_finish(self, spec: ModelSpec, samples: int) -> float:
-        """Read-only forecast: the clock time at which a request of `samples` samples of `spec`
-        submitted now would be answered at the earliest; inf when the model is not served. Its run
-        time on the best device holding it (that device's recent runs: a slowed device shows), after
-        the samples queued or running ahead of it; where no device holds it, a LOAD and the
-        profile. Applications ask it to leave out members that cannot make a deadline
-        (daemon/apps/router.py); nothing here changes the scheduler's state."""
-        sched = self.scheduler
-        entry = sched.models.get(spec.key)
-        if entry is None:
-            return math.inf
-        now = self.clock.now()
-        ready = sched.ready_on.get(spec.key, ())
-        if ready:
-            run = min(sched.estimate(spec.key, samples, sched.devices[d]) for d in ready)
-        else:
-            run = min((sched.estimate(spec.key, samples, k) for k in sched.kinds), default=0.0)
-            loads = [e for k in sched.kinds if (e := sched.estimator.load(spec.key, k)) is not None]
-            run += min(loads, default=0.0)
-        ahead = entry.queue.samples + entry.running
-        wait = 0.0
-        if ahead:  # the queue runs in whole batches, spread over the devices holding the model
-            batch = spec.max_batch_size
-            per_batch = min((sched.estimate(spec.key, batch, sched.devices[d]) for d in ready), default=0.0)
-            wait = -(-ahead // batch) * per_batch / max(1, len(ready))
-        return now + wait + run
+        """When a request of `samples` samples of `spec` submitted now would be answered at the
+        earliest (controller/forecast.py); applications ask it (daemon/apps/router.py)."""
+        return forecast.expected_finish(self.scheduler, spec, samples, self.clock.now())
+
+    def forecast(self, limit: int) -> dict[str, Any]:
+        """This node as a cluster router sees it (controller/forecast.py; the `forecast` op)."""
+        return forecast.node_forecast(self.scheduler, self.clock.now(), limit)
 
     # ---------------------------------------------------------------- from executors
 

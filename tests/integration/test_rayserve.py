@@ -8,6 +8,7 @@ quick version.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import warnings
 
@@ -78,3 +79,44 @@ def test_deploy_config_validates_against_serve_schema() -> None:
     (application,) = cfg.applications
     assert application.import_path == "daemon.rayserve:app" and application.args["models"]
     assert rayserve.app({k: str(v) for k, v in application.args.items()}) is not None  # builds without a cluster
+
+
+class FakeReplica:
+    """What DeadlineRouter reads of Serve's RunningReplica."""
+
+    def __init__(self, replica_id: str, stats: dict[str, object]) -> None:
+        self.replica_id = replica_id
+        self.routing_stats = stats
+
+
+class FakePending:
+    def __init__(self, model: str) -> None:
+        self.metadata = type("Metadata", (), {"multiplexed_model_id": model})()
+
+
+def forecast(at: float, models: dict[str, list[float]], cold_s: float = 1.0) -> dict[str, object]:
+    return {"at": at, "models": models, "cold_s": cold_s, "per_request_s": 0.01, "pending": 0}
+
+
+def test_deadline_router_ranks_replicas_by_their_forecasts() -> None:
+    router = rayserve.DeadlineRouter.__new__(rayserve.DeadlineRouter)  # Serve builds it; the rule needs no Serve
+    router.initialize_state()
+    far = 1e12  # reports from the future: nothing was sent after them
+    a = FakeReplica("a", forecast(far, {"m": [0.050, 0.100]}))
+    b = FakeReplica("b", forecast(far, {}, cold_s=0.001))
+    ranks = asyncio.run(router.choose_replicas([b, a], FakePending("m")))  # type: ignore[list-item]
+    assert [[r.replica_id for r in rank] for rank in ranks] == [["a"], ["b"]]  # the holder, with slack to spare
+    ranks = asyncio.run(router.choose_replicas([b, a], FakePending("x")))  # type: ignore[list-item]
+    assert ranks[0][0].replica_id == "b"  # held nowhere: the earliest cold start
+    # requests sent after a report add to it: 10 at 10 ms each push "a" past the slack
+    for _ in range(10):
+        router.on_request_routed(FakePending("m"), "a", None)  # type: ignore[arg-type]
+    a.routing_stats = forecast(0.0, {"m": [0.050, 0.100]})
+    b.routing_stats = forecast(0.0, {"m": [0.060, 0.100]})
+    ranks = asyncio.run(router.choose_replicas([a, b], FakePending("m")))  # type: ignore[list-item]
+    assert [rank[0].replica_id for rank in ranks] == ["b", "a"]
+
+
+def test_an_unknown_router_is_refused() -> None:
+    with pytest.raises(ValueError, match="router must be one of"):
+        rayserve.build("models", router="fastest")
