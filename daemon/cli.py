@@ -78,11 +78,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from daemon import log as daemon_log
     from daemon.clock import MonotonicClock
+    from daemon.errors import ProgramError
     from daemon.repository import scan
     from daemon.runtime.devices import plan_cores, resolve_devices
     from daemon.runtime.executor import make_backend
     from daemon.runtime.profiler import profile_program, write_profile
-    from daemon.runtime.program import ProgramError, load_program
+    from daemon.runtime.program import load_program
 
     daemon_log.setup("warning")
     settings = _settings(args)
@@ -114,8 +115,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_train_parity(args: argparse.Namespace) -> int:
     from daemon.coding import codes, trainer
+    from daemon.errors import ProgramError
     from daemon.repository import scan
-    from daemon.runtime.program import ProgramError, load_program
+    from daemon.runtime.program import load_program
 
     settings = _settings(args)
     result = scan(settings.models.repository, settings.models.default_slo_ms)

@@ -14,16 +14,29 @@
      │    ├── PayloadTooLarge ....... 413  RESOURCE_EXHAUSTED  body, frame, message or JSON over its limit
      │    ├── UnsupportedMediaType .. 415  INVALID_ARGUMENT    an unknown Content-Encoding, a non-JSON body
      │    ├── HeadersTooLarge ....... 431  RESOURCE_EXHAUSTED
-     │    └── NotImplementedByServer 501  UNIMPLEMENTED       a protocol feature this daemon does not offer
+     │    ├── NotImplementedByServer 501  UNIMPLEMENTED       a protocol feature this daemon does not offer
+     │    └── ModelError ............ 400  INVALID_ARGUMENT    a model version cannot be served (a load says why)
+     │         ├── ModelConfigError .....                     its config.toml (or the one its program implies)
+     │         ├── SignatureError .......                     its program's signature gives no config
+     │         ├── AgentFileError .......                     a file KServe's model agent left beside it
+     │         └── ProgramError .........                     its model file cannot run as its config says
      ├── Unavailable ................ 503  UNAVAILABLE         model not ready, daemon draining
      │    └── Overloaded ............ 503  UNAVAILABLE         + Retry-After: a bound is reached
      ├── DeadlineExceeded ........... 504  DEADLINE_EXCEEDED   the request's deadline cannot be (was not) met
      ├── Cancelled .................. 499  CANCELLED           the client went away before an answer
      └── InternalError .............. 500  INTERNAL            a model raised, an executor failed
     ConfigError ..................... start-up only: a bad setting stops the daemon
+    RefusedFile(OSError) ............ a file the daemon will not read (a FIFO, a runaway size)
 
 The socket frontend uses the same numeric statuses as HTTP so the frontends agree; gRPC
 codes are the names of `grpc.StatusCode` members (this module does not import grpc).
+
+A `ModelError` is mostly met as a model's reason (an UNAVAILABLE version, a broken entry of
+the repository index); it reaches a caller as such only through a load (the repository
+extension's), which Triton answers with a 400 too. The `ValueError` mixed into its subclasses
+keeps them what they were to the parsing code that catches them. Exceptions that never reach a
+caller (the runtime's `DeviceFault`, `NoMemory`, a stored profile's `ProfileError`) stay
+beside their code; what a caller sees is always one of the classes here.
 """
 
 from __future__ import annotations
@@ -99,6 +112,26 @@ class NotImplementedByServer(ClientError):
     grpc = "UNIMPLEMENTED"
 
 
+class ModelError(BadRequest):
+    """A model version cannot be served; the message says why."""
+
+
+class ModelConfigError(ModelError, ValueError):
+    """A model's config (config.toml, or the config its program implies) is wrong; the message says how."""
+
+
+class SignatureError(ModelError, ValueError):
+    """A program's signature cannot be turned into a config; the message says why."""
+
+
+class AgentFileError(ModelError, ValueError):
+    """A file KServe's model agent wrote cannot be read; the message says which and why."""
+
+
+class ProgramError(ModelError, ValueError):
+    """The model file cannot be served as its config describes; the message says why."""
+
+
 class Unavailable(EscapementError):
     status = 503
     grpc = "UNAVAILABLE"
@@ -134,6 +167,10 @@ class InternalError(EscapementError):
 
 class ConfigError(Exception):
     """A setting is unknown, of the wrong type, or out of range. Raised at start-up only."""
+
+
+class RefusedFile(OSError):
+    """A file the daemon will not read: not a regular file, or larger than allowed."""
 
 
 def status_of(exc: BaseException) -> int:

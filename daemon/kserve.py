@@ -17,6 +17,8 @@ from pathlib import Path
 
 import orjson
 
+from daemon.errors import AgentFileError
+
 SUCCESS_PREFIX = "SUCCESS."
 MAX_SUCCESS_BYTES = 64 * 1024  # a few hundred bytes of JSON; this only stops a runaway file
 
@@ -27,10 +29,6 @@ _SUFFIX: dict[str, Decimal | int] = {
     "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
     "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
 }  # fmt: skip
-
-
-class AgentFileError(ValueError):
-    """A file the agent wrote cannot be read; the message says which and why."""
 
 
 def parse_quantity(value: int | str) -> int:

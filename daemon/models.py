@@ -25,7 +25,7 @@ from daemon.coding import codes
 from daemon.config import Settings
 from daemon.controller.scheduler import Scheduler
 from daemon.controller.service import ControllerService
-from daemon.errors import BadRequest, ConfigError, Forbidden, NotFound, Unavailable
+from daemon.errors import BadRequest, ConfigError, Forbidden, ModelError, NotFound, ProgramError, Unavailable
 from daemon.lifecycle import State
 from daemon.model import ModelSpec
 from daemon.notify import Notifier
@@ -35,7 +35,7 @@ from daemon.runtime.devices import Device
 from daemon.runtime.executor import Executor
 from daemon.runtime.hostmem import HostPins
 from daemon.runtime.profiler import measure, read_profile, seeds, write_profile
-from daemon.runtime.program import Program, ProgramError, load_program
+from daemon.runtime.program import Program, load_program
 
 log = logging.getLogger("escapement.server")
 
@@ -85,10 +85,6 @@ class Changes:
     def summary(self) -> str:
         parts = [f"{len(v)} {k}" for k, v in asdict(self).items() if v]
         return ", ".join(parts) or "nothing changed"
-
-
-class _NotServed(Exception):
-    """A model version cannot be served; the message says why."""
 
 
 def _stamp(spec: ModelSpec) -> Stamp:
@@ -355,7 +351,7 @@ class ModelManager:
             return "its previous copy is still unloading; reload again once it is gone"
         try:
             prepared = await self._prepare(spec, stamp)
-        except _NotServed as e:
+        except ModelError as e:
             if old is not None:
                 return f"{e} (the version read before is still served)"
             self.catalog.set_state(spec, ModelState.UNAVAILABLE, str(e))
@@ -372,26 +368,23 @@ class ModelManager:
         return None
 
     async def _prepare(self, spec: ModelSpec, stamp: Stamp) -> Prepared:
-        """Read a version into host memory and profile it (both in threads); raises _NotServed."""
-        try:
-            program = await asyncio.to_thread(load_program, spec)
-        except ProgramError as e:
-            raise _NotServed(str(e)) from None
+        """Read a version into host memory and profile it (both in threads); raises ModelError."""
+        program = await asyncio.to_thread(load_program, spec)  # ProgramError is a ModelError
         need = self._footprint(program)
         largest = max(d.model_budget for d in self.devices)
         if need > largest:
-            raise _NotServed(f"it needs {need} bytes on a device (weights and IO buffers), more than any device's "
+            raise ModelError(f"it needs {need} bytes on a device (weights and IO buffers), more than any device's "
                              f"budget leaves for models ({largest} bytes; runtime.weight_budget)")
         if spec.memory_bytes is not None and need > spec.memory_bytes:
             # KServe admits TrainedModels by the memory they declare: one that needs more than it
             # declares would let KServe place more models on this server than fit.
-            raise _NotServed(f"it needs {need} bytes (weights and IO buffers), more than the {spec.memory_bytes} "
+            raise ModelError(f"it needs {need} bytes (weights and IO buffers), more than the {spec.memory_bytes} "
                              "its KServe TrainedModel declares (spec.model.memory); declare at least that much")
         notes: list[str] = []
         try:
             model_seeds = await self._profile(spec, program, notes)
         except Exception as e:  # a model that cannot even be warmed up is not served
-            raise _NotServed(f"warm-up failed: {e}") from e
+            raise ModelError(f"warm-up failed: {e}") from e
         parity = await self._prepare_parity(spec, stamp) if spec.parity is not None else None
         return Prepared(spec, stamp, program, model_seeds, parity, "; ".join(notes))
 

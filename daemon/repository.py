@@ -68,6 +68,7 @@ import numpy as np
 
 from daemon import kserve
 from daemon.datatypes import KNOWN_UNSUPPORTED, WIRE_ONLY, lookup
+from daemon.errors import AgentFileError, ModelConfigError, RefusedFile, SignatureError
 from daemon.model import (
     Layout,
     ModelFormat,
@@ -79,7 +80,7 @@ from daemon.model import (
     QueuePolicy,
     TensorSpec,
 )
-from daemon.signature import SignatureError, inferred_config
+from daemon.signature import inferred_config
 
 log = logging.getLogger("escapement.repository")
 
@@ -101,14 +102,6 @@ MAX_CONFIG_BYTES = 1 << 20  # a config.toml is a few hundred bytes; this only st
 # limit) nor read other scripts' digits ("²" passes str.isdigit() and int() refuses it; "٣" is 3).
 MAX_VERSION_DIGITS = 18
 _VERSION_RE = re.compile(rf"[0-9]{{1,{MAX_VERSION_DIGITS}}}")
-
-
-class ModelConfigError(ValueError):
-    """A model entry cannot be served; the message says why."""
-
-
-class RefusedFile(OSError):
-    """A file the daemon will not read: not a regular file, or larger than allowed."""
 
 
 def file_type(mode: int) -> str:
@@ -652,7 +645,7 @@ def _model_versions(model_dir: Path, default_slo_ms: float) -> list[ModelSpec]:
         if cfg["stages"]:  # a plan of stages: its version directories hold stage files, not a model file
             try:
                 memory = kserve.declared_memory(model_dir)
-            except kserve.AgentFileError as e:
+            except AgentFileError as e:
                 raise ModelConfigError(f"{name}: KServe's agent file {e}") from None
             return [ModelSpec(version=v, path=path, format="pt2", **{**cfg, "stages": files, "memory_bytes": memory})
                     for v, path, files in _staged_versions(model_dir, cfg["stages"])]
@@ -675,7 +668,7 @@ def _model_versions(model_dir: Path, default_slo_ms: float) -> list[ModelSpec]:
         cfg = parse_model_config(model_dir, default_slo_ms)
     try:
         memory = kserve.declared_memory(model_dir)
-    except kserve.AgentFileError as e:
+    except AgentFileError as e:
         raise ModelConfigError(f"{name}: KServe's agent file {e}") from None
     specs: list[ModelSpec] = []
     for version, path, fmt in versions:

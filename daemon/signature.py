@@ -16,12 +16,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from daemon.errors import SignatureError
+
 UNBOUNDED_BATCH = 32  # max_batch_size for a batch dimension exported without an upper bound
 MAX_BATCH = 4096  # repository.MAX_BATCH_SIZE
-
-
-class SignatureError(ValueError):
-    """The program's signature cannot be turned into a config; the message says why."""
 
 
 _cache: dict[Path, tuple[tuple[int, int], dict[str, Any]]] = {}  # path -> (mtime_ns, size), config

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from daemon.demo import save_model
+from daemon.errors import ProgramError
 from daemon.model import ModelSpec
 from daemon.repository import scan
 from daemon.request import InferenceRequest
@@ -44,7 +45,7 @@ from daemon.runtime.backend import IOBuffers, Resident
 from daemon.runtime.cuda import CudaBackend
 from daemon.runtime.devices import Device
 from daemon.runtime.executor import make_backend
-from daemon.runtime.program import Program, ProgramError, load_program
+from daemon.runtime.program import Program, load_program
 
 MIN_RUNS = 20  # a cell out of time still runs this many (its p99 is then its maximum)
 

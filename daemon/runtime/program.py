@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
+from daemon.errors import ProgramError
 from daemon.model import ModelSpec
 from daemon.runtime.objstore import STORE, ObjectStore, block_bytes
 from daemon.runtime.retarget import capture_lint, check_runs_on, to_device
@@ -70,10 +71,6 @@ def prefix_key(sid: str) -> str:
 def tail_key(model_key: str) -> str:
     """The controller's estimate key of a model's stages after its shared leading one."""
     return f"tail:{model_key}"
-
-
-class ProgramError(ValueError):
-    """The model file cannot be served as its config describes; the message says why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -441,8 +438,9 @@ def stage_id(gm: torch.fx.GraphModule, cids: tuple[str, ...], spec: ModelSpec) -
 def _stage_specs(spec: ModelSpec) -> list[ModelSpec]:
     """Each stage's own spec: the model's inputs in, the model's outputs out, what the programs
     record in between (each stage must take what the one before returns)."""
-    from daemon.repository import ModelConfigError, check_model_config
-    from daemon.signature import SignatureError, inferred_config
+    from daemon.errors import ModelConfigError, SignatureError
+    from daemon.repository import check_model_config
+    from daemon.signature import inferred_config
 
     out: list[ModelSpec] = []
     for i, path in enumerate(spec.stages):

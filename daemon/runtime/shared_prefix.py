@@ -34,9 +34,10 @@ import torch
 from torch import fx
 
 from daemon.datatypes import BY_TORCH, WIRE_ONLY
+from daemon.errors import ProgramError
 from daemon.model import ModelSpec, TensorSpec
 from daemon.runtime.objstore import STORE, ObjectStore
-from daemon.runtime.program import Program, ProgramError, exported_weights, graph_stage, plan_of, read_exported
+from daemon.runtime.program import Program, exported_weights, graph_stage, plan_of, read_exported
 
 log = logging.getLogger("escapement.repository")
 

@@ -12,10 +12,10 @@ from daemon.apps.cache import ENTRY_OVERHEAD, PredictionCache
 from daemon.catalog import ModelCatalog, ModelState
 from daemon.config import settings_from_dict
 from daemon.datatypes import BY_NAME
-from daemon.errors import ConfigError
+from daemon.errors import ConfigError, ModelConfigError
 from daemon.gateway import Gateway
 from daemon.model import ModelSpec, TensorSpec
-from daemon.repository import ModelConfigError, parse_model_config
+from daemon.repository import parse_model_config
 from daemon.request import InferenceRequest, RequestStatus
 from tests.support import tiny_config
 

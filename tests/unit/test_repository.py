@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.repository import ModelConfigError, parse_model_config, scan
+from daemon.errors import ModelConfigError
+from daemon.repository import parse_model_config, scan
 from tests.support import tiny_config
 
 

@@ -11,16 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.repository import (
-    MAX_CONFIG_BYTES,
-    ModelConfigError,
-    RefusedFile,
-    ScanResult,
-    _version_number,
-    parse_model_config,
-    read_regular,
-    scan,
-)
+from daemon.errors import ModelConfigError, RefusedFile
+from daemon.repository import MAX_CONFIG_BYTES, ScanResult, _version_number, parse_model_config, read_regular, scan
 from tests.support import tiny_config
 
 LOGGER = "escapement.repository"

@@ -11,13 +11,14 @@ import torch
 
 from daemon.actions import Action, ActionKind, Result, ResultStatus
 from daemon.clock import MonotonicClock
+from daemon.errors import ProgramError
 from daemon.model import ModelSpec
 from daemon.repository import scan
 from daemon.request import InferenceRequest
 from daemon.runtime.backend import CpuBackend
 from daemon.runtime.devices import Device, resolve_devices
 from daemon.runtime.executor import Executor
-from daemon.runtime.program import Program, ProgramError, load_program
+from daemon.runtime.program import Program, load_program
 from tests.support import TinyLinear
 
 MS = 1e-3

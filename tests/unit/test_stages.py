@@ -12,13 +12,14 @@ import torch
 from torch import nn
 
 from daemon.demo import save_model
+from daemon.errors import ProgramError
 from daemon.repository import scan
 from daemon.request import InferenceRequest
 from daemon.runtime.backend import CpuBackend
 from daemon.runtime.devices import Device
 from daemon.runtime.objstore import ObjectStore
 from daemon.runtime.prefixcache import PrefixCache
-from daemon.runtime.program import Chain, ProgramError, load_program, prefix_key, tail_key
+from daemon.runtime.program import Chain, load_program, prefix_key, tail_key
 
 
 class Whole(nn.Module):
