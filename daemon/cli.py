@@ -114,8 +114,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_train_parity(args: argparse.Namespace) -> int:
-    from daemon.coding import codes, trainer
     from daemon.errors import ProgramError
+    from daemon.parity import codes, trainer
     from daemon.repository import scan
     from daemon.runtime.program import load_program
 
@@ -200,7 +200,7 @@ def _client(args: argparse.Namespace) -> Any:
 
 
 def _digits_inputs(meta: dict[str, Any], n: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    from daemon.demo import digits_split
+    from daemon.parity.datasets import digits_split
 
     _, _, x, y = digits_split()
     shape = meta["inputs"][0]["shape"][1:]

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from daemon.parity.datasets import digits_split
+
 log = logging.getLogger("escapement.demo")
 
 SEED = 0
@@ -104,19 +106,6 @@ class HeavyCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
-
-
-def digits_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The digits dataset split 80/20 with a fixed seed: (x_train, y_train, x_test, y_test)."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = data.data.astype(np.float32)
-    y = data.target.astype(np.int64)
-    order = np.random.default_rng(SEED).permutation(len(x))
-    cut = int(0.8 * len(x))
-    tr, te = order[:cut], order[cut:]
-    return x[tr], y[tr], x[te], y[te]
 
 
 def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, batch: int, lr: float) -> None:
@@ -346,7 +335,7 @@ PARITY_DEMO = ("digits_mlp", "digits_cnn")  # the demo classifiers get a parity 
 
 
 def _build_parity(out: Path, name: str, k: int = 2, epochs: int = 100) -> str:
-    from daemon.coding import trainer
+    from daemon.parity import trainer
     from daemon.repository import scan
     from daemon.runtime.program import load_program
 

@@ -713,13 +713,3 @@ def write_model_config(model_dir: Path, text: str) -> None:
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.toml").write_text(text, encoding="utf-8")
 
-
-def parity_key(spec: ModelSpec) -> str:
-    return f"{spec.name}.parity:{spec.version}"
-
-
-def parity_model(spec: ModelSpec) -> ModelSpec:
-    """The spec of a model's parity model: same inputs and outputs, its own file and key."""
-    assert spec.parity is not None
-    return ModelSpec(f"{spec.name}.parity", spec.version, spec.path.parent / spec.parity.file, "pt2", spec.inputs,
-                     spec.outputs, spec.max_batch_size, spec.slo_s, f"parity model (k={spec.parity.k}) of {spec.name}")

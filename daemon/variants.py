@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from daemon.demo import SEED, DemoModel, config_text, digits_split, save_model
+from daemon.demo import SEED, DemoModel, config_text, save_model
+from daemon.parity.datasets import digits_split
 
 log = logging.getLogger("escapement.demo")
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from daemon.coding import codes
+from daemon.parity import codes
 
 KS = (2, 3, 4)
 BATCHES = (1, 8, 32)

@@ -34,6 +34,7 @@ import torch
 from bench.servers import ROOT, Escapement
 from daemon import demo
 from daemon.client import HttpClient, SocketClient
+from daemon.parity.datasets import digits_split
 
 MEMBERS = ("digits_mlp", "digits_cnn64", "digits_linear")
 APPS_TOML = """
@@ -98,7 +99,7 @@ def _correct(out: np.ndarray, label: int) -> int:
 
 
 def selection(quick: bool, seed: int = 0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    _, _, xte, yte = demo.digits_split()
+    _, _, xte, yte = digits_split()
     n = 600 if quick else 2000
     order = np.random.default_rng(seed).integers(0, len(yte), n)
     names = ("sel", "ens", *MEMBERS)
@@ -166,7 +167,7 @@ def _stats(name: str, lat: list[float], ok: list[int], slo_ms: float, answers: l
 
 
 def stragglers(quick: bool, slo_ms: float = 20.0, add_ms: float = 40.0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    _, _, xte, yte = demo.digits_split()
+    _, _, xte, yte = digits_split()
     n = 300 if quick else 1000
     with tempfile.TemporaryDirectory(prefix="apps-straggle-") as tmp:
         repo = build_repo(Path(tmp) / "repo", preload=True, slo_ms=slo_ms)

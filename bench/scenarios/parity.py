@@ -14,7 +14,7 @@ Two settings:
   three, no parity). Each device gets the same injected random slowdown (a fixed delay added
   to INFERs in randomly chosen windows). Socket clients, Poisson arrivals, repeated runs.
 
-`summary.accuracy` gives, for the zoo (`daemon.coding.zoo`: an MLP with LayerNorm and dropout, a
+`summary.accuracy` gives, for the zoo (`daemon.parity.zoo`: an MLP with LayerNorm and dropout, a
 residual CNN with BatchNorm, a transformer encoder over image rows, each trained on the bundled
 digits), accuracy when everything is available and in degraded mode (every prediction
 reconstructed from a parity model) at k = 2, 3, 4, with the parity trainer's defaults and the
@@ -42,10 +42,11 @@ import torch
 from bench import loadgen, results
 from bench.scenarios.common import demo_repo, measure, spec_of
 from bench.servers import Escapement
-from daemon.coding import codes, trainer, zoo
 from daemon.controller.policies.clockwork import ClockworkPolicy
 from daemon.model import ParitySpec
-from daemon.repository import parity_model, scan
+from daemon.parity import codes, trainer, zoo
+from daemon.parity.spec import parity_model
+from daemon.repository import scan
 from daemon.request import InferenceRequest
 from daemon.runtime.backend import IOBuffers
 from daemon.runtime.program import load_program
@@ -165,7 +166,7 @@ def real_cpu(quick: bool, rate: float, seconds: float, reps: int, add_ms: float,
 
 
 def accuracy(quick: bool, seed: int = 0) -> list[dict[str, Any]]:
-    """The zoo (`daemon.coding.zoo`) trained on digits, and a parity model per k with the trainer's
+    """The zoo (`daemon.parity.zoo`) trained on digits, and a parity model per k with the trainer's
     defaults (quick: a few epochs of both, a short time limit): held-out test figures."""
     work = Path(tempfile.mkdtemp(prefix="parity-zoo-"))
     out = []

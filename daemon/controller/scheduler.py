@@ -26,11 +26,9 @@ import numpy as np
 from daemon.actions import LOAD_FLOOR_BPS, Action, ActionKind, Failure, Result, ResultStatus
 from daemon.config import ControllerSettings
 from daemon.controller.classes import max_queue
-from daemon.controller.coding import Coding
 from daemon.controller.decisions import Drop, Infer, Load, Release, Save, Step, Steps, Unload
 from daemon.controller.estimates import EXACT_ROW_KINDS, Estimator
 from daemon.controller.memory import Blocks, DeviceMemory
-from daemon.controller.parm import ParityWorkflow, Role
 from daemon.controller.state import (
     FAILURE_COOLDOWN,
     LOAD_BACKOFF,
@@ -52,6 +50,8 @@ from daemon.errors import (
 )
 from daemon.model import ModelSpec
 from daemon.observability.telemetry import Telemetry
+from daemon.parity.groups import ActionRole, Coding
+from daemon.parity.planner import ParityPlanner
 from daemon.request import InferenceRequest, RequestClass, RequestStatus
 from daemon.runtime.devices import Device
 from daemon.runtime.program import prefix_key, tail_key
@@ -76,7 +76,7 @@ class Scheduler:
         self.estimator = estimator or Estimator()
         self.telemetry = telemetry or Telemetry()
         self.counters: Counter[str] = Counter()  # monotonic event counts, read by stats and benchmarks
-        self.parm = ParityWorkflow(self.counters)
+        self.parm = ParityPlanner(self.counters)
         self.devices: dict[str, DeviceState] = {d.name: DeviceState(d, DeviceMemory(d.model_budget,
                                                                                       d.shares_weights))
                                                 for d in devices}
@@ -809,7 +809,7 @@ class Scheduler:
             self._group_done(action, dev, result, now)
             return
         dev.busy[key] -= 1
-        role = self.parm.role(action) if self.parm.coding.role or self.parm.coding.replicas else Role.NONE
+        role = self.parm.role(action) if self.parm.coding.role or self.parm.coding.replicas else ActionRole.NONE
         if result.ok:
             assert result.outputs is not None
             rows = action.samples if dev.kind in EXACT_ROW_KINDS else action.batch_size
@@ -820,7 +820,7 @@ class Scheduler:
         if action.coded is not None:  # a parity batch (its group may be gone: members all answered)
             self._run(self.parm.parity_result(action, result, now), now)
             return
-        if role == Role.REPLICA:
+        if role == ActionRole.REPLICA:
             self._run(self.parm.replica_result(action, result), now)
             return
         if result.ok:
@@ -829,11 +829,11 @@ class Scheduler:
             if entry is not None and entry.backlog_since:
                 self._drained(entry, action.samples, now)
             self._answer(action, result.outputs, now, result.duration)
-            if role == Role.MEMBER:
+            if role == ActionRole.MEMBER:
                 self._run(self.parm.member_answered(action, result.outputs, now), now)
             return
         self.counters[f"infer_{result.status.name.lower()}"] += 1
-        if role == Role.MEMBER and self._run(self.parm.member_lost(self, action, result, now), now):
+        if role == ActionRole.MEMBER and self._run(self.parm.member_lost(self, action, result, now), now):
             return  # its requests wait for a reconstruction
         self._lost(action, result, now)
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from daemon.model import ModelSpec
+from daemon.parity.codes import encode_requests
 from daemon.request import InferenceRequest
 from daemon.runtime.devices import Device
 from daemon.runtime.prefixcache import PrefixCache
@@ -36,18 +37,9 @@ class IOBuffers:
     input_ptrs: frozenset[int] = field(default_factory=frozenset)
 
     def fill_coded(self, members: Sequence[Sequence[InferenceRequest]], encoder: str) -> int:
-        """A parity batch: each member's rows, encoded (codes.py, the same code training used)."""
-        from daemon.coding.codes import encoder as make_encoder
-        from daemon.coding.codes import stack_members
-
-        enc = make_encoder(encoder)
-        rows = max((sum(r.samples for r in m) for m in members), default=0)
-        for i, buf in enumerate(self.host):
-            # np.concatenate copies even one request's input: inputs may be read-only views of the wire
-            # buffer, which torch.from_numpy refuses (a warning, an error under the tests' filters)
-            parts = [torch.from_numpy(np.concatenate([r.inputs[i] for r in m]) if m else
-                                      np.zeros((0, *buf.shape[1:]), dtype=buf.dtype)) for m in members]
-            enc(stack_members(parts, rows), out=torch.from_numpy(buf[:rows]))  # straight into the buffer
+        """A parity batch: each member's rows, encoded (parity/codes.py, the same code training used)."""
+        rows = encode_requests(self.host, members, encoder)
+        for buf in self.host:
             if rows < self.filled:
                 buf[rows : self.filled] = 0
         self.filled = rows

@@ -18,7 +18,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from tritonclient.utils import InferenceServerException
 
-from daemon.demo import digits_split
+from daemon.parity.datasets import digits_split
 from tests.integration.test_http import reference, torch_digits_reference
 from tests.support import ALL_TYPES, DaemonThread, settings, short_tmpdir
 

@@ -17,7 +17,7 @@ import tritonclient.http as th
 import tritonclient.http.aio as tha
 from tritonclient.utils import InferenceServerException
 
-from daemon.demo import digits_split
+from daemon.parity.datasets import digits_split
 from tests.support import ALL_TYPES, DaemonThread, TinyLinear
 
 

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from daemon.client import AsyncSocketClient
-from daemon.demo import digits_split
+from daemon.parity.datasets import digits_split
 from tests.support import DaemonThread, parity_daemon_on_three_cpus
 
 

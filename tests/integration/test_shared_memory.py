@@ -21,7 +21,7 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from daemon.client import InferenceServerError, ShmInput, ShmOutput, SocketClient
-from daemon.demo import digits_split
+from daemon.parity.datasets import digits_split
 from tests.integration.test_http import raw, torch_digits_reference
 from tests.support import DaemonThread, settings, short_tmpdir
 

@@ -26,7 +26,7 @@ import aiohttp
 import orjson
 import pytest
 
-from daemon.demo import digits_split
+from daemon.parity.datasets import digits_split
 from tests.reliability.helpers import FrameConnection, frame, percentile, record
 from tests.support import DaemonThread, parity_daemon_on_three_cpus
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from daemon.coding import codes
+from daemon.parity import codes
 
 
 def test_sum_code_decodes_exactly_for_a_linear_model() -> None:

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from daemon.actions import Action, ActionKind, ResultStatus
-from daemon.controller.coding import DECODE_MARGIN, Coding
 from daemon.controller.policies.clockwork import ClockworkPolicy
 from daemon.model import ModelSpec, ParitySpec
-from daemon.repository import parity_model
+from daemon.parity.groups import DECODE_MARGIN, Coding
+from daemon.parity.spec import parity_model
 from daemon.request import InferenceRequest, RequestStatus
 from tests.unit.harness import MS, Harness, make_spec
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from daemon.coding import codes, trainer, zoo
 from daemon.model import ModelSpec
+from daemon.parity import codes, trainer, zoo
 from daemon.repository import scan
 from daemon.runtime.program import load_program
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from daemon import cli
-from daemon.coding import codes
+from daemon.parity import codes
 from daemon.repository import scan
 from daemon.runtime.program import load_program
 

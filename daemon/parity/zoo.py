@@ -8,7 +8,7 @@ parity-training tests to check that `train-parity`'s defaults hold beyond the de
 - `zoo_transformer`: a 2-layer pre-norm transformer encoder over the 8 rows of a digit image
   (8 tokens of 8 pixels), learned position embeddings, dropout, mean pooling.
 
-Each is trained on the digits' training split (`demo.digits_split`, seed 0) and written like
+Each is trained on the digits' training split (`datasets.digits_split`, seed 0) and written like
 a demo model (`model.pt2` with a dynamic batch dimension and a `config.toml`).
 """
 
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from daemon import demo
+from daemon.parity.datasets import digits_split
 
 SEED = 0
 
@@ -114,7 +115,7 @@ def build(out: str | Path, names: list[str] | None = None, epochs: int | None = 
 
     `epochs` overrides each model's training epochs (tests use 1: a fast, barely trained model)."""
     out = Path(out)
-    xtr, ytr, xte, yte = demo.digits_split()
+    xtr, ytr, xte, yte = digits_split()
     built: dict[str, dict[str, object]] = {}
     for name in names or list(ZOO):
         ctor, shape, default_epochs, lr, description = ZOO[name]

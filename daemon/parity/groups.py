@@ -1,4 +1,5 @@
-"""Coding groups: ParM's parity batches, as controller state. Pure code, driven by `now`.
+"""Coding groups: ParM's parity batches, as controller state. Pure code, driven by `now` (the
+decode itself is codes.py's).
 
 For a model with parity, k INFER batches of one batch size, issued one after another on
 different devices where the model has several, form a group.
@@ -32,22 +33,29 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
-import torch
 
 from daemon.actions import Action
-from daemon.coding.codes import decode
 from daemon.controller.decisions import Release, Save
 from daemon.model import ModelSpec
+from daemon.parity.codes import decode_member
 from daemon.request import RequestStatus
 
 DECODE_MARGIN = 0.0005  # reconstruct this long before a deadline if the original is not back
 MAX_OPEN_GROUPS = 16  # per model and batch size: bounds the state one busy device can leave
 STRAGGLER_SLACK = 0.001  # a member this much (and 50% of a normal run) past a normal run is a straggler
+
+
+class ActionRole(IntEnum):
+    """What an INFER is to ParM."""
+
+    NONE = 0  # an ordinary batch (of a model without parity, or not in a group)
+    MEMBER = 1  # a data batch in a coding group
+    PARITY = 2  # a group's parity batch
+    REPLICA = 3  # a copy of a member on another device (first answer wins)
 
 
 class MemberState(IntEnum):
@@ -170,13 +178,13 @@ class Coding:
 
     # ---------------------------------------------------------------- results
 
-    def kind(self, action: Action) -> str | None:
+    def role_of(self, action: Action) -> ActionRole:
         if action.id in self.replicas:
-            return "replica"
+            return ActionRole.REPLICA
         entry = self.role.get(action.id)
         if entry is None:
-            return None
-        return "member" if entry[1] is not None else "parity"
+            return ActionRole.NONE
+        return ActionRole.MEMBER if entry[1] is not None else ActionRole.PARITY
 
     def member_done(self, action: Action, outputs: tuple[np.ndarray, ...] | None, now: float) -> list[Save]:
         """A member's own result: OK (outputs) answered its requests; None: it failed or was refused
@@ -252,18 +260,12 @@ class Coding:
         return saves
 
     def _save(self, g: Group, m: Member) -> Save:
-        t0 = time.perf_counter()  # a measurement for telemetry, not an input to any decision
         assert g.parity_out is not None
-        rows = m.action.samples
-        outs = []
-        for i, p in enumerate(g.parity_out):
-            others = [torch.from_numpy(_rows(o.outputs[i], p.shape[0])) for o in g.members
-                      if o is not m and o.outputs is not None]
-            decoded = decode(torch.from_numpy(p), others).numpy()
-            outs.append(decoded[:rows])
+        others = [o.outputs for o in g.members if o is not m and o.outputs is not None]
+        outs, seconds = decode_member(g.parity_out, others, m.action.samples)
         m.state = MemberState.SAVED
-        m.outputs = tuple(outs)
-        return Save(m.action, tuple(outs), time.perf_counter() - t0)
+        m.outputs = outs
+        return Save(m.action, outs, seconds)
 
     # ---------------------------------------------------------------- timers
 
@@ -347,10 +349,3 @@ class Coding:
                 "tracked_actions": len(self.role),
                 "replicas_in_flight": len(self.replicas), "timers": len(self._timers)}
 
-
-def _rows(a: np.ndarray, rows: int) -> np.ndarray:
-    """`a` padded with zero rows to `rows` rows (members may fill fewer rows than the parity has)."""
-    if a.shape[0] >= rows:
-        return a[:rows]
-    pad = np.zeros((rows - a.shape[0], *a.shape[1:]), dtype=a.dtype)
-    return np.concatenate([a, pad])

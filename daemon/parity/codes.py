@@ -21,9 +21,15 @@ Members of a group may fill different numbers of rows; rows a member lacks count
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from daemon.request import InferenceRequest
 
 ENCODERS = ("sum", "concat")
 
@@ -117,3 +123,37 @@ def stack_members(members: Sequence[torch.Tensor], rows: int) -> list[torch.Tens
             m = torch.cat([m, pad])
         out.append(m)
     return out
+
+
+def encode_requests(buffers: Sequence[np.ndarray], members: Sequence[Sequence[InferenceRequest]], name: str) -> int:
+    """A parity batch's inputs: each member's rows (its requests' inputs, in turn) encoded with `name`
+    straight into the first rows of `buffers` (one per input); returns how many rows that is."""
+    enc = encoder(name)
+    rows = max((sum(r.samples for r in m) for m in members), default=0)
+    for i, buf in enumerate(buffers):
+        # np.concatenate copies even one request's input: inputs may be read-only views of the wire
+        # buffer, which torch.from_numpy refuses (a warning, an error under the tests' filters)
+        parts = [torch.from_numpy(np.concatenate([r.inputs[i] for r in m]) if m else
+                                  np.zeros((0, *buf.shape[1:]), dtype=buf.dtype)) for m in members]
+        enc(stack_members(parts, rows), out=torch.from_numpy(buf[:rows]))  # straight into the buffer
+    return rows
+
+
+def decode_member(parity_out: Sequence[np.ndarray], others: Sequence[Sequence[np.ndarray]],
+                  rows: int) -> tuple[tuple[np.ndarray, ...], float]:
+    """A lost member's outputs from its group's parity outputs and the k-1 other members' outputs
+    (one array per output each), cut to its `rows`; and the seconds the decode took."""
+    t0 = time.perf_counter()  # a measurement for telemetry, not an input to any decision
+    outs = []
+    for i, p in enumerate(parity_out):
+        rest = [torch.from_numpy(_rows(o[i], p.shape[0])) for o in others]
+        outs.append(decode(torch.from_numpy(p), rest).numpy()[:rows])
+    return tuple(outs), time.perf_counter() - t0
+
+
+def _rows(a: np.ndarray, rows: int) -> np.ndarray:
+    """`a` padded with zero rows to `rows` rows (members may fill fewer rows than the parity has)."""
+    if a.shape[0] >= rows:
+        return a[:rows]
+    pad = np.zeros((rows - a.shape[0], *a.shape[1:]), dtype=a.dtype)
+    return np.concatenate([a, pad])

@@ -47,8 +47,9 @@ import numpy as np
 import torch
 from torch.export.graph_signature import InputKind
 
-from daemon.coding import codes
 from daemon.model import ModelSpec
+from daemon.parity import codes
+from daemon.parity.datasets import digits_split
 
 log = logging.getLogger("escapement.coding")
 
@@ -151,8 +152,6 @@ def load_dataset(spec: ModelSpec, data: str | Path | None, seed: int = 0) -> Dat
     """The demo digits (data=None) or an npz file: `x` [+ `y`] split 80/20, or `x_train`/`x_test`."""
     shape = spec.inputs[0].sample_shape
     if data is None:
-        from daemon.demo import digits_split
-
         xtr, ytr, xte, yte = digits_split()
         if int(np.prod(shape)) != xtr.shape[1]:
             raise ValueError(f"{spec.name} takes {list(shape)} per sample; the digits are 64 values: pass --data")

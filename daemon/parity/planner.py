@@ -5,45 +5,32 @@ lost) and asks it what is due; it decides from the read-only view and yields ste
 (`decisions.py`) the scheduler applies, like a policy: parity batches and replicas (`Infer`),
 a parity model's LOAD (and the UNLOADs that make room), answers rebuilt from parity outputs
 (`Save`), and members whose reconstruction cannot come (`Release`). The groups themselves are
-the state machine in `coding.py`.
+the state machine in `groups.py`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from enum import IntEnum
 
 from daemon.actions import Action, Result, ResultStatus
-from daemon.controller.coding import DECODE_MARGIN, Coding, Group, MemberState
 from daemon.controller.decisions import Infer, Load, Save, Steps, Unload
 from daemon.controller.state import LATEST_GRACE, DeviceState
 from daemon.controller.view import ControllerView
 from daemon.model import ModelSpec
-from daemon.repository import parity_key
+from daemon.parity.groups import DECODE_MARGIN, ActionRole, Coding, Group, MemberState
+from daemon.parity.spec import parity_key
 from daemon.request import InferenceRequest, RequestStatus
 
 
-class Role(IntEnum):
-    """What an INFER is to ParM."""
-
-    NONE = 0  # an ordinary batch (of a model without parity, or not in a group)
-    MEMBER = 1  # a data batch in a coding group
-    PARITY = 2  # a group's parity batch
-    REPLICA = 3  # a copy of a member on another device (first answer wins)
-
-
-class ParityWorkflow:
+class ParityPlanner:
     def __init__(self, counters: Counter[str]) -> None:
         self.coding = Coding()
         self.counters = counters  # the scheduler's: one set of event counts
 
     # ---------------------------------------------------------------- what the scheduler asks
 
-    def role(self, action: Action) -> Role:
-        kind = self.coding.kind(action)
-        if kind is None:
-            return Role.NONE
-        return {"member": Role.MEMBER, "parity": Role.PARITY, "replica": Role.REPLICA}[kind]
+    def role(self, action: Action) -> ActionRole:
+        return self.coding.role_of(action)
 
     def next_time(self) -> float | None:
         return self.coding.next_time() if self.coding.groups else None
@@ -89,7 +76,7 @@ class ParityWorkflow:
 
     def parity_result(self, action: Action, result: Result, now: float) -> Steps:
         self.counters["parities_run" if result.ok else "parities_lost"] += 1
-        if self.coding.kind(action) == "parity":
+        if self.coding.role_of(action) == ActionRole.PARITY:
             yield from self.coding.parity_done(action, result.outputs if result.ok else None, now)
 
     def replica_result(self, action: Action, result: Result) -> Steps:
