@@ -21,6 +21,7 @@ from typing import Any
 
 from daemon.catalog import ModelCatalog, ModelState
 from daemon.clock import Clock
+from daemon.coding import codes
 from daemon.config import Settings
 from daemon.controller.scheduler import Scheduler
 from daemon.controller.service import ControllerService
@@ -28,8 +29,7 @@ from daemon.errors import BadRequest, ConfigError, Forbidden, ModelError, NotFou
 from daemon.lifecycle import State
 from daemon.model import ModelSpec
 from daemon.notify import Notifier
-from daemon.parity.spec import parity_model, parity_problem
-from daemon.repository import ScanResult, scan
+from daemon.repository import ScanResult, parity_model, scan
 from daemon.runtime import shared_prefix
 from daemon.runtime.devices import Device
 from daemon.runtime.executor import Executor
@@ -316,8 +316,9 @@ class ModelManager:
             if key not in self._served:
                 self.catalog.add(wanted[key], ModelState.LOADING)
         runtime = self.settings.runtime
-        if runtime.detect_shared_prefix and runtime.share_weights and len(todo) > 1:
-            # every new single-program model read before any loads: a prefix it shares is found from the first
+        if runtime.detect_shared_prefix and runtime.share_weights and todo:
+            # every new single-program model read before any loads (the load reuses the read): a prefix
+            # it shares with another is found from the first, and later scans find this one's
             await asyncio.to_thread(shared_prefix.INDEX.read_ahead, [wanted[k] for k in todo])
         for i, key in enumerate(todo, 1):
             if self.state > State.RUNNING:
@@ -397,8 +398,9 @@ class ModelManager:
         assert spec.parity is not None
         pspec = parity_model(spec)
         try:
-            if problem := parity_problem(spec):
-                raise ValueError(problem)
+            if len(spec.inputs) != 1 or len(spec.outputs) != 1:
+                raise ValueError("parity needs a model with one input and one output")
+            codes.check(spec.parity.encoder, spec.parity.k, spec.inputs[0].sample_shape)
             program = await asyncio.to_thread(load_program, pspec)
             parity_seeds = await self._profile(pspec, program)
         except (ValueError, ProgramError, RuntimeError) as e:

@@ -9,9 +9,9 @@ and keeps it once in host memory and on each device.
 
 The same family is also written as plans of stages (`<out>-staged`): one backbone program in
 `.stages/backbone.pt2` and, per variant, its head as `head.pt2` with `stages = [backbone, head]`
-in its config. The daemon does not split a monolithic program into a shared prefix and the rest
-(that would need matching sub-graphs across exported programs), so this form is the one whose
-shared stage the controller runs once for several variants (cross-model batching).
+in its config. The daemon serves both forms with the backbone run once for several variants
+(cross-model batching): the staged form as declared, the monolithic one split where the
+variants begin alike, found at load (runtime/shared_prefix.py, `runtime.detect_shared_prefix`).
 
 Deterministic (fixed seeds and split); idempotent (a variant already built is left alone).
 """

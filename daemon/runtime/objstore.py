@@ -11,6 +11,7 @@ reference count is the store's, and dropping the last version that uses a tensor
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import weakref
@@ -39,10 +40,17 @@ class ObjectStore:
 
     def __init__(self) -> None:
         self._tensors: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
-        self._lock = threading.Lock()  # programs load on worker threads
+        self._lock = threading.RLock()  # programs load on worker threads (reentrant: a weakref callback may run inside)
+        # held tensor's id -> (a weak reference to it, its content id): a tensor put again (a program
+        # read ahead, runtime/shared_prefix.py, then loaded) is not hashed again
+        self._held: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
 
     def put(self, t: torch.Tensor) -> tuple[str, torch.Tensor]:
         """(content id, the held tensor): `t` itself the first time its content is seen."""
+        with self._lock:
+            known = self._held.get(id(t))
+            if known is not None and known[0]() is t:
+                return known[1], t
         cid = content_id(t)
         with self._lock:
             held = self._tensors.get(cid)
@@ -51,7 +59,14 @@ class ObjectStore:
                 if not held.is_contiguous() or held.untyped_storage().nbytes() != held.numel() * held.element_size():
                     held = held.contiguous().clone()  # a view would keep its whole storage alive
                 self._tensors[cid] = held
+                key = id(held)
+                self._held[key] = (weakref.ref(held, functools.partial(self._forget, key)), cid)
             return cid, held
+
+    def _forget(self, key: int, ref: weakref.ref[torch.Tensor]) -> None:
+        with self._lock:
+            if (e := self._held.get(key)) is not None and e[0] is ref:
+                del self._held[key]
 
     def __len__(self) -> int:
         return len(self._tensors)
