@@ -21,7 +21,6 @@ from typing import Any
 
 from daemon.catalog import ModelCatalog, ModelState
 from daemon.clock import Clock
-from daemon.coding import codes
 from daemon.config import Settings
 from daemon.controller.scheduler import Scheduler
 from daemon.controller.service import ControllerService
@@ -29,7 +28,8 @@ from daemon.errors import BadRequest, ConfigError, Forbidden, ModelError, NotFou
 from daemon.lifecycle import State
 from daemon.model import ModelSpec
 from daemon.notify import Notifier
-from daemon.repository import ScanResult, parity_model, scan
+from daemon.parity.spec import parity_model, parity_problem
+from daemon.repository import ScanResult, scan
 from daemon.runtime import shared_prefix
 from daemon.runtime.devices import Device
 from daemon.runtime.executor import Executor
@@ -398,9 +398,8 @@ class ModelManager:
         assert spec.parity is not None
         pspec = parity_model(spec)
         try:
-            if len(spec.inputs) != 1 or len(spec.outputs) != 1:
-                raise ValueError("parity needs a model with one input and one output")
-            codes.check(spec.parity.encoder, spec.parity.k, spec.inputs[0].sample_shape)
+            if problem := parity_problem(spec):
+                raise ValueError(problem)
             program = await asyncio.to_thread(load_program, pspec)
             parity_seeds = await self._profile(pspec, program)
         except (ValueError, ProgramError, RuntimeError) as e:
