@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from daemon.controller.scheduler import Scheduler
     from daemon.runtime.executor import Executor
     from daemon.runtime.faults import FaultSpec
+    from daemon.runtime.prefixcache import PrefixCache, PrefixCacheStats
 
 
 class Controller(Protocol):
@@ -352,7 +353,17 @@ class Gateway:
                 "request_memory": {"held_bytes": m.held, "peak_bytes": m.peak, "limit_bytes": m.limit,
                                    "refused": m.refused},
                 "personalization": dataclasses.asdict(self.personal.stats()),
-                "applications": {n: self.apps.status(n)["counters"] for n in self.apps.apps}}
+                "applications": {n: self.apps.status(n)["counters"] for n in self.apps.apps},
+                "prefix_cache": {n: dataclasses.asdict(st) for n, st in self._prefix_caches().items()}}
+
+    def _prefix_caches(self) -> dict[str, PrefixCacheStats]:
+        """Each CPU device's cache of shared stages' outputs (runtime/prefixcache.py), by device."""
+        out = {}
+        for name, ex in sorted(self._executors.items()):
+            cache: PrefixCache | None = getattr(ex.backend, "prefix_cache", None)
+            if cache is not None and cache.enabled:
+                out[name] = cache.stats()
+        return out
 
     def model_statistics(self, name: str | None = None, version: str | int | None = None) -> list[dict[str, Any]]:
         """Triton's statistics extension (`model_stats`), for every ready version, one model's ready
@@ -376,7 +387,8 @@ class Gateway:
         """The Prometheus text exposition, rendered on the loop (the collector reads the controller's
         state) within a budget of loop time: a flood of scrapes gets the last rendering."""
         if self._metrics is None:
-            registry = metrics.make_registry(self._scheduler, self.overload, self.cache, self.apps, self.personal)
+            registry = metrics.make_registry(self._scheduler, self.overload, self.cache, self.apps, self.personal,
+                                             self._prefix_caches)
             self._metrics = RenderBudget(lambda: metrics.render(registry))
         return self._metrics.get()
 

@@ -23,7 +23,7 @@ typed, counters ending in `_total`. docs/http-api.md lists every metric.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import orjson
@@ -36,6 +36,7 @@ from daemon.api.httpserver import Request, Response, Router
 from daemon.controller.scheduler import Scheduler
 from daemon.observability.stats import Buckets, ModelStats
 from daemon.overload import LagTracker
+from daemon.runtime.prefixcache import PrefixCacheStats
 
 if TYPE_CHECKING:
     from daemon.apps.cache import PredictionCache
@@ -119,12 +120,14 @@ class EscapementCollector:
 
     def __init__(self, scheduler: Callable[[], Scheduler], overload: LagTracker | None = None,
                  cache: PredictionCache | None = None, apps: Applications | None = None,
-                 personal: Personalizer | None = None) -> None:
+                 personal: Personalizer | None = None,
+                 prefix_caches: Callable[[], Mapping[str, PrefixCacheStats]] | None = None) -> None:
         self._scheduler = scheduler  # a getter: the frontend is wired before or after the controller
         self._overload = overload
         self._cache = cache
         self._apps = apps
         self._personal = personal
+        self._prefix_caches = prefix_caches
 
     def collect(self) -> Iterator[Metric]:
         sched = self._scheduler()
@@ -137,6 +140,8 @@ class EscapementCollector:
             yield from _app_metrics(self._apps)
         if self._personal is not None:
             yield from _personal_metrics(self._personal)
+        if self._prefix_caches is not None:
+            yield from _prefix_cache_metrics(self._prefix_caches())
         if self._overload is not None:
             o = self._overload
             yield GaugeMetricFamily("escapement_event_loop_lag_seconds",
@@ -363,12 +368,37 @@ def _personal_metrics(personal: Personalizer) -> Iterator[Metric]:
                               value=st.db_failures)
 
 
+def _prefix_cache_metrics(caches: Mapping[str, PrefixCacheStats]) -> Iterator[Metric]:
+    """Each CPU device's cache of shared stages' outputs by input (runtime/prefixcache.py)."""
+    dev = ["device"]
+    hits = CounterMetricFamily("escapement_prefix_cache_hits",
+                               "Requests whose shared leading stage's output came from the device's prefix cache",
+                               labels=dev)
+    misses = CounterMetricFamily("escapement_prefix_cache_misses",
+                                 "Requests whose shared leading stage's output was not in the prefix cache",
+                                 labels=dev)
+    evictions = CounterMetricFamily("escapement_prefix_cache_evictions",
+                                    "Prefix cache entries dropped to make room (runtime.prefix_cache_entries, "
+                                    "runtime.prefix_cache_bytes)", labels=dev)
+    entries = GaugeMetricFamily("escapement_prefix_cache_entries", "Outputs the prefix cache holds", labels=dev)
+    nbytes = GaugeMetricFamily("escapement_prefix_cache_bytes", "Bytes of outputs the prefix cache holds",
+                               labels=dev)
+    for name, st in sorted(caches.items()):
+        hits.add_metric([name], st.hits)
+        misses.add_metric([name], st.misses)
+        evictions.add_metric([name], st.evictions)
+        entries.add_metric([name], st.entries)
+        nbytes.add_metric([name], st.bytes)
+    yield from (hits, misses, evictions, entries, nbytes)
+
+
 def make_registry(scheduler: Callable[[], Scheduler], overload: LagTracker | None = None,
                   cache: PredictionCache | None = None, apps: Applications | None = None,
-                  personal: Personalizer | None = None) -> CollectorRegistry:
+                  personal: Personalizer | None = None,
+                  prefix_caches: Callable[[], Mapping[str, PrefixCacheStats]] | None = None) -> CollectorRegistry:
     """A registry of one daemon's own (not prometheus-client's global one)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EscapementCollector(scheduler, overload, cache, apps, personal))
+    registry.register(EscapementCollector(scheduler, overload, cache, apps, personal, prefix_caches))
     return registry
 
 

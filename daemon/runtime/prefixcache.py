@@ -4,7 +4,8 @@ When the same input is sent to several models whose plans begin with one stage (
 scoring one image with many heads), the stage's output for it is computed once and served from
 here to the others. Keyed by the stage's identity and a hash of the request's input bytes,
 shapes and dtypes; least recently used entries go first; bounded in count and in bytes. One per
-device, used only by its INFER thread (no lock).
+device, used only by its INFER thread (no lock); `stats()` is read from the event loop (its counts
+are plain ints, each read whole: a snapshot at most one batch old).
 """
 
 from __future__ import annotations
@@ -12,9 +13,23 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    """One device's prefix cache, as /metrics and the daemon's statistics report it."""
+
+    hits: int  # requests whose prefix output came from the cache
+    misses: int  # requests looked up and not found (then computed, and kept if they fit)
+    evictions: int  # entries dropped to make room (count or bytes)
+    entries: int
+    bytes: int
+    max_entries: int
+    max_bytes: int
 
 
 class PrefixCache:
@@ -25,6 +40,7 @@ class PrefixCache:
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
+        self.evictions = 0
 
     @property
     def enabled(self) -> bool:
@@ -32,6 +48,10 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self.hits, self.misses, self.evictions, len(self._entries), self.nbytes,
+                                self.max_entries, self.max_bytes)
 
     @staticmethod
     def key(sid: str, inputs: Sequence[np.ndarray]) -> bytes:
@@ -60,5 +80,6 @@ class PrefixCache:
         while self._entries and (len(self._entries) >= self.max_entries or self.nbytes + n > self.max_bytes):
             _, (_, freed) = self._entries.popitem(last=False)
             self.nbytes -= freed
+            self.evictions += 1
         self._entries[key] = (value, n)
         self.nbytes += n
