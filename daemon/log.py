@@ -1,7 +1,11 @@
 """Logging: one line per event to stderr (journald adds its own timestamps under systemd).
 
-Named loggers per subsystem: escapement.http, .socket, .controller, .executor, .server,
-.repository; `server.log_level` sets the level of all of them.
+Named loggers per subsystem, all under `escapement` (`server.log_level` sets the level of all):
+- frontends: .http, .grpc, .socket, .gateway, .workers (frontend worker processes)
+- the daemon: .server (lifecycle, model versions), .notify (systemd), .repository (the scan)
+- the controller and runtime: .controller, .executor, .runtime, .devices, .cuda, .profile
+- applications: .apps, .appdb, .personal, .userdb
+- tools: .parity (train-parity), .demo (the demo repository builder)
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 What is timed, per case (k = 2, 3, 4; inputs of 784 floats and 3x224x224 images, outputs of 10
 and 1000 classes; batch 1, 8, 32; float32):
 
-- encode `sum` (daemon/coding/codes.py `encode_sum`: copy the first member, then k-1 in-place
+- encode `sum` (daemon/parity/codes.py `encode_sum`: copy the first member, then k-1 in-place
   adds into the executor's input buffer) against one cupy ElementwiseKernel reading all k
   members and writing the buffer once.
 - encode `concat` (`encode_concat`, escapement's default for images at k = 2 and 4: each image

@@ -51,7 +51,7 @@ from daemon.model import ModelSpec
 from daemon.parity import codes
 from daemon.parity.datasets import digits_split
 
-log = logging.getLogger("escapement.coding")
+log = logging.getLogger("escapement.parity")
 
 NormMode = Literal["recalibrate", "batch", "frozen"]
 LossMode = Literal["mse", "decode"]

@@ -164,7 +164,7 @@ def test_the_runtime_is_what_kserve_and_the_image_expect() -> None:
     (container,) = spec["containers"]
     assert container["name"] == "kserve-container"
     # The image's config (Dockerfile) is the one the runtime starts with, and its ports are the container's.
-    dockerfile = (ROOT / "Dockerfile").read_text()
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
     assert "COPY config/escapement.kserve.toml /etc/escapement/escapement.toml" in dockerfile
     assert "-c constraints.txt" in dockerfile
     assert container["args"] == ["serve", "--config", "/etc/escapement/escapement.toml"]
