@@ -161,7 +161,10 @@ class PrefixIndex:
             cid, held = store.put(t)
             cids.append(cid)
             if name in ep.state_dict:
-                ep.state_dict[name] = held
+                # a parameter stays one (ep.module(), which the native runner's trace calls, asserts
+                # it; a plain tensor there cost the model its GIL-free runner)
+                ep.state_dict[name] = (torch.nn.Parameter(held, requires_grad=False)
+                                       if isinstance(t, torch.nn.Parameter) else held)
             elif name in ep.constants:
                 ep.constants[name] = held
         return cuts(ep, spec, cids, plan)

@@ -98,6 +98,17 @@ def test_a_model_alone_or_with_no_partner_is_not_split(repo: Path) -> None:
     assert not load(repo, ["a", "c"])["a"].stages
 
 
+def test_a_model_read_ahead_and_served_whole_keeps_its_native_runner(repo: Path) -> None:
+    # its read-ahead weights went into the store; the trace (one GIL-free call per batch on a CPU
+    # device, not one Python op call per layer) must still be made from them
+    for p in (load(repo, ["a", "c"])["a"], load(repo, ["c"])["c"]):
+        assert not p.stages and p.bind_native is not None
+        x = torch.rand((3, 6)) * 4
+        with torch.inference_mode():
+            graph = p.bind(list(p.host_tensors), native=False)
+            assert torch.equal(p.host_runner([x])[0], graph([x])[0])
+
+
 def test_a_prefix_ends_only_at_a_single_tensor(repo: Path) -> None:
     p = load(repo, ["r1", "r2"])
     r1, r2 = p["r1"], p["r2"]
