@@ -75,6 +75,7 @@ class Action:
     program: Any = None
     resident: str = ""
     reply: Callable[[Result], None] | None = None
+    _samples: int = field(default=-1, init=False, repr=False)  # `samples`, once counted (-1: not yet)
 
     @property
     def holder(self) -> str:
@@ -83,9 +84,17 @@ class Action:
 
     @property
     def samples(self) -> int:
-        if self.coded is not None:
-            return max((sum(r.samples for r in m) for m in self.coded), default=0)
-        return sum(r.samples for r in self.requests)
+        """The rows it runs (an action's requests never change: counted once, read several times)."""
+        n = self._samples
+        if n < 0:
+            if self.coded is not None:
+                n = max((sum(r.samples for r in m) for m in self.coded), default=0)
+            else:
+                n = 0
+                for r in self.requests:
+                    n += r.samples
+            self._samples = n
+        return n
 
     def __lt__(self, other: Action) -> bool:  # executor queues are ordered by earliest start
         return (self.earliest, self.id) < (other.earliest, other.id)

@@ -137,6 +137,7 @@ class Simulation:
         self._pending_results: list[Result] = []
         self._cpu = 0.0
         self._wake_at: float | None = None
+        self.driver = Driver(self.scheduler)
 
     def place(self, key: str, devices: Sequence[str]) -> None:
         """Put a model's weights on devices before the run (as a preload would)."""
@@ -173,13 +174,6 @@ class Simulation:
             records.status[i] = 200 if r.status == RequestStatus.SUCCEEDED else (r.error.status if r.error else 499)
             records.cold[i] = r.cold_start
 
-    def _timed(self, fn: Callable[[], Decision]) -> Decision:
-        t0 = time.perf_counter()
-        try:
-            return fn()
-        finally:
-            self._cpu += time.perf_counter() - t0
-
     # ---------------------------------------------------------------- running
 
     def run(self, times: np.ndarray, targets: np.ndarray, keys: Sequence[str], drain_s: float = 5.0,
@@ -187,26 +181,29 @@ class Simulation:
         """Offer requests at `times` (seconds) for the models `keys[targets[i]]`; run until all are answered.
         `classes[i]` (a RequestClass value; default all HARD) says what each one's deadline means; a
         request that is not hard gives up after `max_wait_s`."""
-        # As the daemon does once started: what the set-up made leaves the collector's generations,
-        # so no full collection (100-200 ms at 1,000 models) scans it in the middle of the run.
+        records, index = self._arrivals(times, targets, keys, classes, max_wait_s)
+        end = (float(times[-1]) if len(times) else 0.0) + drain_s
+        # As the daemon does once started: what the set-up made (and the simulator's own queue of
+        # every arrival to come, which no daemon holds) leaves the collector's generations, so no
+        # collection in the middle of the run scans it, charged to whichever controller call
+        # happened to allocate then (a full one takes 100-200 ms at 1,000 models).
         gc.collect()
         gc.freeze()
         try:
-            return self._run(times, targets, keys, drain_s, classes, max_wait_s)
+            return self._loop(records, index, end)
         finally:
             gc.unfreeze()
 
-    def _run(self, times: np.ndarray, targets: np.ndarray, keys: Sequence[str], drain_s: float,
-             classes: np.ndarray | None, max_wait_s: float) -> SimResult:
+    def _arrivals(self, times: np.ndarray, targets: np.ndarray, keys: Sequence[str], classes: np.ndarray | None,
+                  max_wait_s: float) -> tuple[SimRecords, dict[int, int]]:
+        """The records of the run and an event per arrival (each submits its request when it comes)."""
         specs = [self.specs[k] for k in keys]
         n = len(times)
         deadlines = np.array([times[i] + specs[targets[i]].slo_s for i in range(n)])
         records = SimRecords(np.asarray(times, dtype=float), deadlines)
         index: dict[int, int] = {}
         x = np.zeros((1, 1), np.float32)
-        sched = self.scheduler
-        driver = Driver(sched)
-        wall0 = time.perf_counter()
+        driver = self.driver
 
         def arrive(i: int) -> None:
             now = self.clock.now()
@@ -215,19 +212,23 @@ class Simulation:
             req = InferenceRequest(spec, (x,), 1, now, now + spec.slo_s, klass=klass,
                                    give_up_at=now + max_wait_s if klass != RequestClass.HARD else math.inf)
             index[req.id] = i
-            def submit() -> Decision:
-                driver.submit(req, now)
-                return Decision()
+            t0 = time.perf_counter()
             try:
-                self._timed(submit)
+                driver.submit(req, now)
             except Exception as e:  # refused at admission
                 index.pop(req.id, None)
                 records.finish[i] = now
                 records.status[i] = getattr(e, "status", 500)
+            finally:
+                self._cpu += time.perf_counter() - t0
 
         for i in range(n):
             self.at(float(times[i]), functools.partial(arrive, i))
-        end = (float(times[-1]) if n else 0.0) + drain_s
+        return records, index
+
+    def _loop(self, records: SimRecords, index: dict[int, int], end: float) -> SimResult:
+        driver = self.driver
+        wall0 = time.perf_counter()
         heard = False  # whether anything at this instant concerns the controller
         while self.events:
             t, _, fn, controller = heapq.heappop(self.events)
@@ -242,15 +243,21 @@ class Simulation:
                 continue  # an executor started an action: the real controller is not woken for that
             heard = False
             results, self._pending_results = self._pending_results, []
-            self._apply(self._timed(functools.partial(driver.step, self.clock.now(), results)), records, index)
-            t0 = time.perf_counter()  # when to step next is the controller's work too
-            wake = driver.next_wakeup(self.clock.now())
+            now = self.clock.now()
+            t0 = time.perf_counter()
+            decision = driver.step(now, results)
+            wake = driver.next_wakeup(now)  # when to step next is the controller's work too
             self._cpu += time.perf_counter() - t0
+            self._apply(decision, records, index)
             if wake is not None and wake != self._wake_at:
                 self._wake_at = wake
-                self.at(max(wake, self.clock.now()), lambda: None)
-        return SimResult(records, end, self._cpu, time.perf_counter() - wall0, sched,
+                self.at(max(wake, now), _nothing)
+        return SimResult(records, end, self._cpu, time.perf_counter() - wall0, self.scheduler,
                          {k: e.busy_s for k, e in self.executors.items()})
+
+
+def _nothing() -> None:
+    """A wake-up: the step after it is what matters."""
 
 
 def random_bursts(devices: Sequence[str], seconds: float, share: float, mean_s: float, factor: float,

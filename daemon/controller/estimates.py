@@ -49,6 +49,17 @@ class SlidingWindow:
             self._samples.popleft()
             self._cache.clear()
 
+    def current(self, now: float, q: float) -> tuple[float, float] | None:
+        """The q-quantile of the samples recent enough to count at `now`, and when the oldest of them
+        was taken; None when no sample is recent. (fresh, expire, percentile and oldest in one call:
+        once per result.)"""
+        times = self._times
+        if not times or now - times[-1] > self.max_age:
+            return None
+        if now - times[0] > self.max_age:
+            self.expire(now)
+        return self.percentile(q), times[0]
+
     def percentile(self, q: float) -> float:
         """The interpolated q-quantile; with 10 samples, q=0.99 is nearly the max."""
         hit = self._cache.get(q)
@@ -76,7 +87,7 @@ class Estimator:
         self.window = window
         self.percentile = percentile
         self.max_age = max_age
-        self._now = 0.0
+        self.now = 0.0  # set by the scheduler at each step (a plain attribute: set several times per request)
         # A scheduling pass asks for the same few estimates dozens of times (every batch size of
         # a model, per dispatch), and every arrival asks again. An estimate changes only with a
         # new observation (which clears this) or when a sample ages out (each entry keeps the
@@ -89,14 +100,6 @@ class Estimator:
         # the fixed cost of binding, not copying): kept apart from full LOADs
         self._partial_load: dict[tuple[str, str], SlidingWindow] = {}
         self._seeds: dict[tuple[str, int, str], float] = {}
-
-    @property
-    def now(self) -> float:
-        return self._now
-
-    @now.setter
-    def now(self, t: float) -> None:
-        self._now = t
 
     def version(self, model: str) -> int:
         """Changes whenever an estimate of `model` may have: lets callers keep values derived from them."""
@@ -135,7 +138,7 @@ class Estimator:
         w = self._infer.get(key)
         if w is None:
             w = self._infer[key] = SlidingWindow(self.window, self.max_age)
-        w.add(seconds, self._now)
+        w.add(seconds, self.now)
         self._invalidate(model, key)  # only this window changed
 
     def observe_load(self, model: str, kind: str, seconds: float, share: float = 1.0) -> None:
@@ -155,18 +158,18 @@ class Estimator:
         """The estimate and the time until which it holds if nothing new is observed."""
         memo_key = (model, batch, device or kind)
         hit = self._memo.get(memo_key)
-        if hit is not None and self._now <= hit[1]:
+        if hit is not None and self.now <= hit[1]:
             return hit
         hit = self._memo[memo_key] = self._infer_now(model, batch, kind, device)
         return hit
 
     def _infer_now(self, model: str, batch: int, kind: str, device: str | None) -> tuple[float | None, float]:
         w = self._infer.get((model, batch, device or kind))
-        now = self._now
+        now = self.now
         if w is not None and len(w):
-            if w.fresh(now):
-                w.expire(now)
-                return w.percentile(self.percentile), w.oldest + self.max_age  # until a sample ages out
+            hit = w.current(now, self.percentile)
+            if hit is not None:
+                return hit[0], hit[1] + self.max_age  # until a sample ages out
             seed = self._seeds.get((model, batch, kind))
             if seed is not None:  # nothing recent: the profile, not a stale slow sample
                 return seed, math.inf

@@ -158,7 +158,8 @@ class DeviceMemory:
             self._models.move_to_end(key)
             if entry[0] == Residency.READY:
                 self._by_size[entry[1].bit_length()].move_to_end(key)
-                self._used(key)
+                self._clock += 1  # (as _used: inline, once per INFER)
+                self._used_at[key] = self._clock
 
     def victims(self, nbytes: int, evictable: Callable[[str], bool],
                 wanted: Callable[[str], bool], keep: Collection[str] = ()) -> list[str] | None:

@@ -60,8 +60,16 @@ class ModelQueue:
             heapq.heappop(h)
 
     def head(self) -> InferenceRequest | None:
-        self._skip_dead()
-        return self._heap[0][3] if self._heap else None
+        # (_skip_dead and _live inline: several times per request)
+        h = self._heap
+        queued = RequestStatus.QUEUED
+        while h:
+            e = h[0]
+            r = e[3]
+            if r.status == queued and r.queue_seq == e[2]:
+                return r
+            heapq.heappop(h)
+        return None
 
     def discard(self, req: InferenceRequest) -> None:
         """Account for a queued request finished in place (its entry is dropped lazily)."""
@@ -81,6 +89,15 @@ class ModelQueue:
         req.queue_seq = 0  # its entry is dead now
         self.samples -= req.samples
         self.requests -= 1
+
+    def take_all(self, reqs: list[InferenceRequest]) -> None:
+        """`take` each of `reqs` (a batch)."""
+        samples = 0
+        for r in reqs:
+            r.queue_seq = 0
+            samples += r.samples
+        self.samples -= samples
+        self.requests -= len(reqs)
 
     def first(self, n: int) -> list[InferenceRequest]:
         """Up to `n` live requests, most urgent first, without removing them: a best-first walk of

@@ -114,7 +114,9 @@ class Scheduler:
                   seed_kind: str = "cpu", blocks: Blocks = (), prefix: str = "") -> None:
         """`blocks`: the model's weights by content; devices that share blocks hold each once.
         `prefix`: a plan of stages' leading stage (models with one prefix may batch it together)."""
-        self.models[spec.key] = ModelEntry(spec, weight_bytes, blocks, prefix=prefix)
+        entry = self.models[spec.key] = ModelEntry(spec, weight_bytes, blocks, prefix=prefix)
+        entry.max_queued = max_queue(spec, self.settings)[0]
+        self.telemetry.model(spec)  # its statistics, made now rather than at its first answer (on the loop)
         if seeds:
             self.estimator.seed_infer(spec.key, seed_kind, seeds, spec.batch_sizes)
 
@@ -210,22 +212,22 @@ class Scheduler:
                 f"{d.name}: {d.failed}" for d in self.devices.values()))
         if entry.load_failures and not self.placed_on.get(entry.spec.key):
             self._refuse_backing_off(entry, now)
-        refused = self.telemetry.refused  # counts the refusal for the model and returns the error
         if self.pending >= self.settings.max_pending:
             self.counters["refused_overload"] += 1
-            raise refused(req, Overloaded(f"the daemon holds {self.pending} requests, its limit "
+            raise self.telemetry.refused(req, Overloaded(f"the daemon holds {self.pending} requests, its limit "
                                           "(controller.max_pending)"), now)
-        limit, key = max_queue(entry.spec, self.settings)
-        if entry.queue.requests + entry.late.requests >= limit:
+        if entry.queue.requests + entry.late.requests >= entry.max_queued:
             self.counters["refused_overload"] += 1
-            raise refused(req, Overloaded(f"model {req.model.name} has {entry.queue.requests + entry.late.requests} "
-                                          f"requests queued, its limit ({key})"), now)
+            key = max_queue(entry.spec, self.settings)[1]
+            raise self.telemetry.refused(req, Overloaded(
+                f"model {req.model.name} has {entry.queue.requests + entry.late.requests} requests queued, its "
+                f"limit ({key})"), now)
         soft = req.klass != RequestClass.HARD
         if soft:
             nbytes = req.nbytes
             if self.soft_bytes + nbytes > self.settings.best_effort_bytes:
                 self.counters["refused_overload"] += 1
-                raise refused(req, Overloaded(
+                raise self.telemetry.refused(req, Overloaded(
                     f"the best-effort lane holds {self.soft_bytes} bytes of requests that may be answered late, "
                     f"its limit (controller.best_effort_bytes = {self.settings.best_effort_bytes}); retry later"), now)
         best = self.best_case(req)
@@ -236,7 +238,7 @@ class Scheduler:
             return
         if now + best > req.deadline:
             self.counters["refused_deadline"] += 1
-            raise refused(req, DeadlineExceeded(
+            raise self.telemetry.refused(req, DeadlineExceeded(
                 f"deadline cannot be met: {max(req.deadline - now, 0) * 1e3:.3f} ms left, but running "
                 f"{req.samples} sample(s) of {req.model.name} takes at least {best * 1e3:.3f} ms"), now)
         q = entry.queue
@@ -258,7 +260,7 @@ class Scheduler:
             done = (entry.running + batches * batch) / rate if rate > 0 else 0.0
             if now + max(done, best) > req.deadline:
                 self.counters["refused_backlog"] += 1
-                raise refused(req, Overloaded(
+                raise self.telemetry.refused(req, Overloaded(
                     f"model {req.model.name} is overloaded: with the {q.samples} sample(s) queued before it, this "
                     f"request cannot finish in under {done * 1e3:.1f} ms, and its deadline is "
                     f"{(req.deadline - now) * 1e3:.1f} ms away; retry later", retry_after_s=max(1.0, done)), now)
@@ -408,17 +410,20 @@ class Scheduler:
         # estimate it reads until that one changes.)
         est, spec, samples = self.estimator, req.model, req.samples
         key = spec.key
+        padded = spec.batch_size_for(samples)
         best = math.inf
         # The devices holding the model (their recent runs), and each kind's profile: what any other
         # device would run it in once loaded (a device's own runs count only while it holds it).
-        for name in self.ready_on.get(key, ()):
-            kind = self.devices[name].kind
-            e = est.infer_until(key, samples if kind in EXACT_ROW_KINDS else spec.batch_size_for(samples),
-                                kind, name)[0]
-            if e is not None and e < best:
-                best = e
+        ready = self.ready_on.get(key)
+        if ready:
+            devices = self.devices
+            for name in ready:
+                kind = devices[name].kind
+                e = est.infer_until(key, samples if kind in EXACT_ROW_KINDS else padded, kind, name)[0]
+                if e is not None and e < best:
+                    best = e
         for kind in self.kinds:
-            e = est.infer_until(key, samples if kind in EXACT_ROW_KINDS else spec.batch_size_for(samples), kind)[0]
+            e = est.infer_until(key, samples if kind in EXACT_ROW_KINDS else padded, kind)[0]
             if e is not None and e < best:
                 best = e
         return best if best < math.inf else 0.0
@@ -478,9 +483,7 @@ class Scheduler:
             if step.coded is not None or step.replica_of:
                 return self._issue_extra(step, dev, now)
             entry = self.models[step.spec.key]
-            q = entry.late if step.best_effort else entry.queue
-            for r in step.requests:
-                q.take(r)
+            (entry.late if step.best_effort else entry.queue).take_all(step.requests)
             if step.group:
                 return self._issue_group(step, dev, now)
             return self.issue_infer(step.spec, dev, step.requests, step.batch_size, now, earliest=now,
@@ -528,7 +531,11 @@ class Scheduler:
             best = self._hung[0][0]
         if self._giveup and self._giveup[0][0] < best:
             best = self._giveup[0][0]
-        for t in (self.policy.next_wakeup(self, now), self.parm.next_time()):
+        t = self.policy.next_wakeup(self, now)
+        if t is not None and t < best:
+            best = t
+        if self.parm.coding.groups:
+            t = self.parm.next_time()
             if t is not None and t < best:
                 best = t
         return best if best < math.inf else None
@@ -638,21 +645,25 @@ class Scheduler:
 
     # ---------------------------------------------------------------- actions (used by policies)
 
-    def issue(self, action: Action, now: float) -> Action:
+    def issue(self, action: Action, now: float, dev: DeviceState | None = None) -> Action:
+        """`dev`: the action's device's state, where the caller has it."""
         action.issued_at = now
         self.inflight[action.id] = action
         self._decision.actions.append(action)
-        if action.kind == ActionKind.INFER:  # planned on the device's lanes until its result is back
-            action.expected_start = self.devices[action.device].timeline.exec.add(
+        kind = action.kind
+        if kind == ActionKind.INFER:  # planned on the device's lanes until its result is back
+            action.expected_start = (dev or self.devices[action.device]).timeline.exec.add(
                 action.id, action.expected_duration, now)
-        elif action.kind == ActionKind.LOAD:
-            action.expected_start = self.devices[action.device].timeline.copy.add(
-                action.id, action.expected_duration, now)
+            moved = 0.0
+        else:
+            if kind == ActionKind.LOAD:
+                action.expected_start = (dev or self.devices[action.device]).timeline.copy.add(
+                    action.id, action.expected_duration, now)
+            entry = self.models.get(action.model.key)
+            moved = entry.weight_bytes / LOAD_FLOOR_BPS if kind == ActionKind.LOAD and entry is not None else 0.0
         # when it counts as hung: its expected end, ten times over (as the executor's device waits),
         # a LOAD's bytes at the slowest rate a healthy device moves them, then hung_after_s
-        start = max(now, action.earliest)
-        moved = self.models[action.model.key].weight_bytes / LOAD_FLOOR_BPS \
-            if action.kind == ActionKind.LOAD and action.model.key in self.models else 0.0
+        start = now if now > action.earliest else action.earliest
         heapq.heappush(self._hung, (start + 10 * action.expected_duration + moved + self.hung_after_s,
                                     action.id, action))
         return action
@@ -668,17 +679,19 @@ class Scheduler:
             samples += r.samples
             if r.deadline < due:
                 due = r.deadline
+        key = spec.key
         dev.infer_inflight += 1
-        dev.busy[spec.key] += 1
-        dev.memory.touch(spec.key)
+        dev.busy[key] += 1
+        dev.memory.touch(key)
         counters = self.counters
         counters["infer_actions"] += 1
         counters["infer_samples"] += samples
         counters["infer_slots"] += batch_size
-        action = self.issue(Action(ActionKind.INFER, spec, dev.name, earliest, latest, expected, batch_size,
-                                   requests, expected_start=earliest, best_effort=best_effort), now)
-        self.models[spec.key].running += samples
-        self._running[action.id] = [(spec.key, samples)]
+        action = Action(ActionKind.INFER, spec, dev.name, earliest, latest, expected, batch_size, requests,
+                        expected_start=earliest, best_effort=best_effort)
+        self.issue(action, now, dev)
+        self.models[key].running += samples
+        self._running[action.id] = [(key, samples)]
         if requests:
             heapq.heappush(self._overdue, (due + OVERDUE_GRACE, action.id, action))
         if spec.parity is not None and not best_effort:  # (ParM protects on-time work only)
@@ -778,16 +791,17 @@ class Scheduler:
             log.error("result for an unknown action %r", result.action)
             return self._take()
         dev = self.devices[action.device]
-        if action.kind == ActionKind.INFER:
+        kind = action.kind
+        if kind == ActionKind.INFER:
             dev.timeline.exec.done(action.id, result.end)
-        elif action.kind == ActionKind.LOAD:
+        elif kind == ActionKind.LOAD:
             dev.timeline.copy.done(action.id, result.end)
         self.telemetry.action(result)
         if result.failure == Failure.DEVICE:
             self._device_lost(dev, result.error, now)
-        if action.kind == ActionKind.INFER:
+        if kind == ActionKind.INFER:
             self._infer_done(action, dev, result, now)
-        elif action.kind == ActionKind.LOAD:
+        elif kind == ActionKind.LOAD:
             self._load_done(action, dev, result, now)
         else:
             dev.load_inflight -= 1
@@ -797,9 +811,11 @@ class Scheduler:
         return self._take()
 
     def _not_running(self, action_id: int) -> None:
+        models = self.models
         for key, samples in self._running.pop(action_id, ()):
-            if key in self.models:
-                self.models[key].running -= samples
+            entry = models.get(key)
+            if entry is not None:
+                entry.running -= samples
 
     def _infer_done(self, action: Action, dev: DeviceState, result: Result, now: float) -> None:
         self._not_running(action.id)
@@ -810,12 +826,15 @@ class Scheduler:
             return
         dev.busy[key] -= 1
         role = self.parm.role(action) if self.parm.coding.role or self.parm.coding.replicas else ActionRole.NONE
-        if result.ok:
+        ok = result.ok
+        if ok:
             assert result.outputs is not None
             rows = action.samples if dev.kind in EXACT_ROW_KINDS else action.batch_size
-            self._observe_stages(result, dev)
+            stages = result.stage_runs
+            if stages:
+                self._observe_stages(result, dev)
             # (a run whose prefix came from the prefix cache in part is no measure of the whole model)
-            if not result.stage_runs or result.stage_runs[0][1] == action.samples:
+            if not stages or stages[0][1] == action.samples:
                 self.estimator.observe_infer(key, rows, dev.kind, result.end - result.begin, dev.name)
         if action.coded is not None:  # a parity batch (its group may be gone: members all answered)
             self._run(self.parm.parity_result(action, result, now), now)
@@ -823,7 +842,7 @@ class Scheduler:
         if role == ActionRole.REPLICA:
             self._run(self.parm.replica_result(action, result), now)
             return
-        if result.ok:
+        if ok:
             assert result.outputs is not None
             entry = self.models.get(key)
             if entry is not None and entry.backlog_since:
@@ -874,7 +893,14 @@ class Scheduler:
         """Finish those of `requests` still running with their rows of `outputs`; how many."""
         off = 0
         answered = 0
-        whole = len(requests) == 1 and all(len(o) == requests[0].samples for o in outputs)
+        whole = False
+        if len(requests) == 1:
+            n = requests[0].samples
+            whole = True
+            for o in outputs:
+                if len(o) != n:
+                    whole = False
+                    break
         for r in requests:
             n = r.samples
             if r.status == RequestStatus.RUNNING:

@@ -42,6 +42,13 @@ class DeviceState:
     # When each lane is next free: every INFER (parity batches and replicas too) and LOAD issued
     # here is on it until its result comes back.
     timeline: DeviceTimeline = field(default_factory=DeviceTimeline)
+    # the device's name and kind, copied (plain attributes: read several times per request)
+    name: str = field(init=False)
+    kind: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.name = self.device.name
+        self.kind = self.device.kind
 
     def healthy_for(self, key: str, now: float) -> bool:
         """Whether `key`'s INFERs should run here rather than on another device holding it: not
@@ -52,14 +59,6 @@ class DeviceState:
     def can_load(self, key: str, now: float) -> bool:
         """No LOAD of `key` here while backing off from a failed one, or once the device is lost."""
         return not self.failed and self.load_backoff.get(key, 0.0) <= now
-
-    @property
-    def name(self) -> str:
-        return self.device.name
-
-    @property
-    def kind(self) -> str:
-        return self.device.kind
 
 
 @dataclass(slots=True)
@@ -86,6 +85,7 @@ class ModelEntry:
     drain_seen: float = 0.0  # the last full window's measured rate (samples/s); 0 when none
     running: int = 0  # samples of its INFERs in flight (they run before anything queued)
     prefix: str = ""  # a plan of stages: its leading stage's identity (shared with other models), else ""
+    max_queued: int = 0  # the most requests it may hold queued, on time and in its lane (classes.max_queue)
 
     def backlog_ended(self) -> None:
         """Its queue ran dry: what was measured while it kept its devices saturated no longer holds."""

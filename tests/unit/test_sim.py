@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from daemon.actions import Action
 from daemon.controller.policies.clockwork import ClockworkPolicy
 from daemon.controller.policies.dynamic import DynamicBatchingPolicy
 from daemon.sim import CLOCKWORK_V100, SimProfile, Simulation, Slowdown, clockwork_models, load_profiles
@@ -116,3 +118,36 @@ def test_bench_gpu_profiles_runs_on_the_stand_in_and_the_simulator_reads_it(tmp_
     assert set(p.infer_s) == {1, 2}
     assert p.weight_bytes > 7_000_000 and p.load_s > 0
     assert "| 1 |" in (tmp_path / "profiles.md").read_text()
+
+
+Sent = tuple[float, str, str, str, float, float, float, int, tuple[int, ...]]
+
+
+def _decisions(seed: int) -> list[Sent]:
+    """Every action the controller sent, in order, with its window, batch and requests (ids
+    relative to the run's first), over a noisy run with a slowed device and too little memory."""
+    ms = clockwork_models(120)
+    sim = Simulation(ms, 3, ClockworkPolicy(), weight_budget=GIB, noise=0.05, seed=seed,
+                     slowdowns=[Slowdown("sim:0", factor=4.0, start=0.2, end=0.5)])
+    times, targets = poisson(1500, 1.0, 120, seed)
+    sent: list[Sent] = []
+
+    def recorder(submit: Callable[[Action], None]) -> Callable[[Action], None]:
+        def record(a: Action) -> None:
+            sent.append((sim.clock.now(), a.kind.name, a.model.key, a.device, a.earliest, a.latest,
+                         a.expected_duration, a.batch_size, tuple(r.id for r in a.requests)))
+            submit(a)
+        return record
+
+    for ex in sim.executors.values():
+        ex.submit = recorder(ex.submit)  # type: ignore[method-assign, assignment]
+    sim.run(times, targets, [m[0].key for m in ms], drain_s=1.0)
+    first = min(i for a in sent for i in a[8])
+    return [(*a[:8], tuple(i - first for i in a[8])) for a in sent]
+
+
+def test_the_same_seed_sends_the_same_actions_in_the_same_order() -> None:
+    a, b = _decisions(7), _decisions(7)
+    assert {x[1] for x in a} == {"LOAD", "UNLOAD", "INFER"}  # memory is tight: every kind of decision
+    assert a == b
+    assert a != _decisions(8)  # (the record does tell runs apart)

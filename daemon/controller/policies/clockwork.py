@@ -67,7 +67,10 @@ class RateMeter:
     at: float = 0.0
 
     def add(self, amount: float, now: float) -> None:
-        self.rate = self.value(now) + amount / RATE_TAU
+        rate = self.rate  # (as value(now), inline: once per arrival)
+        if rate:
+            rate *= math.exp(-(now - self.at) / RATE_TAU)
+        self.rate = rate + amount / RATE_TAU
         self.at = now
 
     def value(self, now: float) -> float:
@@ -149,7 +152,7 @@ class ClockworkPolicy:
     # ---------------------------------------------------------------- hooks
 
     def next_wakeup(self, view: ControllerView, now: float) -> float | None:
-        return min(self._dev_wake.values(), default=None)
+        return min(self._dev_wake.values()) if self._dev_wake else None
 
     def on_submit(self, view: ControllerView, req: InferenceRequest, now: float) -> None:
         key = req.model.key
@@ -173,12 +176,16 @@ class ClockworkPolicy:
         if not placed:
             self.cold.push(key, head.deadline, -self._backlog(view, entry))
             return
-        for name in view.ready_on.get(key, ()):
-            dev = view.devices[name]
-            latest = head.deadline - self._est(view, key, head.samples, dev)
-            self._index(name).push(key, head.rank, latest)
-            self._late(name).push(key, 0, latest)
-            self._dirty.add(name)
+        ready = view.ready_on.get(key)
+        if ready:
+            devices, deadline, rank, samples = view.devices, head.deadline, head.rank, head.samples
+            for name in ready:
+                latest = deadline - self._est_on(view, key, samples, devices[name])
+                w = self.work.get(name)
+                (w if w is not None else self._index(name)).push(key, rank, latest)
+                w = self.late.get(name)
+                (w if w is not None else self._late(name)).push(key, 0, latest)
+                self._dirty.add(name)
         if len(placed) < len(view.devices):
             self._replica_check.add(key)
 
@@ -244,9 +251,15 @@ class ClockworkPolicy:
     def _est(view: ControllerView, key: str, samples: int, where: DeviceState | str) -> float:
         if isinstance(where, str):
             return view.estimate(key, samples, where)
-        est = view.estimator.infer(key, samples if where.kind in EXACT_ROW_KINDS else
-                                    view.models[key].spec.batch_size_for(samples), where.kind, where.name)
-        return est if est is not None else view.estimate(key, samples, where)
+        return ClockworkPolicy._est_on(view, key, samples, where)
+
+    @staticmethod
+    def _est_on(view: ControllerView, key: str, samples: int, dev: DeviceState) -> float:
+        """`_est` on a device (the common case: several times per request)."""
+        kind = dev.kind
+        est = view.estimator.infer_until(key, samples if kind in EXACT_ROW_KINDS else
+                                         view.models[key].spec.batch_size_for(samples), kind, dev.name)[0]
+        return est if est is not None else view.estimate(key, samples, dev)
 
     def _load_est(self, view: ControllerView, entry: ModelEntry, kind: str, dev: DeviceState | None = None) -> float:
         """A LOAD of `entry` (onto `dev`: only the bytes of the blocks it lacks are copied)."""
@@ -261,14 +274,23 @@ class ClockworkPolicy:
     def _plan_inference(self, view: ControllerView, now: float) -> Steps:
         limit = now + self.horizon
         devices, work_of, dirty = view.devices, self.work, self._dirty
-        for name, wake in list(self._dev_wake.items()):
-            if wake <= now:
-                dirty.add(name)
-                del self._dev_wake[name]
-        order = sorted((devices[n].timeline.exec.free_at(now), n)
-                       for n in dirty if n in work_of and work_of[n].live)
-        # devices with no on-time work that are idle now: time for the best-effort lane
-        idle = [n for n in dirty if not (n in work_of and work_of[n].live)]
+        if self._dev_wake:
+            for name, wake in list(self._dev_wake.items()):
+                if wake <= now:
+                    dirty.add(name)
+                    del self._dev_wake[name]
+        # devices with work, by when they free; those with no on-time work that are idle now: time
+        # for the best-effort lane
+        order: list[tuple[float, str]] = []
+        idle: list[str] = []
+        for n in dirty:
+            w = work_of.get(n)
+            if w is not None and w.live:
+                order.append((devices[n].timeline.exec.free_at(now), n))
+            else:
+                idle.append(n)
+        if len(order) > 1:
+            order.sort()
         dirty.clear()
         for start, name in order:
             dev = view.devices[name]
@@ -442,7 +464,7 @@ class ClockworkPolicy:
             head = entry.queue.head()
             if head is None:
                 continue
-            run = self._est(view, key, head.samples, dev)
+            run = self._est_on(view, key, head.samples, dev)
             latest_start = head.deadline - run
             if (head.rank, latest_start) > (rank, latest_key):
                 nxt = work.top()
@@ -480,7 +502,7 @@ class ClockworkPolicy:
             return False
         entry, head, latest_start, head_run = chosen
         spec, q = entry.spec, entry.queue
-        bind = self._bind_at(view, entry, dev, start, now)
+        bind = self._bind_at(view, entry, dev, start, now) if self.batch_wait > 0 else now
         if bind > now and not work:
             work.push(spec.key, head.rank, latest_start)
             self._dev_wake[dev.name] = min(bind, self._dev_wake.get(dev.name, bind))  # a fuller batch soon
@@ -505,7 +527,7 @@ class ClockworkPolicy:
         # (the scheduler takes the requests from their queues)
         yield Infer(spec, dev.name, taken, b, latest, run, group=group[0] if group is not None else None)
         if (h := q.head()) is not None:
-            work.push(spec.key, h.rank, h.deadline - self._est(view, spec.key, h.samples, dev))
+            work.push(spec.key, h.rank, h.deadline - self._est_on(view, spec.key, h.samples, dev))
         for mspec, _ in group[0] if group is not None else ():
             if (h := view.models[mspec.key].queue.head()) is not None:
                 work.push(mspec.key, h.rank, h.deadline - self._est(view, mspec.key, h.samples, dev))
@@ -514,8 +536,8 @@ class ClockworkPolicy:
     def _group(self, view: ControllerView, entry: ModelEntry, taken: list[InferenceRequest], dev: DeviceState,
                start: float, now: float) -> tuple[sharing.Members, float] | None:
         """Other models' requests that can join this batch to share its prefix (sharing.py)."""
-        if not dev.memory.shares or entry.spec.parity is not None:
-            return None  # (a CUDA arena holds each model apart; ParM protects one model's batches)
+        if not sharing.allowed(dev, entry):
+            return None  # (ParM protects one model's batches; a simulated device runs none)
         cands = self.prefixed.get(entry.prefix)
         if not cands:
             return None
@@ -566,6 +588,8 @@ class ClockworkPolicy:
         wanted: list[tuple[float, float, ModelEntry]] = []
         for key in self._replica_check:
             entry = view.models.get(key)
+            if entry is not None and entry.queue.samples < entry.spec.max_batch_size and key not in self.drops:
+                continue  # (most models: _needs_replica says no without a look at its devices)
             placed = view.placed_on.get(key)
             head = entry.queue.head() if entry is not None else None
             if entry is None or head is None or not placed or len(placed) >= len(view.devices):
