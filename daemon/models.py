@@ -484,7 +484,7 @@ class ModelManager:
             for kind, (infer, load) in item.seeds.items():
                 sched.seed(item.spec.key, kind, infer, load)
             if item.program.prefix and shared:  # per-stage estimates (cross-model batches), from the host's runs
-                for kind in {d.kind for d in self.devices if d.shares_weights}:
+                for kind in {d.kind for d in self.devices}:  # (CUDA runs them too: runtime/cuda.py)
                     sched.seed_stages(item.spec.key, kind, item.program.stage_timings)
         served = Served(spec, p.stamp, p.parity.spec.key if p.parity is not None else None)
         self._served[spec.key] = served

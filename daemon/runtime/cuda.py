@@ -42,12 +42,13 @@ import numpy as np
 import torch
 
 from daemon.errors import ConfigError
+from daemon.request import InferenceRequest
 from daemon.runtime.arena import Arena, Extent, Move, aligned
 from daemon.runtime.backend import Fill, IOBuffers, NoMemory, Resident
 from daemon.runtime.devapi import Buffer, CaptureError, DeviceApi, DeviceFault, Event, Graph, Region, Where
 from daemon.runtime.devices import Device
 from daemon.runtime.hostmem import HostPins, pages
-from daemon.runtime.program import Program
+from daemon.runtime.program import Chain, Program, prefix_key, tail_key
 
 log = logging.getLogger("escapement.cuda")
 
@@ -213,6 +214,8 @@ class CudaBackend:
         self._copy_begin, self._copy_end = api.event(), api.event()
         self._loaded, self._captured = api.event(timing=False), api.event(timing=False)
         self._fences = {s.name: api.event(timing=False) for s in self._streams_used}
+        self._events_staged: list[Event] = []  # timing between a cross-model batch's kernels (infer_staged)
+        self._longest_s = 0.0  # the longest INFER's device time here (infer_staged's deadline)
         if not host.charge(LOAD_CHUNK * LOAD_INFLIGHT):
             raise ConfigError(f"runtime.host_pinned_budget = {host.budget} bytes leaves no room for {device.name}'s "
                               f"staging ring ({LOAD_CHUNK * LOAD_INFLIGHT} bytes)")
@@ -590,6 +593,7 @@ class CudaBackend:
                 api.host_read(r)
             begin, end = timing if timing is not None else (self.ev_begin, self.ev_end)
             duration = begin.elapsed_s(end)
+            self._longest_s = max(self._longest_s, duration)
             outputs = st.ring.hand_out(slot, rows)
         except DeviceFault as e:
             self._fault(e)
@@ -603,6 +607,128 @@ class CudaBackend:
         finally:
             st.lock.release()
         return outputs, duration
+
+    def infer_staged(self, members: Sequence[tuple[Resident, Sequence[InferenceRequest]]], io: IOBuffers
+                     ) -> tuple[list[tuple[np.ndarray, ...]], float, tuple[tuple[str, int, float], ...]]:
+        """A cross-model batch (controller/sharing.py): models whose plans begin with one stage. The
+        first member's extent takes every member's rows as its inputs, its first stage runs once
+        on them, then each member's other stages run over its own weights on its own rows, into
+        its own static outputs and output ring. Eager kernels (a batch's members and rows vary:
+        no graph is captured for it); device time per stage from events between the kernels.
+        A lone plan runs as one program (`infer`, with its graphs), as before. (each member's
+        outputs, device seconds, (estimate key, rows, seconds) per stage run; none for a lone plan.)"""
+        lead = members[0][0]
+        # (the executor gives the whole-program path a deadline from the action's estimate; this
+        # path has none, so it allows the hang timeout past ten times the longest INFER seen here)
+        deadline = self._deadline() + 10 * self._longest_s
+        if len(members) == 1:
+            reqs = members[0][1]
+            outs, duration = self.infer(lead, io, lambda b: b.fill(reqs), deadline)
+            return [outs], duration, ()
+        self._usable()
+        api = self.api
+        sts: list[CudaResident] = [res.state for res, _ in members]
+        lst = sts[0]
+        assert all(isinstance(res.runner, Chain) for res, _ in members)
+        b = io.batch_size
+        stage = lst.staging[b]
+        counts = [sum(r.samples for r in reqs) for _, reqs in members]
+        events = self._stage_events(len(members) + 1)
+        slots: list[int] = []
+        taken: list[threading.Lock] = []
+        try:
+            for st in sts:  # a compaction may be moving one of them (it never waits for these)
+                if st.lock in taken:
+                    continue
+                st.lock.acquire()
+                taken.append(st.lock)
+            api.host_write(stage.region())
+            rows = io.fill([r for _, reqs in members for r in reqs])
+            for k, (dst, n) in enumerate(zip(lst.inputs, lst.in_row_bytes, strict=True)):
+                if n:
+                    api.copy(dst.sub(0, rows * n), stage.region(lst.staging_offsets[k], rows * n), self.h2d)
+            api.record(self.ev_in, self.h2d)
+            api.wait_event(self.exec, self.ev_in)
+            mid: list[tuple[torch.Tensor, ...]] = []  # the first stage's outputs, from one kernel to the next
+            spec = lead.program.spec
+            ins = [r.buffer.view(r.offset, t.datatype.tensor_dtype, (rows, *t.sample_shape))
+                   for r, t in zip(lst.inputs, spec.inputs, strict=True)]
+            chain = lead.runner
+            assert isinstance(chain, Chain)
+
+            def prefix() -> None:
+                with torch.inference_mode():
+                    mid.append(chain.stages[0](ins))
+            api.record(events[0], self.exec)
+            api.launch(self.exec, prefix, [lst.weights, *(r.sub(0, rows * n) for r, n in
+                                                         zip(lst.inputs, lst.in_row_bytes, strict=True))], [])
+            at = 0
+            for i, ((res, _), st, n) in enumerate(zip(members, sts, counts, strict=True)):
+                api.record(events[i + 1], self.exec)
+                dests = [r.buffer.view(r.offset, t.datatype.tensor_dtype, (n, *t.sample_shape))
+                         for r, t in zip(st.outputs, res.program.spec.outputs, strict=True)]
+                api.launch(self.exec, self._tail(res, mid, at, n, dests),
+                           [st.weights], [r.sub(0, n * rb) for r, rb in zip(st.outputs, st.out_row_bytes, strict=True)])
+                at += n
+            api.record(self.ev_end, self.exec)
+            api.wait_event(self.d2h, self.ev_end)
+            regions: list[list[Region]] = []
+            for st, n in zip(sts, counts, strict=True):
+                assert st.ring is not None
+                slots.append(st.ring.acquire())
+                dst_regions = st.ring.regions(slots[-1], n)
+                regions.append(dst_regions)
+                for dst, src, rb in zip(dst_regions, st.outputs, st.out_row_bytes, strict=True):
+                    if rb:
+                        api.copy(dst, src.sub(0, n * rb), self.d2h)
+            api.record(self.ev_out, self.d2h)
+            self.ev_out.wait(deadline)
+            for rs in regions:
+                for r in rs:
+                    api.host_read(r)
+            marks = [*events[: len(members) + 1], self.ev_end]
+            runs = [(prefix_key(lead.program.prefix), rows, marks[0].elapsed_s(marks[1]))]
+            runs += [(tail_key(res.program.spec.key), n, marks[i + 1].elapsed_s(marks[i + 2]))
+                     for i, ((res, _), n) in enumerate(zip(members, counts, strict=True))]
+            parts = []
+            for st, slot, n in zip(sts, slots, counts, strict=True):
+                assert st.ring is not None
+                parts.append(st.ring.hand_out(slot, n))
+            slots.clear()
+        except DeviceFault as e:
+            self._fault(e)
+            raise
+        finally:
+            for st, slot in zip(sts, slots, strict=False):  # taken for a batch that failed before handing out
+                if st.ring is not None:
+                    st.ring.cancel(slot)
+            for lock in taken:
+                lock.release()
+        duration = marks[0].elapsed_s(self.ev_end)
+        self._longest_s = max(self._longest_s, duration)
+        return parts, duration, tuple(runs)
+
+    @staticmethod
+    def _tail(res: Resident, mid: list[tuple[torch.Tensor, ...]], at: int, n: int, outs: list[torch.Tensor]
+              ) -> Callable[[], None]:
+        """A member's stages after the first, on its rows of the first stage's outputs, into `outs`."""
+        chain = res.runner
+        assert isinstance(chain, Chain)
+
+        def tail() -> None:
+            with torch.inference_mode():
+                result = chain.tail(tuple(t[at : at + n] for t in mid[0]))
+                for dst, src in zip(outs, result, strict=True):
+                    dst.copy_(src)
+        tail.__name__ = f"{res.key} tail rows {at}..{at + n}"
+        return tail
+
+    def _stage_events(self, n: int) -> list[Event]:
+        """`n` timing events for a cross-model batch's kernels, made on first need and kept (at most
+        one per member a batch may hold, sharing.MAX_MEMBERS + 2)."""
+        while len(self._events_staged) < n:
+            self._events_staged.append(self.api.event())
+        return self._events_staged
 
     def _deadline(self) -> float:
         return time.monotonic() + self.hang_timeout_s

@@ -101,25 +101,36 @@ def test_three_staged_variants_share_their_backbone_and_answer_as_alone(family: 
     assert not dt.errors
 
 
-def test_staged_variants_serve_on_the_cuda_backend_as_whole_plans(family: Path) -> None:
-    """The CUDA backend (here over its CPU stand-in) runs a plan as one program: no cross-model
-    batches there (its arena holds each model apart), the same answers."""
+def test_staged_variants_share_their_backbone_stage_on_the_cuda_backend(family: Path) -> None:
+    """The CUDA backend (here over its CPU stand-in) holds each model's weights apart but runs a
+    cross-model batch: the backbone stage once over the lead's copy of it, each head over its own
+    (runtime/cuda.py infer_staged); a lone request runs its plan whole. The same answers."""
     d = short_tmpdir()
     emu = {"capacity": "256MiB", "mode": "random", "seed": 11}
-    dt = DaemonThread(settings(variants.staged_out(family), d, runtime={
+    dt = DaemonThread(settings(variants.staged_out(family), d, controller={"batch_wait_ms": 0.0}, runtime={
         "devices": ["emucuda:0"], "weight_budget": "64MiB", "device_workspace": "16MiB", "emucuda": emu})).start()
     try:
-        x = np.random.default_rng(2).uniform(0, 16, (8, 64)).astype(np.float32)
-        want = _alone(family, x)
+        rng = np.random.default_rng(2)
+        xs = [rng.uniform(0, 16, (8, 64)).astype(np.float32) for _ in range(2)]
+        want = [_alone(family, x) for x in xs]
+        ex = dt.daemon.executors["emucuda:0"]
 
-        async def go() -> list[np.ndarray]:
+        async def go() -> list[dict[str, np.ndarray]]:
             async with AsyncSocketClient(dt.socket) as c:
-                return [a.outputs["OUTPUT__0"] for a in
-                        await asyncio.gather(*(c.infer(n, {"INPUT__0": x}) for n in NAMES))]
+                for n in NAMES:  # every variant resident
+                    await c.infer(n, {"INPUT__0": xs[0]})
+                dt.call(ex.faults.set, FaultSpec(add_ms=40.0))  # the rest queue behind one slow batch
+                first = asyncio.ensure_future(c.infer(NAMES[0], {"INPUT__0": xs[0]}))
+                await asyncio.sleep(0.01)  # (only so that `first` is running when the others arrive)
+                dt.call(ex.faults.set, None)
+                answers = await asyncio.gather(first, *(c.infer(n, {"INPUT__0": x}) for x in xs for n in NAMES))
+            return [{n: answers[1 + i * len(NAMES) + j].outputs["OUTPUT__0"] for j, n in enumerate(NAMES)}
+                    for i in range(len(xs))]
 
-        for n, y in zip(NAMES, asyncio.run(go()), strict=True):
-            np.testing.assert_array_equal(y, want[n])
-        assert dt.call(lambda: dt.daemon.controller.scheduler.counters["cross_model_batches"]) == 0
+        for g, w in zip(asyncio.run(go()), want, strict=True):
+            for n in NAMES:
+                np.testing.assert_array_equal(g[n], w[n])  # the stand-in's kernels are the CPU's: bit for bit
+        assert dt.call(lambda: dt.daemon.controller.scheduler.counters["cross_model_batches"]) >= 1
         assert not dt.errors
     finally:
         dt.stop()

@@ -10,14 +10,17 @@ import pytest
 
 from daemon.actions import Action, Result, ResultStatus
 from daemon.config import ControllerSettings
+from daemon.controller.driver import Driver
 from daemon.controller.policies.aimd import AimdPolicy
 from daemon.controller.policies.dynamic import DynamicBatchingPolicy
 from daemon.controller.policy import make_policy
+from daemon.controller.scheduler import Scheduler
 from daemon.model import ModelSpec
 from daemon.request import RequestStatus
+from daemon.runtime.devices import Device
 from daemon.runtime.program import prefix_key, tail_key
-from tests.unit.harness import MS, Harness
-from tests.unit.test_cross_model import infers, staged
+from tests.unit.harness import MS, Harness, make_spec
+from tests.unit.test_cross_model import STAGES, infers, staged
 
 
 def behind_one(h: Harness, lead: ModelSpec, others: list[ModelSpec], timeout: float = 0.1,
@@ -124,3 +127,32 @@ def test_a_lost_cross_model_batch_returns_each_request_to_its_own_queue() -> Non
     h.collect(h.sched.on_result(r, h.now))
     assert h.sched.models[a.key].queue.requests == 1 and h.sched.models[b.key].queue.requests == 1
     assert all(q.status == RequestStatus.QUEUED for q in action.requests)
+
+
+@pytest.mark.parametrize("policy", ["clockwork", "dynamic", "aimd"])
+def test_a_cuda_device_forms_them_though_it_holds_each_model_apart(policy: str) -> None:
+    """runtime/cuda.py runs the shared stage over the lead's copy of it: the controller charges each
+    model in full there and still batches them together."""
+    settings = ControllerSettings(policy=policy)  # type: ignore[arg-type]
+    h = Harness(policy=make_policy(settings))
+    h.sched = Scheduler([Device("emucuda:0", "emucuda", 0, 4000)], h.sched.policy, settings)
+    h.driver = Driver(h.sched)
+    specs = []
+    for name in "ab":
+        spec = make_spec(name)
+        h.sched.add_model(spec, 650, {1: 1.2 * MS, 8: 2.4 * MS}, "emucuda", blocks=(("bb", 600), (f"h{name}", 50)),
+                          prefix="bb")
+        h.sched.seed_stages(spec.key, "emucuda", STAGES)
+        h.use(spec)
+        specs.append(spec)
+    dev = h.sched.devices["emucuda:0"]
+    assert not dev.memory.shares and dev.memory.used == 1300  # (each model's backbone held apart)
+    a, b = specs
+    h.request(a, timeout=0.1)
+    (running,) = infers(h.step())
+    h.request(a, timeout=0.1)
+    h.clock.advance(0.001 * MS)
+    h.request(b, timeout=0.1)
+    nxt = infers(h.step()) or infers(h.result(running))
+    groups = [x.group for x in nxt if x.group is not None]
+    assert groups and [(s.key, n) for s, n in groups[0]] == [(a.key, 1), (b.key, 1)]

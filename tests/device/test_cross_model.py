@@ -1,0 +1,84 @@
+"""Cross-model batches on the CUDA backend (stand-in in every interleaving mode, CUDA when present):
+the first member's extent takes every member's rows, the shared first stage runs once, each
+member's other stages run over its own weights on its own rows; the answers are each model's own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from daemon.demo import save_model
+from daemon.repository import scan
+from daemon.request import InferenceRequest
+from daemon.runtime.backend import Resident
+from daemon.runtime.cuda import CudaBackend
+from daemon.runtime.objstore import ObjectStore
+from daemon.runtime.program import Program, load_program, prefix_key, tail_key
+from tests.device.test_backend import load
+from tests.unit.test_stages import STAGES, Whole, config
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Program], dict[str, Program]]:
+    """Two plans sharing a backbone stage (heads of 3 and 2), and the same models whole."""
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU()).eval()
+    mono, staged = tmp_path_factory.mktemp("mono"), tmp_path_factory.mktemp("staged")
+    save_model(backbone, "pt2", torch.zeros(2, 6), 16, staged / ".stages" / "backbone.pt2")
+    for name, out in (("a", 3), ("b", 2)):
+        head = nn.Linear(12, out).eval()
+        save_model(Whole(backbone, head), "pt2", torch.zeros(2, 6), 16, mono / name / "1" / "model.pt2")
+        (mono / name / "config.toml").write_text(config(out))
+        save_model(head, "pt2", torch.zeros(2, 12), 16, staged / name / "1" / "head.pt2")
+        (staged / name / "config.toml").write_text(config(out, STAGES))
+
+    def programs(repo: Path) -> dict[str, Program]:
+        store = ObjectStore()
+        return {s.name: load_program(s, store) for s in scan(repo).models}
+    return programs(staged), programs(mono)
+
+
+def _requests(res: Resident, *sizes: int, seed: int = 0) -> list[InferenceRequest]:
+    rng = np.random.default_rng(seed)
+    spec = res.program.spec
+    return [InferenceRequest(spec, (rng.uniform(0, 4, (n, 6)).astype(np.float32),), n, 0.0, 1.0) for n in sizes]
+
+
+def test_a_cross_model_batch_runs_the_shared_stage_once_and_answers_each_model(
+        backend: CudaBackend, plans: tuple[dict[str, Program], dict[str, Program]]) -> None:
+    staged, whole = plans
+    ra, rb = load(backend, staged["a"]), load(backend, staged["b"])
+    assert staged["a"].prefix == staged["b"].prefix
+    for rounds in range(3):  # (again: events, rings and locks are reused)
+        qa, qb = _requests(ra, 3, 2, seed=rounds), _requests(rb, 6, seed=10 + rounds)
+        rows = 11
+        b = staged["a"].spec.batch_size_for(rows)
+        parts, duration, runs = backend.infer_staged([(ra, qa), (rb, qb)], ra.io[b])
+        assert duration > 0
+        assert [(k, n) for k, n, _ in runs] == [(prefix_key(staged["a"].prefix), rows), (tail_key("a:1"), 5),
+                                                (tail_key("b:1"), 6)]
+        assert all(t >= 0 for _, _, t in runs)
+        with torch.inference_mode():
+            for name, reqs, got in (("a", qa, parts[0]), ("b", qb, parts[1])):
+                x = torch.from_numpy(np.concatenate([r.inputs[0] for r in reqs]))
+                want = whole[name].host_runner([x])[0].numpy()
+                if backend.api.kind == "emucuda":  # the same torch ops on the CPU: bit for bit
+                    np.testing.assert_array_equal(got[0], want)
+                np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
+                assert got[0].shape == (len(x), whole[name].spec.outputs[0].sample_shape[0])
+
+
+def test_a_lone_plan_runs_as_one_program_with_its_graphs(
+        backend: CudaBackend, plans: tuple[dict[str, Program], dict[str, Program]]) -> None:
+    staged, whole = plans
+    ra = load(backend, staged["a"])
+    (q,) = _requests(ra, 4)
+    parts, _, runs = backend.infer_staged([(ra, [q])], ra.io[4])
+    assert runs == ()  # (no stage timings: the plan ran whole, as a graph where it was captured)
+    with torch.inference_mode():
+        want = whole["a"].host_runner([torch.from_numpy(q.inputs[0])])[0].numpy()
+    np.testing.assert_allclose(parts[0][0], want, rtol=1e-5, atol=1e-5)
