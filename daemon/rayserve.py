@@ -30,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +45,13 @@ from starlette.responses import Response
 from daemon.api.codec import WireTensor, decode_tensor, json_data, tensor_bytes
 from daemon.client import HEADER_LEN, AsyncSocketClient, InferenceServerError, SocketClient, _wire_array
 from daemon.datatypes import BY_NAME
-from daemon.routing import REPORT_MODELS, REPORT_PERIOD_S, NodeForecast, route
+from daemon.routing import REPORT_MODELS, REPORT_PERIOD_S, ReportedRouting
 
 # How many model ids Serve remembers per replica for routing; not what the daemon keeps in memory.
 MODELS_PER_REPLICA = int(os.environ.get("ESCAPEMENT_RAY_MODELS_PER_REPLICA", "8"))
 MARGIN_S = 5.0  # past a request's own deadline the daemon has answered 504 already; this is for a dead one
 REPLICA_HEADER = "escapement-replica"
 ROUTERS = ("deadline", "multiplex")  # build(router=...): the first is the default
-SENT_MEMORY = 4096  # requests remembered per replica, to add those sent after its last report
 
 
 class Failed(Exception):
@@ -176,7 +174,7 @@ class EscapementReplica:
             answer = await self._call({"op": "forecast", "limit": REPORT_MODELS}, REPORT_PERIOD_S * 4)
         except Failed:
             return {}
-        return {**answer.get("forecast", {}), "at": time.time()}
+        return {**answer.get("forecast", {}), "at": time.time(), "replica": self.replica}
 
     @serve.multiplexed(max_num_models_per_replica=MODELS_PER_REPLICA)
     async def _model(self, model_id: str) -> str:
@@ -230,39 +228,29 @@ class DeadlineRouter(FIFOMixin, MultiplexMixin, RequestRouter):
     are added to its forecast. Before any report, Serve's multiplexed power of two choices."""
 
     def initialize_state(self, **kwargs: Any) -> None:
-        self.sent: dict[ReplicaID, deque[float]] = {}
+        self.forecasts = ReportedRouting()
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self.sent.setdefault(replica_id, deque(maxlen=SENT_MEMORY)).append(time.time())
+        model = pending_request.metadata.multiplexed_model_id
+        if model:
+            self.forecasts.sent_to(replica_id, model)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self.sent.pop(replica_id, None)
+        self.forecasts.forget(replica_id)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         model = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
         if model and candidate_replicas:
-            forecasts = [NodeForecast.parse(r.routing_stats) for r in candidate_replicas]
-            sent = [self._sent_after(r.replica_id, f.at) if f is not None else 0
-                    for r, f in zip(candidate_replicas, forecasts, strict=True)]
-            order = route(forecasts, model, time.time(), sent)
+            for r in candidate_replicas:
+                self.forecasts.report(r.replica_id, r.routing_stats)
+            order = self.forecasts.order([r.replica_id for r in candidate_replicas], model, time.time())
             if order:  # one rank each: Serve takes the first that has room, in this order
                 return [[candidate_replicas[i]] for i in order]
         ids = self.apply_multiplex_routing(pending_request) if model else {r.replica_id for r in candidate_replicas}
         chosen = [r for r in candidate_replicas if r.replica_id in ids]
         return [random.sample(chosen, min(2, len(chosen)))] if chosen else []
-
-    def _sent_after(self, replica_id: ReplicaID, at: float) -> int:
-        times = self.sent.get(replica_id)
-        if not times:
-            return 0
-        n = 0
-        for t in reversed(times):  # newest first: stops at the report
-            if t <= at:
-                break
-            n += 1
-        return n
 
 
 Binary = tuple[dict[str, bool], bool]  # binary_data per output asked for, and binary_data_output

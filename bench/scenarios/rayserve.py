@@ -200,6 +200,21 @@ def _replica_infos(n_calls: int = 16) -> dict[str, dict[str, Any]]:
     return {i["replica"]: i for i in infos}
 
 
+def _forecasts(n_calls: int = 8) -> dict[str, int]:
+    """What each replica reports to the routers (record_routing_stats): models in its forecast."""
+    from ray import serve
+
+    from daemon.routing import NodeForecast
+
+    h = serve.get_deployment_handle("EscapementReplica", "escapement")
+    out: dict[str, int] = {}
+    for _ in range(n_calls):
+        stats = h.record_routing_stats.remote().result(timeout_s=30)
+        parsed = NodeForecast.parse(stats)
+        out[str(stats.get("replica"))] = -1 if parsed is None else len(parsed.models)
+    return out
+
+
 def _ready(base: str) -> bool:
     import urllib.request
 
@@ -268,6 +283,7 @@ def run(quick: bool = False, json_out: str | None = None, nodes: int = 3, reques
         # 2. affinity and spread over the two
         by2, st2, _ = asyncio.run(_spread(base, metas, requests, concurrency))
         two_replicas = {r for c in by2.values() for r in c}
+        reports = _forecasts()
         scale_ok = len(one_replica) == 1 and len(two_replicas) == 2 and set(st1) == {200} and set(st2) == {200}
         rows.append({"label": "one replica", "requests": sum(st1.values()), "statuses": st1,
                      "replicas_answering": len(one_replica)})
@@ -324,6 +340,8 @@ def run(quick: bool = False, json_out: str | None = None, nodes: int = 3, reques
             "scale_1_to_2_ok": scale_ok,
             "models_spread_ok": len(two_replicas) == 2 and all(len(c) >= 1 for c in by2.values()),
             "affinity_hit_rate": round(_affinity(by2), 4),
+            "forecast_models_by_replica": reports,
+            "forecasts_ok": bool(reports) and all(n >= 0 for n in reports.values()),
             "conformance_ok": all(v["agree"] for v in conf.values()),
             "conformance_checks": len(conf),
             "conformance_disagree": {k: v for k, v in conf.items() if not v["agree"]},

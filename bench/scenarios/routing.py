@@ -39,8 +39,7 @@ from daemon.clock import VirtualClock
 from daemon.config import ControllerSettings
 from daemon.controller import forecast
 from daemon.controller.driver import Driver
-from daemon.controller.estimates import EXACT_ROW_KINDS
-from daemon.controller.policies.clockwork import LOAD_BANDWIDTH_GUESS, ClockworkPolicy
+from daemon.controller.policies.clockwork import ClockworkPolicy
 from daemon.model import ModelSpec
 from daemon.request import InferenceRequest
 from daemon.sim import SimRecords, Simulation
@@ -139,35 +138,6 @@ def ray_router(cluster: Cluster, rng: np.random.Generator) -> Router:
     return route
 
 
-def predicted_finish(sched: Any, spec: ModelSpec, now: float) -> float:
-    """When a node would finish one more request of `spec`, read from its controller's state: the
-    earliest any device holding it (or able to load it) could run it, plus the work queued for it."""
-    key = spec.key
-    est = sched.estimator
-    entry = sched.models[key]
-    best = math.inf
-    for dev in sched.devices.values():
-        if dev.failed:
-            continue
-        run = est.infer(key, 1 if dev.kind in EXACT_ROW_KINDS else spec.batch_size_for(1), dev.kind, dev.name) or 0.0
-        tl = dev.timeline
-        if dev.memory.is_ready(key):
-            start = tl.exec.free_at(now)
-        elif dev.memory.state(key) is not None:  # loading
-            start = max(tl.copy.free_at(now), tl.exec.free_at(now))
-        else:
-            load = est.load(key, dev.kind) or entry.weight_bytes / LOAD_BANDWIDTH_GUESS
-            start = max(tl.copy.free_at(now) + load, tl.exec.free_at(now))
-        best = min(best, start + run)
-    queued = entry.queue.samples
-    if queued:
-        holders = max(1, len(sched.ready_on.get(key, ())))
-        b = spec.max_batch_size
-        per = (est.infer(key, b, "sim") or 0.0) / b
-        best += queued * per / holders
-    return best
-
-
 def deadline_router(cluster: Cluster, rng: np.random.Generator) -> Router:
     """The rule the Ray application routes by (daemon/routing.py: affinity while the holder that
     finishes first leaves a quarter of the SLO to spare, else the earliest finish anywhere), fed
@@ -175,32 +145,32 @@ def deadline_router(cluster: Cluster, rng: np.random.Generator) -> Router:
     scheds = [node.scheduler for node in cluster.nodes]
 
     def route(spec: ModelSpec, now: float) -> int:
-        cands = [routing.Candidate(predicted_finish(s, spec, now) - now, bool(s.placed_on.get(spec.key)), s.pending)
-                 for s in scheds]
+        cands = [routing.Candidate(forecast.predicted_finish(s, spec, now) - now, bool(s.placed_on.get(spec.key)),
+                                   s.pending) for s in scheds]
         return routing.rank(cands, spec.slo_s)[0]
 
     return route
 
 
 def reported_router(cluster: Cluster, rng: np.random.Generator) -> Router:
-    """The Ray application's DeadlineRouter as it runs: the same rule, fed the forecast each node's
-    daemon reports (controller/forecast.py node_forecast, its REPORT_MODELS most queued models)
-    every REPORT_PERIOD_S, aged since, plus what was sent to the node after it."""
+    """The Ray application's DeadlineRouter as it runs (daemon/routing.py ReportedRouting): the
+    same rule, fed the forecast each node's daemon reports (controller/forecast.py node_forecast,
+    its REPORT_MODELS most queued models) every REPORT_PERIOD_S, aged since, plus the requests of
+    the model sent to the node after it."""
     scheds = [node.scheduler for node in cluster.nodes]
-    reports: list[routing.NodeForecast | None] = [None] * len(scheds)
-    sent = [0] * len(scheds)
+    table = routing.ReportedRouting()
+    nodes = list(range(len(scheds)))
     taken_at = -math.inf
 
     def route(spec: ModelSpec, now: float) -> int:
         nonlocal taken_at
         if now - taken_at >= routing.REPORT_PERIOD_S:
             taken_at = now
-            reports[:] = [routing.NodeForecast.parse({**forecast.node_forecast(s, now, routing.REPORT_MODELS),
-                                                      "at": now}) for s in scheds]
-            sent[:] = [0] * len(scheds)
-        order = routing.route(reports, spec.name, now, sent)
+            for i, s in enumerate(scheds):
+                table.report(i, {**forecast.node_forecast(s, now, routing.REPORT_MODELS), "at": now})
+        order = table.order(nodes, spec.name, now)
         i = order[0] if order else int(rng.integers(len(scheds)))
-        sent[i] += 1
+        table.sent_to(i, spec.name)
         return i
 
     return route

@@ -21,8 +21,8 @@ def check_forecast(socket: str) -> None:
         answer = c.call({"op": "forecast"})["forecast"]
         parsed = NodeForecast.parse({**answer, "at": 0.0})
         assert parsed is not None, answer
-        finish, slo = parsed.models["tiny_pt2"]  # it just ran: held on the device
-        assert 0.0 <= finish < slo and slo > 0.0
+        finish, slo, row = parsed.models["tiny_pt2"]  # it just ran: held on the device
+        assert 0.0 <= finish < slo and slo > 0.0 and row > 0.0
         assert parsed.cold_s >= 0.0 and parsed.per_request_s > 0.0 and parsed.pending >= 0
         assert len(c.call({"op": "forecast", "limit": 1})["forecast"]["models"]) <= 1
         with pytest.raises(InferenceServerError) as e:

@@ -95,26 +95,29 @@ class FakePending:
 
 
 def forecast(at: float, models: dict[str, list[float]], cold_s: float = 1.0) -> dict[str, object]:
-    return {"at": at, "models": models, "cold_s": cold_s, "per_request_s": 0.01, "pending": 0}
+    return {"at": at, "models": models, "cold_s": cold_s, "load_s": cold_s, "per_request_s": 0.01, "pending": 0,
+            "devices": 1}
 
 
 def test_deadline_router_ranks_replicas_by_their_forecasts() -> None:
     router = rayserve.DeadlineRouter.__new__(rayserve.DeadlineRouter)  # Serve builds it; the rule needs no Serve
     router.initialize_state()
-    far = 1e12  # reports from the future: nothing was sent after them
-    a = FakeReplica("a", forecast(far, {"m": [0.050, 0.100]}))
-    b = FakeReplica("b", forecast(far, {}, cold_s=0.001))
+    a = FakeReplica("a", forecast(100.0, {"m": [0.050, 0.100, 0.01]}))
+    b = FakeReplica("b", forecast(100.0, {}, cold_s=0.001))
     ranks = asyncio.run(router.choose_replicas([b, a], FakePending("m")))  # type: ignore[list-item]
     assert [[r.replica_id for r in rank] for rank in ranks] == [["a"], ["b"]]  # the holder, with slack to spare
     ranks = asyncio.run(router.choose_replicas([b, a], FakePending("x")))  # type: ignore[list-item]
     assert ranks[0][0].replica_id == "b"  # held nowhere: the earliest cold start
-    # requests sent after a report add to it: 10 at 10 ms each push "a" past the slack
-    for _ in range(10):
+    # requests of m sent after the report queue on a: 3 more at 10 ms each push it past the slack
+    for _ in range(3):
         router.on_request_routed(FakePending("m"), "a", None)  # type: ignore[arg-type]
-    a.routing_stats = forecast(0.0, {"m": [0.050, 0.100]})
-    b.routing_stats = forecast(0.0, {"m": [0.060, 0.100]})
+    b.routing_stats = forecast(100.0, {"m": [0.060, 0.100, 0.01]})
     ranks = asyncio.run(router.choose_replicas([a, b], FakePending("m")))  # type: ignore[list-item]
     assert [rank[0].replica_id for rank in ranks] == ["b", "a"]
+    # a new report from a (taken after those requests) starts its count again
+    a.routing_stats = forecast(100.1, {"m": [0.050, 0.100, 0.01]})
+    ranks = asyncio.run(router.choose_replicas([a, b], FakePending("m")))  # type: ignore[list-item]
+    assert ranks[0][0].replica_id == "a"
 
 
 def test_an_unknown_router_is_refused() -> None:

@@ -41,8 +41,8 @@ def test_ray_and_deadline_routers_send_a_model_to_the_node_holding_it() -> None:
     assert {ray(spec, 0.0) for _ in range(20)} == {0}
     assert deadline(spec, 0.0) == 0
     # a node that must first load the model predicts a later finish than the idle node holding it
-    assert routing.predicted_finish(cluster.nodes[1].scheduler, spec, 0.0) > \
-        routing.predicted_finish(cluster.nodes[0].scheduler, spec, 0.0)
+    assert forecast.predicted_finish(cluster.nodes[1].scheduler, spec, 0.0) > \
+        forecast.predicted_finish(cluster.nodes[0].scheduler, spec, 0.0)
 
 
 def test_the_reported_router_reads_each_nodes_forecast() -> None:
@@ -50,8 +50,8 @@ def test_the_reported_router_reads_each_nodes_forecast() -> None:
     spec = ms[0][0]
     reports = [forecast.node_forecast(n.scheduler, 0.0, 1024) for n in cluster.nodes]
     assert spec.name in reports[0]["models"] and spec.name not in reports[1]["models"]
-    finish, slo = reports[0]["models"][spec.name]
-    assert 0.0 < finish < slo == spec.slo_s  # idle and holding it: one run away
+    finish, slo, row = reports[0]["models"][spec.name]
+    assert 0.0 < finish < slo == spec.slo_s and row > 0.0  # idle and holding it: one run away
     assert reports[1]["cold_s"] > finish  # elsewhere a LOAD first
     assert len(forecast.node_forecast(cluster.nodes[0].scheduler, 0.0, 1)["models"]) == 1
     reported = routing.reported_router(cluster, np.random.default_rng(0))
