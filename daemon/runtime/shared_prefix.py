@@ -42,6 +42,7 @@ from daemon.runtime.program import Program, exported_weights, graph_stage, plan_
 log = logging.getLogger("escapement.repository")
 
 MAX_READS = 512  # programs held read ahead of their load (more are read again at load)
+MAX_PENDING = 65536  # models read ahead and not yet loaded, programs or not (the oldest are forgotten)
 PREFIX_NAME = "PREFIX__0"  # the tensor between the two stages of a split model
 
 
@@ -150,6 +151,8 @@ class PrefixIndex:
                 kept = [r for r in self._reads.values() if r.ep is not None]
                 for r in kept[: max(0, len(kept) - self.max_reads)]:
                     r.ep = None  # the oldest: read again at load
+                while len(self._reads) > MAX_PENDING:  # read ahead and never loaded (a stop, say)
+                    self._reads.popitem(last=False)
             n += 1
         return n
 

@@ -18,13 +18,17 @@ from daemon.runtime.backend import Resident
 from daemon.runtime.cuda import CudaBackend
 from daemon.runtime.objstore import ObjectStore
 from daemon.runtime.program import Program, load_program, prefix_key, tail_key
+from daemon.runtime.shared_prefix import PrefixIndex
 from tests.device.test_backend import load
 from tests.unit.test_stages import STAGES, Whole, config
 
+Plans = tuple[dict[str, Program], dict[str, Program]]
 
-@pytest.fixture(scope="module")
-def plans(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Program], dict[str, Program]]:
-    """Two plans sharing a backbone stage (heads of 3 and 2), and the same models whole."""
+
+@pytest.fixture(scope="module", params=["declared", "found"])
+def plans(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Plans:
+    """Two plans sharing a backbone stage (heads of 3 and 2), and the same models whole: declared
+    as stages, or found in the whole programs (runtime/shared_prefix.py)."""
     torch.manual_seed(0)
     backbone = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU()).eval()
     mono, staged = tmp_path_factory.mktemp("mono"), tmp_path_factory.mktemp("staged")
@@ -36,10 +40,15 @@ def plans(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Program],
         save_model(head, "pt2", torch.zeros(2, 12), 16, staged / name / "1" / "head.pt2")
         (staged / name / "config.toml").write_text(config(out, STAGES))
 
-    def programs(repo: Path) -> dict[str, Program]:
+    def programs(repo: Path, index: PrefixIndex | None = None) -> dict[str, Program]:
         store = ObjectStore()
-        return {s.name: load_program(s, store) for s in scan(repo).models}
-    return programs(staged), programs(mono)
+        specs = scan(repo).models
+        if index is not None:
+            index.read_ahead(specs, store)
+        return {s.name: load_program(s, store, index) for s in specs}
+    plans = programs(staged) if request.param == "declared" else programs(mono, PrefixIndex())
+    assert all(p.prefix for p in plans.values())
+    return plans, programs(mono)
 
 
 def _requests(res: Resident, *sizes: int, seed: int = 0) -> list[InferenceRequest]:
@@ -49,7 +58,7 @@ def _requests(res: Resident, *sizes: int, seed: int = 0) -> list[InferenceReques
 
 
 def test_a_cross_model_batch_runs_the_shared_stage_once_and_answers_each_model(
-        backend: CudaBackend, plans: tuple[dict[str, Program], dict[str, Program]]) -> None:
+        backend: CudaBackend, plans: Plans) -> None:
     staged, whole = plans
     ra, rb = load(backend, staged["a"]), load(backend, staged["b"])
     assert staged["a"].prefix == staged["b"].prefix
@@ -73,7 +82,7 @@ def test_a_cross_model_batch_runs_the_shared_stage_once_and_answers_each_model(
 
 
 def test_a_lone_plan_runs_as_one_program_with_its_graphs(
-        backend: CudaBackend, plans: tuple[dict[str, Program], dict[str, Program]]) -> None:
+        backend: CudaBackend, plans: Plans) -> None:
     staged, whole = plans
     ra = load(backend, staged["a"])
     (q,) = _requests(ra, 4)

@@ -151,3 +151,14 @@ def test_split_models_share_their_leading_stage_on_a_cpu_device(repo: Path) -> N
     with torch.inference_mode():
         for name, x, got in (("a", xa, outs[0][0]), ("b", xb, outs[1][0])):
             np.testing.assert_array_equal(got, alone(repo, name).host_runner([torch.from_numpy(x)])[0].numpy())
+
+
+def test_programs_read_ahead_past_the_bound_are_read_again_at_load(repo: Path) -> None:
+    index, store = PrefixIndex(max_reads=1), ObjectStore()
+    todo = specs(repo, ["a", "b", "c"])
+    index.read_ahead(todo, store)  # only c's program is kept; a's and b's cuts are
+    p = {s.name: load_program(s, store, index) for s in todo}
+    assert p["a"].prefix and p["a"].prefix == p["b"].prefix and not p["c"].stages
+    x = torch.rand((4, 6)) * 4
+    with torch.inference_mode():
+        assert torch.equal(p["a"].host_runner([x])[0], alone(repo, "a").host_runner([x])[0])
