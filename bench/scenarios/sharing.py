@@ -120,7 +120,7 @@ def _side(mode: str, repo: Path, n: int, load_reps: int) -> dict[str, Any]:
 
 
 def _load_phase(repo: Path, n: int, budget: int, reps: int, probe_s: float, ablation: bool = False,
-                policy: str = "clockwork") -> tuple[dict[str, Any], list[dict[str, Any]]]:
+                policy: str = "clockwork", detected: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Capacity, p99 and cold starts without and with sharing, `reps` times (sharing_load.py)."""
     import numpy as np
 
@@ -132,6 +132,8 @@ def _load_phase(repo: Path, n: int, budget: int, reps: int, probe_s: float, abla
     popularity = np.empty(n)
     popularity[rng.permutation(n)] = loadgen.zipf_weights(n, 1.0)  # popularity rank -> variant, by name order
     want = sharing_load.reference(repo)
+    # the shared side's repository: the declared stages, or the whole programs split at load
+    shared_repo = repo if detected else family.staged_out(repo)
     caps, p99s, colds, ident = [], [], [], None
     solo_caps: list[float] = []
     solo_p99: list[float | None] = []
@@ -139,11 +141,11 @@ def _load_phase(repo: Path, n: int, budget: int, reps: int, probe_s: float, abla
     for rep in range(reps):
         seed = 1000 * (rep + 1)
         alone = sharing_load.side("without sharing", repo, popularity, budget, False, probe_s, seed, policy=policy)
-        shared = sharing_load.side("with sharing", family.staged_out(repo), popularity, budget, True, probe_s, seed,
+        shared = sharing_load.side("with sharing", shared_repo, popularity, budget, True, probe_s, seed,
                                    at_rate=alone["capacity_rps"], want=want if rep == 0 else None, policy=policy)
         ident = ident or shared.get("identity")
         if ablation:  # the staged variants with their weights shared, but no cross-model batching
-            solo = sharing_load.side("sharing, no cross-model batching", family.staged_out(repo), popularity, budget,
+            solo = sharing_load.side("sharing, no cross-model batching", shared_repo, popularity, budget,
                                      True, probe_s, seed, at_rate=alone["capacity_rps"], cross_model=False,
                                      policy=policy)
             solo_caps.append(solo["capacity_rps"])
@@ -180,9 +182,11 @@ def _load_phase(repo: Path, n: int, budget: int, reps: int, probe_s: float, abla
 
 def run(quick: bool = False, json_out: str | None = None, variants: int | None = None,
         load_reps: int | None = None, reps: int | None = None, probe_s: float | None = None,
-        load: bool = True, ablation: bool = False, policy: str = "clockwork") -> dict[str, Any]:
+        load: bool = True, ablation: bool = False, policy: str = "clockwork", detected: bool = False) -> dict[str, Any]:
     """`load` false: the memory, LOAD and identity figures only (no capacity, p99 or cold starts).
-    `policy`: the controller's policy on every side of the load phase (clockwork, dynamic, aimd)."""
+    `policy`: the controller's policy on every side of the load phase (clockwork, dynamic, aimd).
+    `detected`: the shared side serves the whole programs, their backbone found at load
+    (runtime.detect_shared_prefix), instead of the declared stages."""
     if policy not in ("clockwork", "dynamic", "aimd"):
         raise SystemExit(f"--policy {policy!r}: one of clockwork, dynamic, aimd")
     from daemon import variants as family
@@ -193,7 +197,8 @@ def run(quick: bool = False, json_out: str | None = None, variants: int | None =
     probe = float(probe_s or (2.0 if quick else 4.0))
     extra = {k: v for k, v in (("variants", variants), ("reps", reps), ("probe_s", probe_s),
                                ("ablation", "true" if ablation else None),
-                               ("policy", policy if policy != "clockwork" else None)) if v is not None}
+                               ("policy", policy if policy != "clockwork" else None),
+                               ("detected", "true" if detected else None)) if v is not None}
     repo = Path(tempfile.gettempdir()) / f"escapement-variants-{n}"
     t0 = time.perf_counter()
     family.build(repo, n)
@@ -203,12 +208,13 @@ def run(quick: bool = False, json_out: str | None = None, variants: int | None =
     identical = shared.pop("outputs") == alone.pop("outputs")
     # a tenth of the variants' unshared weights (two variants' worth at least: a family of a few)
     budget = max(alone["device_budget_bytes"] // 10, 2 * alone["device_budget_bytes"] // n)
-    figures, load_rows = _load_phase(repo, n, budget, rounds, probe, ablation, policy) if load else ({
+    figures, load_rows = _load_phase(repo, n, budget, rounds, probe, ablation, policy, detected) if load else ({
         "capacity_ratio": None, "p99_ratio": None, "outputs_identical_cross_model": None}, [])
     rows = [shared, alone, *load_rows]
     summary = {
         "variants": n,
         "policy": policy,
+        "shared_form": "whole programs, prefix found at load" if detected else "declared stages",
         "memory_ratio": alone["device_budget_bytes"] / shared["device_budget_bytes"],
         "device_budget_shared_bytes": shared["device_budget_bytes"],
         "device_budget_unshared_bytes": alone["device_budget_bytes"],
@@ -240,8 +246,10 @@ def run(quick: bool = False, json_out: str | None = None, variants: int | None =
         "p99_ratio: p99 without sharing at its own capacity over p99 with sharing at that same offered load "
         "(median of the reps); cold-start rates are at that load too.",
         f"policy: {policy} on both sides of the load phase (every policy forms cross-model batches).",
+        "with sharing, " + ("the monolithic variants, their backbone found at load (runtime.detect_shared_prefix) and "
+                            "run as a shared stage." if detected else "the variants declared as plans of stages."),
         "without sharing: the monolithic variants, runtime.share_weights = false (each model charged and held in "
-        "full), no cross-model batching; with sharing: the staged variants (backbone stage shared), cross-model "
+        "full), no cross-model batching; with sharing: the backbone stage shared (as the line above says), cross-model "
         "batching on, prefix cache off (each model's load repeats one input, which it would serve).",
         "outputs_identical: every variant's outputs on a shared CPU device equal those of its program alone (32 "
         "rows), and every variant's answers through the shared daemon, all variants asked at once (cross-model "
