@@ -40,6 +40,9 @@ class DeviceMemory:
         # was last used: the least recently used model that frees enough alone is found by looking
         # at the head of a few classes, not by walking hundreds of smaller models.
         self._by_size: dict[int, OrderedDict[str, None]] = {}
+        # per class, a bound of its footprints (its largest so far, not lowered when that one
+        # leaves): a class none of whose models frees enough is passed over without a look at each
+        self._class_max: dict[int, int] = {}
         self._used_at: dict[str, int] = {}
         self._clock = 0
 
@@ -94,7 +97,10 @@ class DeviceMemory:
         _, nbytes = self._models[key]
         self._models[key] = (Residency.READY, nbytes)
         self._models.move_to_end(key)
-        self._by_size.setdefault(nbytes.bit_length(), OrderedDict())[key] = None
+        bits = nbytes.bit_length()
+        self._by_size.setdefault(bits, OrderedDict())[key] = None
+        if nbytes > self._class_max.get(bits, 0):
+            self._class_max[bits] = nbytes
         self._used(key)
 
     def _used(self, key: str) -> None:
@@ -138,6 +144,7 @@ class DeviceMemory:
             del cls[key]
             if not cls:
                 del self._by_size[nbytes.bit_length()]
+                del self._class_max[nbytes.bit_length()]
             del self._used_at[key]
         return freed
 
@@ -148,6 +155,7 @@ class DeviceMemory:
         self._private.clear()
         self._refs.clear()
         self._by_size.clear()
+        self._class_max.clear()
         self._used_at.clear()
         self.used = 0
         self.budget = 0
@@ -219,9 +227,10 @@ class DeviceMemory:
         best: str | None = None
         best_at = 0
         shared = self._blocks_of
+        class_max = self._class_max
         for bits, cls in self._by_size.items():
-            if (1 << bits) <= need:
-                continue  # every model of this class is smaller than 2**bits (and frees at most that)
+            if (1 << bits) <= need or class_max[bits] < need:
+                continue  # every model of this class is smaller than need (and frees at most its size)
             for k in cls:  # least recently used first: its first fit is the class's answer
                 frees = self._models[k][1] if k not in shared else self._frees_with(k, {}, keep)
                 if frees >= need and evictable(k) and not wanted(k):
