@@ -220,10 +220,12 @@ def run(quick: bool = False, json_out: str | None = None, n_models: int = 10_000
               "arrivals": "poisson, zipf(1.0) popularity; the same arrivals for every router at a load",
               "warm": "the most popular models spread round robin over every node's devices (90% of a budget)"}
     notes = ["Virtual time: every node runs the real scheduler and clockwork policy; only devices are simulated.",
-             "deadline: the rule of daemon/routing.py with each node's controller state read at every arrival "
-             "(the rule's best case). reported: the same rule as the Ray application runs it (DeadlineRouter), "
-             f"on each node's forecast reported every {routing.REPORT_PERIOD_S:g} s (the `forecast` op's "
-             "node_forecast), aged since and plus the requests sent after it."]
+             "deadline: the rule of daemon/routing.py on each node's controller state read at every arrival "
+             "(rank). reported: the rule as the Ray application runs it (DeadlineRouter, daemon/routing.py "
+             f"ReportedRouting), on each node's forecast reported every {routing.REPORT_PERIOD_S:g} s (the "
+             "`forecast` op's node_forecast), aged since, plus the requests and the LOADs sent to the node after "
+             "it; spreading those LOADs over the nodes is what puts it ahead of deadline, which sees fresher "
+             "state but sends cold models wherever a LOAD would start first, often to the same node."]
     return results.write("routing", config, rows, summary, json_out, notes,
                          columns=["label", "offered_rps", "goodput_rps", "slo_attainment", "cold_start_rate", "loads",
                                   "requests"])
