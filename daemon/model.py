@@ -3,7 +3,7 @@ policies its config.toml gives it (queue policy, ParM parity, personalization).
 
 The most shared types of the daemon: requests, actions, the controller, the runtime and the
 frontends all speak of a `ModelSpec`. They are built by the repository scan (repository.py) from
-`<repo>/<model>/config.toml`, whose keys the docstring there lists.
+`<repo>/<model>/config.toml`, whose keys model_config.py lists and checks.
 """
 
 from __future__ import annotations

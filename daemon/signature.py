@@ -7,7 +7,7 @@ range of a dynamic batch dimension (`torch.export.Dim("batch", max=N)`). Names f
 positional convention (INPUT__0, OUTPUT__0, ...), as the demo models do. What a program cannot
 say (an SLO, parity, a queue policy, other names) needs a config.toml beside the file.
 
-The result is the raw table a config.toml would hold; repository.py validates it the same way.
+The result is the raw table a config.toml would hold; model_config.py validates it the same way.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from daemon.errors import SignatureError
 
 UNBOUNDED_BATCH = 32  # max_batch_size for a batch dimension exported without an upper bound
-MAX_BATCH = 4096  # repository.MAX_BATCH_SIZE
+MAX_BATCH = 4096  # model_config.MAX_BATCH_SIZE
 
 
 _cache: dict[Path, tuple[tuple[int, int], dict[str, Any]]] = {}  # path -> (mtime_ns, size), config

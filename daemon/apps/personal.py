@@ -1,6 +1,6 @@
 """Personalized (split) models, Velox-style: per-user weights on a model's feature output.
 
-A model version with `[personalization]` in its config.toml (daemon/repository.py) has a feature
+A model version with `[personalization]` in its config.toml (daemon/model_config.py) has a feature
 output (d values per sample) and a shared head W (d+1, C: the global model's last layer, the
 bias as the last row) in its version directory. A request that names a user gets one more
 output, `[features, 1] . W_user`, and a `query_id`; feedback for that query (the true label)

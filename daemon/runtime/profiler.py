@@ -48,8 +48,9 @@ import numpy as np
 
 from daemon.actions import Action, ActionKind, Result
 from daemon.clock import Clock
+from daemon.files import read_regular
 from daemon.model import ModelSpec
-from daemon.repository import MAX_BATCH_SIZE, read_regular
+from daemon.model_config import MAX_BATCH_SIZE
 from daemon.request import InferenceRequest
 from daemon.runtime.backend import Backend
 from daemon.runtime.devices import MAX_MODEL_CHARS, Device, host_model

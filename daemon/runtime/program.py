@@ -439,7 +439,7 @@ def _stage_specs(spec: ModelSpec) -> list[ModelSpec]:
     """Each stage's own spec: the model's inputs in, the model's outputs out, what the programs
     record in between (each stage must take what the one before returns)."""
     from daemon.errors import ModelConfigError, SignatureError
-    from daemon.repository import check_model_config
+    from daemon.model_config import check_model_config
     from daemon.signature import inferred_config
 
     out: list[ModelSpec] = []

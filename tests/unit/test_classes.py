@@ -15,7 +15,7 @@ from daemon.controller.policies.dynamic import DynamicBatchingPolicy
 from daemon.controller.policy import Policy
 from daemon.errors import DeadlineExceeded, ModelConfigError, Overloaded
 from daemon.model import ModelSpec
-from daemon.repository import parse_model_config
+from daemon.model_config import parse_model_config
 from daemon.request import RequestClass, RequestStatus
 from daemon.sim import CLOCKWORK_V100, Simulation, sim_spec
 from tests.support import tiny_config

@@ -11,7 +11,7 @@ import pytest
 from daemon.datatypes import BY_NAME
 from daemon.errors import DeadlineExceeded, ModelConfigError, Unavailable
 from daemon.model import ModelSpec, TensorSpec
-from daemon.repository import check_model_config
+from daemon.model_config import check_model_config
 from daemon.request import InferenceRequest, RequestStatus
 from tests.fakes import FakeGateway
 

@@ -25,7 +25,8 @@ from daemon.clock import FakeClock
 from daemon.datatypes import BY_NAME
 from daemon.errors import BadRequest, NotFound
 from daemon.model import ModelSpec, PersonalConfig, TensorSpec
-from daemon.repository import load_head, scan
+from daemon.model_config import load_head
+from daemon.repository import scan
 from daemon.request import InferenceRequest, RequestStatus
 from tests.support import tiny_config
 

@@ -15,7 +15,7 @@ from daemon.datatypes import BY_NAME
 from daemon.errors import ConfigError, ModelConfigError
 from daemon.gateway import Gateway
 from daemon.model import ModelSpec, TensorSpec
-from daemon.repository import parse_model_config
+from daemon.model_config import parse_model_config
 from daemon.request import InferenceRequest, RequestStatus
 from tests.support import tiny_config
 

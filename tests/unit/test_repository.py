@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from daemon.errors import ModelConfigError
-from daemon.repository import parse_model_config, scan
+from daemon.model_config import parse_model_config
+from daemon.repository import scan
 from tests.support import tiny_config
 
 

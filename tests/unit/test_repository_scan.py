@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from daemon.errors import ModelConfigError, RefusedFile
-from daemon.repository import MAX_CONFIG_BYTES, ScanResult, _version_number, parse_model_config, read_regular, scan
+from daemon.files import read_regular
+from daemon.model_config import MAX_CONFIG_BYTES, parse_model_config
+from daemon.repository import ScanResult, _version_number, scan
 from tests.support import tiny_config
 
 LOGGER = "escapement.repository"
