@@ -105,7 +105,8 @@ class ServerSettings:
                                    "its first byte is answered 408 and its connection closed (slow clients).", 60.0)
     frontend_workers: int = doc("Frontend worker processes that own the HTTP and socket listeners and do the "
                                 "protocol work, handing tensors to this process through shared memory; 0 keeps "
-                                "everything in one process; -1 chooses from the cores (0 on 2 cores).", -1)
+                                "everything in one process; -1 chooses from the cores (0 on 1 core, else "
+                                "a quarter of them and at least 1: bench/results/peers-gap).", -1)
     frontend_slots: int = doc("Per frontend worker: shared-memory slots of 16 KiB for requests' tensors (plus a "
                               "sixteenth as many of 1 MiB and a 128th as many of max_body_bytes); a request "
                               "finding none free gets 503.", 256)

@@ -63,9 +63,13 @@ BACKOFF_S = (0.1, 5.0)
 
 
 def default_workers(cores: int) -> int:
-    """`server.frontend_workers = -1`: none on a small machine, where a worker competes with the loop
-    and the INFER thread for two cores (bench/results/ingest.md), else a quarter of the cores."""
-    return 0 if cores <= 2 else max(1, cores // 4)
+    """`server.frontend_workers = -1`: none on one core, else a quarter of the cores and at least one.
+    Two cores get one: with HTTP JSON and a real model a worker takes parsing and decoding off the
+    loop's GIL, which the controller and the INFER thread's hand-offs need (bench peers, JSON row,
+    interleaved: 2,877 and 3,726 req/s at SLO with one worker vs 2,253 and 2,410 without,
+    bench/results/peers-gap). The closed-loop null-model ingest runs that chose 0 were
+    generator-bound at ~2,600 req/s whatever the count (bench/results/ingest.md)."""
+    return 0 if cores < 2 else max(1, cores // 4)
 
 
 def catalog_snapshot(gateway: Gateway) -> bytes:
