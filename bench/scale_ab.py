@@ -1,7 +1,7 @@
 """Paired A/B of `bench run scale --quick`: an older tree against this one, interleaved, R rounds.
 
     git worktree add /tmp/old COMMIT
-    python -m bench.scale_ab /tmp/old 3        # writes bench/results/scale-ab.md
+    python -m bench.scale_ab /tmp/old 3 [OUT]  # writes bench/results/scale-ab.md (or OUT)
 
 Each run is its own process on its own tree; the table gives per point the median of each side
 and the median of the paired ratios (the machine is shared: only ratios of runs taken side by
@@ -22,7 +22,7 @@ CODE = "import sys; sys.path.insert(0, sys.argv[1]); from bench.scenarios import
        "json_out=sys.argv[2])"
 
 
-def main(old: str, rounds: int) -> None:
+def main(old: str, rounds: int, out_path: str = "") -> None:
     tmp = Path(tempfile.mkdtemp(prefix="scale-ab-"))
     trees = {"old": Path(old).resolve(), "new": ROOT}
     runs: dict[str, list[dict]] = {"old": [], "new": []}
@@ -32,7 +32,8 @@ def main(old: str, rounds: int) -> None:
             subprocess.run([sys.executable, "-c", CODE, str(tree), str(out)], cwd=tree, check=True,
                            capture_output=True)
             runs[name].append(json.loads(out.read_text()))
-    lines = [f"# scale A/B: {old} against this tree", "", f"Command: `python -m bench.scale_ab {old} {rounds}`", "",
+    lines = [f"# scale A/B: {old} against this tree", "",
+             f"Command: `python -m bench.scale_ab {old} {rounds}{' ' + out_path if out_path else ''}`", "",
              "| point | offered req/s | µs/req old | µs/req new | new/old (median of paired runs) "
              "| attainment old / new | cold starts old / new |", "|---|---|---|---|---|---|---|"]
     for i, row in enumerate(runs["new"][0]["rows"]):
@@ -48,9 +49,9 @@ def main(old: str, rounds: int) -> None:
         by_models = [{k: round(v) for k, v in x["us_per_request_by_models"].items()} for x in s]
         lines.append(f"\n{name}: controller_saturation_rps {[round(x['controller_saturation_rps']) for x in s]}, "
                      f"us_per_request_by_models {by_models}")
-    (ROOT / "bench" / "results" / "scale-ab.md").write_text("\n".join(lines) + "\n")
+    (Path(out_path) if out_path else ROOT / "bench" / "results" / "scale-ab.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3)
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3, sys.argv[3] if len(sys.argv) > 3 else "")

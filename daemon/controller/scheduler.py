@@ -515,22 +515,24 @@ class Scheduler:
 
     def next_wakeup(self, now: float) -> float | None:
         """When `schedule` next has something to do without new requests or results."""
-        while self._expiry and (self._expiry[0][2].status != RequestStatus.QUEUED or self._expiry[0][2].late):
-            heapq.heappop(self._expiry)
-        while self._giveup and (self._giveup[0][2].status != RequestStatus.QUEUED or not self._giveup[0][2].late):
-            heapq.heappop(self._giveup)
-        while self._overdue and self._overdue[0][2].id not in self.inflight:
-            heapq.heappop(self._overdue)
-        while self._hung and self._hung[0][2].id not in self.inflight:
-            heapq.heappop(self._hung)
-        # (after every step: plain comparisons, no list)
-        best = self._expiry[0][0] if self._expiry else math.inf
-        if self._overdue and self._overdue[0][0] < best:
-            best = self._overdue[0][0]
-        if self._hung and self._hung[0][0] < best:
-            best = self._hung[0][0]
-        if self._giveup and self._giveup[0][0] < best:
-            best = self._giveup[0][0]
+        # (after every step: locals, plain comparisons, no list)
+        queued, pop, inflight = RequestStatus.QUEUED, heapq.heappop, self.inflight
+        expiry, giveup, overdue, hung = self._expiry, self._giveup, self._overdue, self._hung
+        while expiry and (expiry[0][2].status != queued or expiry[0][2].late):
+            pop(expiry)
+        while giveup and (giveup[0][2].status != queued or not giveup[0][2].late):
+            pop(giveup)
+        while overdue and overdue[0][2].id not in inflight:
+            pop(overdue)
+        while hung and hung[0][2].id not in inflight:
+            pop(hung)
+        best = expiry[0][0] if expiry else math.inf
+        if overdue and overdue[0][0] < best:
+            best = overdue[0][0]
+        if hung and hung[0][0] < best:
+            best = hung[0][0]
+        if giveup and giveup[0][0] < best:
+            best = giveup[0][0]
         t = self.policy.next_wakeup(self, now)
         if t is not None and t < best:
             best = t
