@@ -1,8 +1,8 @@
 """The model manager: which model versions the daemon serves, and changing that without dropping a request.
 
 It owns the repository scans and the served versions (`ModelCatalog` says what frontends see;
-`ModelManager` decides it). A new version is read (in a worker thread), warmed up on a serving
-device and profiled before it is admitted; a version leaving is refused new requests at once
+`ModelManager` decides it). A new version is read, warmed up on a serving device and profiled
+before it is admitted (daemon/preparation.py); a version leaving is refused new requests at once
 and unloaded once its accepted ones are answered. SIGHUP reloads (`reload_repository`), and the
 repository extension's load and unload (`load_model`, `unload_model`) apply a scan the same
 way, one at a time.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,35 +23,21 @@ from daemon.clock import Clock
 from daemon.config import Settings
 from daemon.controller.scheduler import Scheduler
 from daemon.controller.service import ControllerService
-from daemon.errors import BadRequest, ConfigError, Forbidden, ModelError, NotFound, ProgramError, Unavailable
+from daemon.errors import BadRequest, ConfigError, Forbidden, ModelError, NotFound, Unavailable
 from daemon.lifecycle import State
 from daemon.model import ModelSpec
 from daemon.notify import Notifier
-from daemon.parity.spec import parity_model, parity_problem
-from daemon.repository import ScanResult, scan
+from daemon.preparation import Prepared, Preparer
+from daemon.repository import ScanResult, Stamp, scan, stamp
 from daemon.runtime import shared_prefix
 from daemon.runtime.devices import Device
 from daemon.runtime.executor import Executor
 from daemon.runtime.hostmem import HostPins
-from daemon.runtime.profiler import measure, read_profile, seeds, write_profile
-from daemon.runtime.program import Program, load_program
+from daemon.runtime.program import Program
 
 log = logging.getLogger("escapement.server")
 
-Stamp = tuple[tuple[int, int], ...]  # (mtime_ns, size) of a version's files: a change is a new version
-Seeds = dict[str, tuple[dict[int, float], float | None]]  # device kind -> INFER and LOAD estimates
 Spawn = Callable[[Coroutine[Any, Any, Any], str], "asyncio.Task[Any]"]
-
-@dataclass(slots=True)
-class Prepared:
-    """A model version read into host memory and profiled, not yet known to the scheduler."""
-
-    spec: ModelSpec
-    stamp: Stamp
-    program: Program
-    seeds: Seeds
-    parity: Prepared | None = None  # its parity model, when it has one that loads
-    notes: str = ""  # what a device cannot do for it (e.g. why it runs without CUDA graphs)
 
 
 @dataclass(slots=True)
@@ -87,25 +72,10 @@ class Changes:
         return ", ".join(parts) or "nothing changed"
 
 
-def _stamp(spec: ModelSpec) -> Stamp:
-    files = [spec.config_file, *(spec.stages or (spec.path,))]  # a plan of stages: each stage's file
-    if spec.parity is not None:
-        files.append(spec.path.parent / spec.parity.file)
-    out: list[tuple[int, int]] = []
-    for f in files:
-        try:
-            st = f.stat()
-        except OSError:
-            out.append((0, 0))
-        else:
-            out.append((st.st_mtime_ns, st.st_size))
-    return tuple(out)
-
-
 def _scan(root: Path, default_slo_ms: float) -> tuple[ScanResult, dict[str, Stamp]]:
     """The repository's entries and their files' stamps (file I/O: run it in a thread)."""
     result = scan(root, default_slo_ms)
-    return result, {m.key: _stamp(m) for m in result.models}
+    return result, {m.key: stamp(m) for m in result.models}
 
 
 def _busy(sched: Scheduler, keys: Sequence[str]) -> bool:
@@ -153,7 +123,8 @@ class ModelManager:
         self.lock = asyncio.Lock()  # reloads, loads and unloads run one at a time
         self._reload_pending = False
         self.reloader: asyncio.Task[None] | None = None
-        self.warming: set[threading.Event] = set()  # warm-ups running in a worker thread (shutdown waits)
+        self.preparer = Preparer(settings, controller, executors, devices, notifier, clock, phase)
+        self.warming = self.preparer.warming  # warm-ups running in a worker thread (shutdown waits)
         # called when a version stops being admitted: the prediction cache drops its answers then
         self.on_retire: Callable[[ModelSpec], object] = lambda spec: None
 
@@ -351,7 +322,7 @@ class ModelManager:
         if old is not None and old.retiring:
             return "its previous copy is still unloading; reload again once it is gone"
         try:
-            prepared = await self._prepare(spec, stamp)
+            prepared = await self.preparer.prepare(spec, stamp)
         except ModelError as e:
             if old is not None:
                 return f"{e} (the version read before is still served)"
@@ -368,105 +339,6 @@ class ModelManager:
         await self._install(prepared)
         return None
 
-    async def _prepare(self, spec: ModelSpec, stamp: Stamp) -> Prepared:
-        """Read a version into host memory and profile it (both in threads); raises ModelError."""
-        program = await asyncio.to_thread(load_program, spec)  # ProgramError is a ModelError
-        need = self._footprint(program)
-        largest = max(d.model_budget for d in self.devices)
-        if need > largest:
-            raise ModelError(f"it needs {need} bytes on a device (weights and IO buffers), more than any device's "
-                             f"budget leaves for models ({largest} bytes; runtime.weight_budget)")
-        if spec.memory_bytes is not None and need > spec.memory_bytes:
-            # KServe admits TrainedModels by the memory they declare: one that needs more than it
-            # declares would let KServe place more models on this server than fit.
-            raise ModelError(f"it needs {need} bytes (weights and IO buffers), more than the {spec.memory_bytes} "
-                             "its KServe TrainedModel declares (spec.model.memory); declare at least that much")
-        notes: list[str] = []
-        try:
-            model_seeds = await self._profile(spec, program, notes)
-        except Exception as e:  # a model that cannot even be warmed up is not served
-            raise ModelError(f"warm-up failed: {e}") from e
-        parity = await self._prepare_parity(spec, stamp) if spec.parity is not None else None
-        return Prepared(spec, stamp, program, model_seeds, parity, "; ".join(notes))
-
-    def _footprint(self, program: Program) -> int:
-        """Device bytes a LOAD of `program` charges: the most any device's backend charges."""
-        return max(ex.footprint(program) for ex in self.executors.values())
-
-    async def _prepare_parity(self, spec: ModelSpec, stamp: Stamp) -> Prepared | None:
-        """A model's parity model; a problem with it disables parity, not the model."""
-        assert spec.parity is not None
-        pspec = parity_model(spec)
-        try:
-            if problem := parity_problem(spec):
-                raise ValueError(problem)
-            program = await asyncio.to_thread(load_program, pspec)
-            parity_seeds = await self._profile(pspec, program)
-        except (ValueError, ProgramError, RuntimeError) as e:
-            log.warning("model %s is served without parity: %s", spec.key, e)
-            return None
-        log.info("model %s: parity k=%d (%s) with %s", spec.key, spec.parity.k, spec.parity.encoder, pspec.path.name)
-        return Prepared(pspec, stamp, program, parity_seeds)
-
-    async def _profile(self, spec: ModelSpec, program: Program, notes: list[str] | None = None) -> Seeds:
-        """Estimates per device kind from the stored profile, measuring (and storing) what is missing;
-        what a device kind cannot do for the model goes to `notes`."""
-        stored = await asyncio.to_thread(read_profile, spec)
-        out: Seeds = {}
-        for kind in sorted({d.kind for d in self.devices}):
-            entry = stored.get(kind)
-            if entry is None:
-                entry = await self._warm_up(spec, program, kind)
-                stored_ok = await asyncio.to_thread(write_profile, spec, kind, entry)
-                log.info("model %s: profiled on %s in its warm-up%s", spec.key, entry["device"],
-                         "" if stored_ok else " (repository read-only: not stored)")
-            out[kind] = seeds(entry)
-            if entry.get("notes") and notes is not None:
-                notes.append(f"on {kind}: {entry['notes']}")
-        return out
-
-    async def _warm_up(self, spec: ModelSpec, program: Program, kind: str) -> dict[str, Any]:
-        """Measure a version on a serving device of `kind`: the controller makes room for it (as for
-        any LOAD: evicting idle models) and keeps the bytes reserved until it is done."""
-        holder = f"warmup:{spec.key}"
-        need = self._footprint(program)
-        timeout = self.settings.server.drain_timeout_s
-        device = await self.controller.reserve(holder, need, kind, timeout)
-        if device is None:
-            raise RuntimeError(f"no {kind} device had room for it within {timeout:.0f} s")
-        self.notifier.status(f"warming {spec.key} on {device}")
-        done = threading.Event()  # set when the thread is out of the device (shutdown waits for it)
-
-        def run() -> dict[str, Any]:
-            try:
-                return measure(self.executors[device], program, self.clock, self.settings.runtime.warmup_reps, 2,
-                               holder)
-            finally:
-                done.set()
-
-        self.warming.add(done)
-        job = asyncio.get_running_loop().run_in_executor(None, run)
-        limit = self.settings.runtime.warmup_timeout_s
-        try:
-            return await asyncio.wait_for(asyncio.shield(job), limit)
-        except TimeoutError:
-            why = f"the warm-up of {spec.key} has not returned for {limit:.0f} s (runtime.warmup_timeout_s)"
-            self.controller.declare_hung(device, why)
-            raise RuntimeError(why) from None
-        finally:
-            if done.is_set():
-                self.warming.discard(done)
-                self.controller.unreserve(holder, device)
-            else:  # still on the device (stuck, or a stop cancelled the wait): keep its bytes until it returns
-                def release(f: asyncio.Future[dict[str, Any]]) -> None:
-                    if not f.cancelled():
-                        f.exception()  # nobody waits for it any more: its failure (a stop) is not news
-                    self.warming.discard(done)
-                    if self.state < State.STOPPING:
-                        self.controller.unreserve(holder, device)
-                job.add_done_callback(release)
-
-
     async def _install(self, p: Prepared) -> None:
         """Hand a prepared version to the scheduler, preload it where asked (waiting for the LOADs
         to come back) and admit requests for it."""
@@ -479,7 +351,8 @@ class ModelManager:
             # its weights by content: devices that share blocks hold a backbone its variants share once
             # (runtime.share_weights off: every model charged in full, as black-box serving)
             shared = self.settings.runtime.share_weights
-            sched.add_model(item.spec, self._footprint(item.program), blocks=item.program.blocks if shared else (),
+            blocks = item.program.blocks if shared else ()
+            sched.add_model(item.spec, self.preparer.footprint(item.program), blocks=blocks,
                             prefix=item.program.prefix if shared else "")
             for kind, (infer, load) in item.seeds.items():
                 sched.seed(item.spec.key, kind, infer, load)

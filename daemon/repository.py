@@ -45,6 +45,7 @@ STAGED_FILE = "model.stages"  # a staged version's `path`: a name in its directo
 # limit) nor read other scripts' digits ("²" passes str.isdigit() and int() refuses it; "٣" is 3).
 MAX_VERSION_DIGITS = 18
 _VERSION_RE = re.compile(rf"[0-9]{{1,{MAX_VERSION_DIGITS}}}")
+Stamp = tuple[tuple[int, int], ...]  # (mtime_ns, size) of a version's files: a change is a new version
 
 
 @dataclass(slots=True)
@@ -287,3 +288,19 @@ def scan(root: str | Path, default_slo_ms: float = 100.0) -> ScanResult:
             broken[name] = f"{name}: cannot be read: {type(e).__name__}: {e}"
             log.warning("model %r is not served: %s", name, broken[name], exc_info=True)
     return ScanResult(models, broken)
+
+
+def stamp(spec: ModelSpec) -> Stamp:
+    """The stamps of a version's files (config, model or stages, parity model); a missing one is (0, 0)."""
+    files = [spec.config_file, *(spec.stages or (spec.path,))]  # a plan of stages: each stage's file
+    if spec.parity is not None:
+        files.append(spec.path.parent / spec.parity.file)
+    out: list[tuple[int, int]] = []
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:
+            out.append((0, 0))
+        else:
+            out.append((st.st_mtime_ns, st.st_size))
+    return tuple(out)
