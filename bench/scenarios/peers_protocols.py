@@ -34,7 +34,16 @@ from bench.servers import CpuMeter
 CHANNELS = 4  # gRPC connections (escapement's frontend workers take connections by SO_REUSEPORT)
 OUT_SLOTS = 1024
 OUT_BYTES = 40  # [1, 10] FP32
-GRPC_ERROR = 500  # a failed RPC (its status code is not kept)
+GRPC_ERROR = 500  # a failed RPC whose status code has no HTTP counterpart below
+# gRPC status names -> the HTTP status the records count them as (bench/results.py names them), so
+# a refusal under overload reads "unavailable" and a missed deadline "deadline", as over HTTP
+GRPC_AS_HTTP = {"UNAVAILABLE": 503, "RESOURCE_EXHAUSTED": 503, "DEADLINE_EXCEEDED": 504, "CANCELLED": 499,
+                "INVALID_ARGUMENT": 400, "NOT_FOUND": 404}
+
+
+def grpc_status(code_name: str) -> int:
+    """The HTTP status a failed RPC is recorded as, by its gRPC status code's name."""
+    return GRPC_AS_HTTP.get(code_name, GRPC_ERROR)
 
 
 def grpc_message(model: str, x: np.ndarray) -> bytes:
@@ -62,8 +71,8 @@ async def run_grpc(schedule: Schedule, port: int, message: bytes, names: list[st
         try:
             await calls[i % channels](message)
             records.status[i] = 200
-        except grpc.aio.AioRpcError:
-            records.status[i] = GRPC_ERROR
+        except grpc.aio.AioRpcError as e:
+            records.status[i] = grpc_status(e.code().name)
         finally:
             records.done[i] = time.monotonic()
             outstanding[0] -= 1
