@@ -321,6 +321,12 @@ class FrontendWorkers:
         h = self.gateway.health()
         return [STATE, o.overloaded, o.lag_s, h.ready, h.lost_devices]
 
+    def sync_catalog(self) -> None:
+        """Send the workers the catalog now if it changed, not at the next tick: READY=1 follows (after
+        a reload), and a client that saw it must not find a worker still saying LOADING: the record is
+        on each worker's link before that client can connect (the tick alone left a 5 ms window)."""
+        self._push_registry()
+
     def _push_registry(self) -> None:
         gen = self.gateway.catalog.generation
         if gen == self._generation:

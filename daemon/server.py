@@ -277,6 +277,9 @@ class Daemon:
         return "; ".join(f"{dev}: {why}" for dev, why in sorted(hung.items()))
 
     def _status_line(self) -> str:
+        """systemd's STATUS= with READY=1; the frontend workers get the catalog it announces first."""
+        if self.frontends is not None:
+            self.frontends.sync_catalog()
         s = self.settings.server
         where = [f"HTTP {parse_hostport(s.http, 'server.http')[0]}:{self.http_port}" if self.http_port else "",
                  f"gRPC {parse_hostport(s.grpc, 'server.grpc')[0]}:{self.grpc_port}" if self.grpc_port else "",
