@@ -144,7 +144,7 @@ class DeviceMemory:
             del cls[key]
             if not cls:
                 del self._by_size[nbytes.bit_length()]
-                del self._class_max[nbytes.bit_length()]
+                self._class_max.pop(nbytes.bit_length(), None)  # (a class of 0-byte models has no max)
             del self._used_at[key]
         return freed
 
