@@ -43,7 +43,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from daemon.api.codec import WireTensor, decode_tensor, json_data, tensor_bytes
-from daemon.client import HEADER_LEN, AsyncSocketClient, InferenceServerError, SocketClient, _wire_array
+from daemon.client import AsyncSocketClient, InferenceServerError, SocketClient
+from daemon.client.wire import HEADER_LEN, _wire_array
 from daemon.datatypes import BY_NAME
 from daemon.routing import REPORT_MODELS, REPORT_PERIOD_S, ReportedRouting
 

@@ -35,7 +35,7 @@ import uvloop
 from bench import loadgen, results
 from bench.scenarios.common import command, demo_repo, passes, search_capacity, spec_of
 from bench.scenarios.soak import LoggedEscapement, overload_frame, play
-from daemon.client import infer_message
+from daemon.client.wire import infer_message
 from daemon.config import ControllerSettings
 from daemon.controller.policies.clockwork import ClockworkPolicy
 from daemon.request import RequestClass

@@ -19,7 +19,7 @@ import uvloop
 from bench import loadgen
 from bench.loadgen import HttpRequest, Run, Schedule, SocketFrame
 from bench.servers import ROOT, CpuMeter
-from daemon.client import http_infer_body, infer_message
+from daemon.client.wire import http_infer_body, infer_message
 from daemon.model import ModelSpec
 from daemon.repository import scan
 

@@ -44,7 +44,7 @@ from bench import results
 from bench.probe import rss_kib
 from bench.scenarios.common import command, demo_repo, http_binary, spec_of
 from bench.servers import Escapement
-from daemon.client import infer_message
+from daemon.client.wire import infer_message
 
 MiB = 1 << 20
 LIMITS = {"max_json_bytes": 2 * MiB, "request_memory_bytes": 64 * MiB, "connection_memory_bytes": 8 * MiB,

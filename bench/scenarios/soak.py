@@ -66,7 +66,7 @@ from bench.fuzzgen import Case, Frame, HttpGen, ModelInfo, Request, SocketGen
 from bench.probe import fd_count, rss_kib, socket_count, status_kib
 from bench.scenarios.common import command, demo_repo, passes, search_capacity, spec_of
 from bench.servers import ROOT, CpuMeter, Escapement
-from daemon.client import infer_message
+from daemon.client.wire import infer_message
 from daemon.repository import scan
 
 OUT_DIR = results.RESULTS / "soak"

@@ -225,7 +225,7 @@ async def test_grpc_deadline_becomes_the_request_deadline_and_cancels_it() -> No
 
 
 def test_our_socket_client_encodes_and_decodes_bytes_and_bf16() -> None:
-    from daemon.client import infer_message, infer_result
+    from daemon.client.wire import infer_message, infer_result
 
     conn = SocketConnection(SocketFrontend(gateway(EchoController())))
     t = FakeTransport()
