@@ -115,7 +115,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_train_parity(args: argparse.Namespace) -> int:
     from daemon.errors import ProgramError
-    from daemon.parity import codes, trainer
+    from daemon.parity import codes, datasets, lifted, trainer
     from daemon.repository import scan
     from daemon.runtime.program import load_program
 
@@ -131,7 +131,7 @@ def cmd_train_parity(args: argparse.Namespace) -> int:
     spec = max(versions, key=lambda m: m.version)
     try:
         program = load_program(spec)
-        data = trainer.load_dataset(spec, args.data)
+        data = datasets.load_dataset(spec, args.data)
     except (ProgramError, ValueError, OSError) as e:
         print(f"escapement: {e}", file=sys.stderr)
         return 2
@@ -161,7 +161,7 @@ def cmd_train_parity(args: argparse.Namespace) -> int:
         print(f"escapement: {e}", file=sys.stderr)
         return 2
     file = f"parity-k{args.k}.pt2"
-    trainer.export(parity, spec, spec.path.parent / file)
+    lifted.export(parity, spec, spec.path.parent / file)
     trainer.set_parity_section(spec.path.parent.parent / "config.toml",
                                trainer.parity_section(args.k, encoder, file, report))
     avail = f"{report.available_accuracy:.4f}" if report.available_accuracy is not None else "-"

@@ -335,14 +335,14 @@ PARITY_DEMO = ("digits_mlp", "digits_cnn")  # the demo classifiers get a parity 
 
 
 def _build_parity(out: Path, name: str, k: int = 2, epochs: int = 100) -> str:
-    from daemon.parity import trainer
+    from daemon.parity import datasets, lifted, trainer
     from daemon.repository import scan
     from daemon.runtime.program import load_program
 
     spec = next(m for m in scan(out).models if m.name == name)
-    parity, report = trainer.train(spec, load_program(spec).host_runner, trainer.load_dataset(spec, None), k,
+    parity, report = trainer.train(spec, load_program(spec).host_runner, datasets.load_dataset(spec, None), k,
                                    epochs=epochs)
     file = f"parity-k{k}.pt2"
-    trainer.export(parity, spec, spec.path.parent / file)
+    lifted.export(parity, spec, spec.path.parent / file)
     trainer.set_parity_section(out / name / "config.toml", trainer.parity_section(k, "sum", file, report))
     return f"; parity k={k}: degraded-mode accuracy {report.degraded_accuracy:.4f}"

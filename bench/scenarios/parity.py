@@ -44,7 +44,7 @@ from bench.scenarios.common import demo_repo, measure, spec_of
 from bench.servers import Escapement
 from daemon.controller.policies.clockwork import ClockworkPolicy
 from daemon.model import ParitySpec
-from daemon.parity import codes, trainer, zoo
+from daemon.parity import codes, datasets, trainer, zoo
 from daemon.parity.spec import parity_model
 from daemon.repository import scan
 from daemon.request import InferenceRequest
@@ -180,7 +180,7 @@ def accuracy(quick: bool, seed: int = 0) -> list[dict[str, Any]]:
             seed=seed)
         for m in scan(work).models:
             runner = load_program(m).host_runner
-            data = trainer.load_dataset(m, None)
+            data = datasets.load_dataset(m, None)
             for k in KS:
                 encoder = codes.default_encoder(k, m.inputs[0].sample_shape)
                 _, rep = trainer.train(m, runner, data, k, encoder, config=cfg)

@@ -4,8 +4,9 @@
 - `codes.py`: the parity codes (encode, decode), one implementation for training and serving.
 - `groups.py`: coding groups as controller state: the state machine, driven by `now`.
 - `planner.py`: ParM's workflow in the controller: parity batches, replicas, reconstructions.
-- `trainer.py`: `escapement train-parity`, training a parity model for a deployed one.
-- `datasets.py`: the digits data set the demo models and the trainer's default use.
+- `trainer.py`: `escapement train-parity`'s recipe, training a parity model for a deployed one.
+- `lifted.py`: the deployed program as a trainable module, and the trained weights back into a program.
+- `datasets.py`: what the trainer trains on: the digits the demo models use (its default), or an npz file.
 - `zoo.py`: architectures the trainer was not tuned on (tests and the parity benchmark).
 
 docs/parity.md walks through it.

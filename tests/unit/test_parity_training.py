@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from daemon.model import ModelSpec
-from daemon.parity import codes, trainer, zoo
+from daemon.parity import codes, datasets, lifted, trainer, zoo
 from daemon.repository import scan
 from daemon.runtime.program import load_program
 
@@ -44,25 +44,25 @@ def _bn_model() -> nn.Module:
     return nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 3))
 
 
-def _data(n: int = 600) -> trainer.Dataset:
+def _data(n: int = 600) -> datasets.Dataset:
     rng = np.random.default_rng(0)
     x = (rng.normal(size=(n, 4)) * 3 + 5).astype(np.float32)  # far from the 0/1 statistics BatchNorm starts with
     y = (x[:, 0] > 5).astype(np.int64) + (x[:, 1] > 5).astype(np.int64)
     cut = int(0.8 * n)
-    return trainer.Dataset(x[:cut], x[cut:], y[:cut], y[cut:])
+    return datasets.Dataset(x[:cut], x[cut:], y[:cut], y[cut:])
 
 
 def test_the_training_graph_turns_batch_norm_and_dropout_on(tmp_path: Path) -> None:
     spec = _export(_bn_model(), tmp_path)
     ep = torch.export.load(str(spec.path))
-    train_gm = trainer.training_graph(ep.graph_module, dropout=True)
+    train_gm = lifted.training_graph(ep.graph_module, dropout=True)
     bn = next(n for n in train_gm.graph.nodes if n.target is torch.ops.aten.batch_norm.default)
     drop = next(n for n in train_gm.graph.nodes if n.target is torch.ops.aten.dropout.default)
     assert bn.args[5] is True and drop.args[2] is True
     served = next(n for n in ep.graph_module.graph.nodes if n.target is torch.ops.aten.batch_norm.default)
     assert served.args[5] is False  # the served graph is left alone
 
-    parity = trainer.Lifted(ep, dropout=False)
+    parity = lifted.Lifted(ep, dropout=False)
     x = torch.randn(32, 4) * 3 + 5
     parity.train()
     out_train = parity(x)
@@ -71,7 +71,7 @@ def test_the_training_graph_turns_batch_norm_and_dropout_on(tmp_path: Path) -> N
 
 
 def test_recalibration_sets_running_statistics_to_the_parity_inputs(tmp_path: Path) -> None:
-    parity = trainer.Lifted(torch.export.load(str(_export(_bn_model(), tmp_path).path)))
+    parity = lifted.Lifted(torch.export.load(str(_export(_bn_model(), tmp_path).path)))
     x = torch.randn(256, 4) * 2 + 3
     parity.recalibrate(x)
     state = parity.state()
@@ -84,7 +84,7 @@ def test_a_trained_batch_norm_parity_model_exports_with_its_statistics_and_a_dyn
     runner = load_program(spec).host_runner
     parity, report = trainer.train(spec, runner, _data(), 2, config=trainer.TrainConfig(max_epochs=3))
     assert report.steps > 0 and report.stopped == "budget"
-    trainer.export(parity, spec, tmp_path / "parity.pt2")
+    lifted.export(parity, spec, tmp_path / "parity.pt2")
     served = torch.export.load(str(tmp_path / "parity.pt2")).module()
     parity.eval()
     for batch in (1, 5, 16):
@@ -136,12 +136,12 @@ def test_config_refuses_nonsense() -> None:
 def test_every_zoo_architecture_trains_and_exports(tmp_path: Path, name: str) -> None:
     zoo.build(tmp_path / "repo", [name], epochs=1)  # barely trained: this checks the plumbing, not accuracy
     spec = next(m for m in scan(tmp_path / "repo").models if m.name == name)
-    full = trainer.load_dataset(spec, None)
-    data = trainer.Dataset(full.x_train[:300], full.x_test[:60], full.y_train[:300], full.y_test[:60])  # fast
+    full = datasets.load_dataset(spec, None)
+    data = datasets.Dataset(full.x_train[:300], full.x_test[:60], full.y_train[:300], full.y_test[:60])  # fast
     parity, report = trainer.train(spec, load_program(spec).host_runner, data, 2,
                                    config=trainer.TrainConfig(max_epochs=1))
     assert report.degraded_accuracy is not None and report.available_accuracy is not None
-    trainer.export(parity, spec, tmp_path / "parity.pt2")
+    lifted.export(parity, spec, tmp_path / "parity.pt2")
     served = torch.export.load(str(tmp_path / "parity.pt2")).module()
     x = torch.from_numpy(data.x_test[:3])
     parity.eval()
@@ -176,13 +176,13 @@ def test_patience_and_the_step_budget_grow_with_k(tmp_path: Path) -> None:
 def test_a_concat_coded_parity_model_of_an_image_model_trains_exports_and_decodes(tmp_path: Path) -> None:
     zoo.build(tmp_path / "repo", ["zoo_rescnn"], epochs=1)  # barely trained: this checks the plumbing
     spec = next(m for m in scan(tmp_path / "repo").models if m.name == "zoo_rescnn")
-    full = trainer.load_dataset(spec, None)
-    data = trainer.Dataset(full.x_train[:400], full.x_test[:80], full.y_train[:400], full.y_test[:80])
+    full = datasets.load_dataset(spec, None)
+    data = datasets.Dataset(full.x_train[:400], full.x_test[:80], full.y_train[:400], full.y_test[:80])
     assert codes.default_encoder(4, spec.inputs[0].sample_shape) == "concat"
     parity, report = trainer.train(spec, load_program(spec).host_runner, data, 4, "concat",
                                    config=trainer.TrainConfig(max_epochs=2))
     assert report.encoder == "concat" and report.reconstruction_accuracy > 0.0
-    trainer.export(parity, spec, tmp_path / "parity.pt2")
+    lifted.export(parity, spec, tmp_path / "parity.pt2")
     served = torch.export.load(str(tmp_path / "parity.pt2")).module()
     xs = [torch.from_numpy(data.x_test[i : i + 5]) for i in range(0, 20, 5)]
     parity.eval()
