@@ -520,8 +520,7 @@ class ClockworkPolicy:
         group = self._group(view, entry, taken, dev, start, now) if entry.prefix and self.cross_model else None
         if group is not None:
             members, run = group
-            samples += sum(r.samples for _, reqs in members for r in reqs)
-            deadline = min(deadline, *(r.deadline for _, reqs in members for r in reqs))
+            samples, deadline = sharing.joined(members, samples, deadline)
         b = spec.batch_size_for(samples)
         latest = max(deadline - run, start + LATEST_GRACE)
         # (the scheduler takes the requests from their queues)

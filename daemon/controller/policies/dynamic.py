@@ -121,8 +121,7 @@ class DynamicBatchingPolicy:
         group = self._group(view, entry, taken, dev, now) if self.cross_model else None
         if group is not None:
             members, est = group
-            samples += sum(r.samples for _, reqs in members for r in reqs)
-            deadline = min(deadline, *(r.deadline for _, reqs in members for r in reqs))
+            samples, deadline = sharing.joined(members, samples, deadline)
             b = spec.batch_size_for(samples)
         latest = max(deadline - est, now + LATEST_GRACE)
         yield Infer(spec, dev.name, taken, b, latest, est, group=group[0] if group is not None else None)
