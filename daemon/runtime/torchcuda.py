@@ -21,6 +21,7 @@ import inspect
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -358,8 +359,17 @@ class TorchCuda:
                 g.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
                     body()
-                finally:
-                    g.capture_end()
+                except BaseException:
+                    # End the capture without letting its complaints (an empty graph, an invalidated
+                    # capture) replace the error that says what the body did wrong.
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        try:
+                            g.capture_end()
+                        except Exception:
+                            pass
+                    raise
+                g.capture_end()
         self._capturing.add(me)
         try:
             run()
@@ -376,6 +386,8 @@ class TorchCuda:
                 raise DeviceFault(f"{self.name}: {self.fault}") from e
             if self._graphs == 0:
                 self._pool = torch.cuda.graph_pool_handle()
+            if isinstance(e, CaptureError):
+                raise
             raise CaptureError(f"{self.name}: capture failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
         finally:
             self._capturing.discard(me)
