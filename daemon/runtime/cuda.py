@@ -47,6 +47,7 @@ from daemon.runtime.arena import Arena, Extent, Move, aligned
 from daemon.runtime.backend import Fill, IOBuffers, NoMemory, Resident
 from daemon.runtime.devapi import Buffer, CaptureError, DeviceApi, DeviceFault, Event, Graph, Region, Where
 from daemon.runtime.devices import Device
+from daemon.runtime.graph_cache import GraphCache, GraphSet, Retargetable
 from daemon.runtime.hostmem import HostPins, pages
 from daemon.runtime.program import Chain, Program, prefix_key, tail_key
 
@@ -54,6 +55,9 @@ log = logging.getLogger("escapement.cuda")
 
 LOAD_CHUNK = 4 << 20  # bytes per weight copy
 LOAD_INFLIGHT = 2  # weight chunks queued on the copy engine at once
+# Unloaded models' graph sets kept for reuse (graph_cache.py): each holds a graph exec per batch
+# size (host memory, and device memory only inside the shared graph pool), so dozens cost little.
+PARKED_GRAPH_SETS = 64
 OUTPUT_RING = 4  # pinned output slots per model (responses not yet written hold theirs)
 
 
@@ -153,6 +157,7 @@ class CudaResident:
     # batch size -> events its graph records as its first and last nodes: the graph's own device
     # time, where events around the replay would also count the host's launch of it
     graph_timing: dict[int, tuple[Event, Event]] = field(default_factory=dict)
+    kernels: dict[int, Retargetable] = field(default_factory=dict)  # batch size -> what its graph was captured from
     pinned: list[Buffer] = field(default_factory=list)  # to unpin at UNLOAD
     pinned_bytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)  # held by an INFER, or by a compaction moving it
@@ -190,11 +195,13 @@ def extent_layout(program: Program) -> tuple[int, list[int], list[int], int]:
 
 class CudaBackend:
     def __init__(self, device: Device, api: DeviceApi, host: HostPins, graphs: bool = True,
-                 hang_timeout_s: float = 2.0) -> None:
+                 hang_timeout_s: float = 2.0, graph_cache: int = PARKED_GRAPH_SETS) -> None:
         self.device = device
         self.api = api
         self.host = host
         self.graphs_enabled = graphs
+        # unloaded models' graphs, for the next LOAD of the same structure into the same extent
+        self.graph_cache = GraphCache(graph_cache)
         self.hang_timeout_s = hang_timeout_s
         self.check_target = torch.device("cuda", device.index)  # what the stand-in stands in for
         self.load_chunk = LOAD_CHUNK
@@ -420,6 +427,8 @@ class CudaBackend:
         for g in st.graphs.values():
             g.close()
         st.graphs.clear()
+        st.graph_timing.clear()
+        st.kernels.clear()
         with self._lock:
             self.arena.apply([move])
         moved = self._layout(res.program, st.extent)
@@ -471,6 +480,12 @@ class CudaBackend:
         why the model runs eagerly, if it does."""
         api = self.api
         api.wait_event(self.capture_s, self._loaded)
+        if self.graphs_enabled and not program.capture_problem:
+            parked = self.graph_cache.take(program.structure, st.extent.offset, st.extent.nbytes)
+            if parked is not None:  # captured for this structure at this offset: the copy was the LOAD
+                parked.retarget(st.steps)
+                st.graphs, st.graph_timing, st.kernels = parked.graphs, parked.timing, parked.kernels
+                return ""
         # The first runs read the static inputs: zeros, never what the arena held (an index read
         # from stale bytes can trip a device-side assert).
         api.launch(self.capture_s, _zero(res.io[program.spec.max_batch_size].device), [], st.inputs)
@@ -488,9 +503,10 @@ class CudaBackend:
                 break
             reads, writes = self._touches(st, b)
             timing = (api.event(external=True), api.event(external=True)) if api.graph_events else None
+            kernel = Retargetable(st.steps[b])
             try:
                 graph = api.capture(self.capture_s, functools.partial(
-                    self._timed_step, st.steps[b], reads, writes, timing))
+                    self._timed_step, kernel, reads, writes, timing))
             except (CaptureError, torch.OutOfMemoryError) as e:
                 why = f"capture failed at batch {b}: {e}"
                 break
@@ -501,6 +517,7 @@ class CudaBackend:
                        f"(runtime.device_workspace = {self.device.workspace})")
                 continue
             st.graphs[b] = graph
+            st.kernels[b] = kernel
             if timing is not None:
                 st.graph_timing[b] = timing
         if why:
@@ -508,6 +525,7 @@ class CudaBackend:
                 g.close()
             st.graphs.clear()
             st.graph_timing.clear()
+            st.kernels.clear()
             if self._said.get(program.spec.key) != why:  # once per model, not at every LOAD
                 log.info("%s on %s runs eagerly: %s", program.spec.key, self.device.name, why)
                 self._said[program.spec.key] = why
@@ -523,10 +541,13 @@ class CudaBackend:
         """Everything a resident holds, in order: graphs (before their memory), the program's view
         of the weights, then the extent once the device is done with it, then pinned memory."""
         api = self.api
-        for g in st.graphs.values():
-            g.close()
+        held = GraphSet(dict(st.graphs), dict(st.graph_timing), dict(st.kernels))
         st.graphs.clear()
         st.graph_timing.clear()
+        st.kernels.clear()
+        for gs in ([held] if self._failed else
+                   self.graph_cache.park(res.program.structure, st.extent.offset, st.extent.nbytes, held)):
+            gs.close()
         res.program.release(f"{self.device.name}/{res.key}")
         res.runner = _unbound
         try:
@@ -741,6 +762,8 @@ class CudaBackend:
                 self._release(res, res.state)
             except Exception as e:
                 log.warning("%s: releasing %s at close failed: %s", self.device.name, res.key, e)
+        for gs in self.graph_cache.clear():  # before the memory they replay over
+            gs.close()
         try:
             if not self._failed:
                 self.api.synchronize(self._deadline())

@@ -46,6 +46,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from daemon.errors import ProgramError
 from daemon.model import ModelSpec
+from daemon.runtime.graph_cache import structure_of
 from daemon.runtime.objstore import STORE, ObjectStore, block_bytes
 from daemon.runtime.retarget import capture_lint, check_runs_on, to_device
 from daemon.runtime.weights import WeightLayout, pack
@@ -127,6 +128,25 @@ class Program:
     # A plan: batch size -> seconds of its first stage and of the rest, host CPU (seeds the
     # controller's per-stage estimates, which plan cross-model batches).
     stage_timings: dict[int, tuple[float, float]] = field(default_factory=dict)
+    _structure: str | None = field(default=None, init=False, repr=False)
+
+    @property
+    def structure(self) -> str:
+        """What its CUDA graphs depend on besides addresses (graph code, weight layout, shapes),
+        digested: another program with the same structure, loaded where this one was, can replay
+        its graphs (runtime/graph_cache.py). "" where that cannot be told (TorchScript files)."""
+        if self._structure is None:
+            graphs = [s.program.graph for s in self.stages] if self.stages else [self.graph]
+            if any(g is None for g in graphs):
+                self._structure = ""
+            else:
+                spec = self.spec
+                shapes = ([(t.name, str(t.datatype), tuple(t.sample_shape)) for t in spec.inputs],
+                          [(t.name, str(t.datatype), tuple(t.sample_shape)) for t in spec.outputs],
+                          tuple(spec.batch_sizes))
+                self._structure = structure_of([g.code for g in graphs if g is not None],
+                                               self.layout.entries, shapes)
+        return self._structure
 
     def __post_init__(self) -> None:
         seen: dict[str, int] = {}

@@ -38,9 +38,9 @@ class Branchy(nn.Module):
 class Wide(nn.Module):
     """A few MiB of weights: LOADs of several chunks."""
 
-    def __init__(self, width: int = 1024) -> None:
+    def __init__(self, width: int = 1024, seed: int = 0) -> None:
         super().__init__()
-        g = torch.Generator().manual_seed(0)
+        g = torch.Generator().manual_seed(seed)
         self.a = nn.Linear(16, width)
         self.b = nn.Linear(width, width)
         self.c = nn.Linear(width, 4)
@@ -75,4 +75,7 @@ def build_device_repo(root: Path) -> Path:
     (root / "branchy" / "config.toml").write_text(config(3, 3))
     save_model(Wide().eval(), "pt2", torch.zeros(2, 16), 8, root / "wide" / "1" / "model.pt2")
     (root / "wide" / "config.toml").write_text(config(16, 4))
+    # the same structure over other weights: LOADs that may replay wide's parked graphs
+    save_model(Wide(seed=1).eval(), "pt2", torch.zeros(2, 16), 8, root / "wide_other" / "1" / "model.pt2")
+    (root / "wide_other" / "config.toml").write_text(config(16, 4))
     return root
