@@ -130,6 +130,8 @@ class Records:
     done: np.ndarray = field(init=False)
     status: np.ndarray = field(init=False)
     reconstructed: np.ndarray = field(init=False)
+    # the first error message the server sent per status: a row says why, not only how many
+    messages: dict[int, str] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.scheduled)
@@ -403,8 +405,10 @@ class SocketLoad:
         self.inflight.discard(idx)
         r = self.records
         r.done[idx] = _now()
-        r.status[idx] = int(msg.get("status", 0))
+        r.status[idx] = status = int(msg.get("status", 0))
         r.reconstructed[idx] = bool(msg.get("reconstructed", False))
+        if status != 200 and status not in r.messages:
+            r.messages[status] = str(msg.get("error", ""))[:300]
         self.outstanding -= 1
 
     def lost(self) -> None:

@@ -92,6 +92,7 @@ def row(run: Run, label: str, slo_s: float, **extra: Any) -> dict[str, Any]:
         "p999_ms": percentile(ok_lat, 99.9) * 1e3,
         "max_ms": (float(ok_lat.max()) if len(ok_lat) else float("nan")) * 1e3,
         "errors": dict(errors),
+        "error_messages": {ERROR_NAMES.get(k, f"status_{k}"): v for k, v in getattr(r, "messages", {}).items()},
         "reconstructed": int((r.reconstructed[win] & ok).sum()),
         "generator_lag_p50_ms": percentile(lag, 50) * 1e3,
         "generator_lag_p99_ms": lag_p99 * 1e3,

@@ -57,7 +57,8 @@ class Escapement:
     """`escapement serve` in a child process on an ephemeral port and a private socket."""
 
     def __init__(self, repo: str | Path, faults: list[dict[str, Any]] | None = None,
-                 **sections: dict[str, Any]) -> None:
+                 log_file: str | Path | None = None, **sections: dict[str, Any]) -> None:
+        self.log_file = Path(log_file) if log_file is not None else None  # every line, where kept
         self.dir = Path(tempfile.mkdtemp(prefix="escb-", dir="/tmp"))
         self.socket = str(self.dir / "d.sock")
         cfg: dict[str, dict[str, Any]] = {
@@ -90,7 +91,7 @@ class Escapement:
         assert self.proc.stderr is not None
         deadline = time.monotonic() + timeout
         for line in self.proc.stderr:
-            self.log.append(line)
+            self._keep(line)
             m = re.search(r"HTTP listening on [^:]+:(\d+)", line)
             if m:
                 self.port = int(m.group(1))
@@ -106,7 +107,13 @@ class Escapement:
     def _drain(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
         for line in self.proc.stderr:
-            self.log.append(line)
+            self._keep(line)
+
+    def _keep(self, line: str) -> None:
+        self.log.append(line)
+        if self.log_file is not None:
+            with self.log_file.open("a") as f:
+                f.write(line)
 
     @property
     def pid(self) -> int:

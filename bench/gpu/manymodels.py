@@ -27,6 +27,7 @@ import logging
 import shutil
 import tempfile
 import time
+import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -118,16 +119,24 @@ def prepare(device: str, plan: Plan, arch: Arch, base: Path) -> dict[str, Any]:
 
 
 def run_policy(policy: str, work: Path, names: list[str], popularity: np.ndarray, rates: list[float],
-               device: str, budget: int, plan: Plan, deadline: float) -> dict[str, Any]:
+               device: str, budget: int, plan: Plan, deadline: float, log_dir: Path,
+               overrides: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     specs = {m.name: m for m in scan(work).models}
     spec_list = [specs[x] for x in names]
     slo = max(s.slo_s for s in spec_list)
     rows: list[dict[str, Any]] = []
     skipped: list[float] = []
     t0 = time.monotonic()
-    with Escapement(work, runtime={"devices": [device], "weight_budget": budget,
-                                   "device_workspace": plan.workspace},
-                    controller={"policy": policy}) as server:
+    # The copies stand for distinct models (fine-tunes of one architecture): their shared weights
+    # are an artefact of linking one file, so no shared stage is looked for (Pretzel's bench is
+    # bench.scenarios.sharing). Their shared structure is real, and their LOADs replay parked graphs.
+    sections: dict[str, dict[str, Any]] = {
+        "runtime": {"devices": [device], "weight_budget": budget, "device_workspace": plan.workspace,
+                    "detect_shared_prefix": False},
+        "controller": {"policy": policy}}
+    for sec, kv in (overrides or {}).items():
+        sections.setdefault(sec, {}).update(kv)
+    with Escapement(work, log_file=log_dir / f"manymodels-{policy}.log", **sections) as server:
         started_s = time.monotonic() - t0
         point(server, loadgen.poisson(rates[0], plan.warmup_s, len(names), popularity, seed=99), names, spec_list,
               plan.warmup_s, slo, policy)
@@ -173,6 +182,7 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{_f(p.get('prediction_error_infer_p99_ms'), '.3f')} | "
                      f"{_f(p.get('prediction_error_load_p99_ms'), '.3f')} | {_f(p['start_error_p99_ms'], '.3f')} | "
                      f"{_f(p['executor_lateness_p99_ms'], '.3f')} | {p['actions_measured']} |")
+    messages: dict[str, str] = {}
     lines += ["", "| policy | offered req/s | SLO attainment | p50 ms | p99 ms | cold-start rate | loads/s | "
               "evictions/s | errors |", "|---|---|---|---|---|---|---|---|---|"]
     for p in result["policies"]:
@@ -180,9 +190,12 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {p['policy']} | {r['offered_rps']:.1f} | {r['slo_attainment']:.4f} | {r['p50_ms']:.2f} | "
                          f"{r['p99_ms']:.2f} | {r['cold_start_rate']:.3f} | {r['loads_per_s']:.1f} | "
                          f"{r['evictions_per_s']:.1f} | {r['errors'] or ''} |")
+            messages.update(r.get("error_messages", {}))
         if p["skipped_rps"]:
             lines.append(f"| {p['policy']} | skipped (time): {', '.join(f'{x:.1f}' for x in p['skipped_rps'])} "
                          "| | | | | | | |")
+    if messages:
+        lines += ["", "First error message per kind:", ""] + [f"- {k}: {v}" for k, v in sorted(messages.items())]
     lines += ["", "Telemetry figures are the daemon's, over its whole life (warm-up load included). Capacity at "
               "SLO: the highest offered load of this ladder whose row has >= 99% of requests within the SLO "
               "and p99 within it (a lower bound: the ladder is coarse)."]
@@ -194,7 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--policy", action="append", choices=POLICIES, help="the policies to run (default: all)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a daemon setting for every policy's run, a TOML value (repeatable)")
     args = ap.parse_args(argv)
+    overrides: dict[str, dict[str, Any]] = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        sec, _, name = key.partition(".")
+        overrides.setdefault(sec, {})[name] = tomllib.loads(f"v = {value}")["v"]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kind = args.device.partition(":")[0]
     plan = plan_for(kind, args.quick)
@@ -221,12 +242,13 @@ def main(argv: list[str] | None = None) -> int:
                  "models_that_fit": fit, "slo_ms": scan(work).models[0].slo_s * 1e3, "b1_ms": b1 * 1e3,
                  "load_ms": prep["profile"]["load_ms"], "raw_b1_limit_rps": limit, "offered_rps": rates,
                  "export_s": prep["export_s"], "profile_s": prep["profile_s"]}
-        policies = [run_policy(p, work, names, popularity, rates, args.device, budget, plan, deadline)
-                    for p in POLICIES]
+        policies = [run_policy(p, work, names, popularity, rates, args.device, budget, plan, deadline, out,
+                               overrides) for p in args.policy or POLICIES]
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(base, ignore_errors=True)
-    cmd = f"python -m bench.gpu.manymodels --device {args.device} --out DIR" + (" --quick" if args.quick else "")
+    cmd = (f"python -m bench.gpu.manymodels --device {args.device} --out DIR" + (" --quick" if args.quick else "")
+           + "".join(f" --policy {p}" for p in args.policy or ()) + "".join(f" --set {x}" for x in args.set))
     result = {"device": device_name(args.device), "device_kind": kind, "torch": torch.__version__, "command": cmd,
               "seconds": time.monotonic() - t0, "plan": asdict(plan), "facts": facts, "policies": policies,
               "summary": {p["policy"]: {k: p.get(k) for k in (
