@@ -77,6 +77,10 @@ def test_only_an_external_event_is_recorded_inside_a_capture(api: DeviceApi) -> 
     src = api.alloc(64, "src")
     dst = api.alloc(64, "dst")
     step = _kernel(dst.view(0, torch.float32, (16,)), src.view(0, torch.float32, (16,)))
+    # written before any capture and synchronized: the capture stream's kernels read it, and the
+    # sanitizer counts a capture's launches as accesses (a write after them on stream 0 is a race)
+    src.view(0, torch.float32, (16,)).copy_(torch.arange(16, dtype=torch.float32, device=api.torch_device))
+    api.synchronize(soon())
     plain = api.event()
     with pytest.raises(CaptureError, match="external"):
         api.capture(s, lambda: (api.record(plain, s), api.launch(s, step, [src.region()], [dst.region()])))
@@ -85,7 +89,6 @@ def test_only_an_external_event_is_recorded_inside_a_capture(api: DeviceApi) -> 
     begin, end = api.event(external=True), api.event(external=True)
     g = api.capture(s, lambda: (api.record(begin, s), api.launch(s, step, [src.region()], [dst.region()]),
                                 api.record(end, s)))
-    src.view(0, torch.float32, (16,)).copy_(torch.arange(16, dtype=torch.float32, device=api.torch_device))
     for _ in range(2):  # each replay records both again
         outer = api.event()
         api.record(outer, s)
