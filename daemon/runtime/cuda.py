@@ -764,6 +764,10 @@ class CudaBackend:
                 log.warning("%s: releasing %s at close failed: %s", self.device.name, res.key, e)
         for gs in self.graph_cache.clear():  # before the memory they replay over
             gs.close()
+        c = self.graph_cache
+        if c.hits or c.misses:
+            log.info("%s: %d LOAD(s) replayed parked graphs, %d captured their own (%d graph set(s) evicted)",
+                     self.device.name, c.hits, c.misses, c.evicted)
         try:
             if not self._failed:
                 self.api.synchronize(self._deadline())
