@@ -286,7 +286,9 @@ class Scheduler:
         if not req.late:
             req.late = True
             self.counters["best_effort" if req.klass == RequestClass.BEST_EFFORT else "moved_late"] += 1
-            heapq.heappush(self._giveup, (req.give_up_at, req.id, req))
+        # Armed on every entry: back from an INFER that did not run, its entry was dropped while it ran
+        # (next_wakeup pops those of requests not queued), and nothing else would answer it by then.
+        heapq.heappush(self._giveup, (req.give_up_at, req.id, req))
         req.status = RequestStatus.QUEUED
         entry.late.push(req)
         self.late_keys.add(entry.spec.key)
@@ -944,8 +946,10 @@ class Scheduler:
         # back to) the best-effort lane instead of failing.
         retry: list[InferenceRequest] = []
         for r in live:
-            if entry is not None and not r.late and now + self.best_case(r) <= r.deadline:
+            if entry is not None and not r.late and now + (best := self.best_case(r)) <= r.deadline:
                 r.status = RequestStatus.QUEUED
+                # its expiry entry was dropped while it ran: armed again, or it is never found hopeless
+                heapq.heappush(self._expiry, (r.deadline - best, r.id, r))
                 retry.append(r)
             elif entry is not None and r.klass != RequestClass.HARD and now < r.give_up_at:
                 self._to_lane(r, entry, now)
