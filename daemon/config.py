@@ -108,7 +108,7 @@ class ServerSettings:
                                 "everything in one process; -1 chooses from the cores (0 on 1 core, else "
                                 "a quarter of them and at least 1: bench/results/peers-gap).", -1)
     frontend_slots: int = doc("Per frontend worker: shared-memory slots of 16 KiB for requests' tensors (plus a "
-                              "sixteenth as many of 1 MiB and a 128th as many of max_body_bytes); a request "
+                              "quarter as many of 1 MiB and a 128th as many of max_body_bytes); a request "
                               "finding none free gets 503.", 256)
 
     def __post_init__(self) -> None:

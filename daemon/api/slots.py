@@ -1,12 +1,12 @@
 """Shared-memory slots: where a frontend worker puts a request's tensors for the controller process.
 
 Each worker has one region (a memfd both processes map; docs/frontend-workers.md) cut into
-preallocated slots of three size classes: small (16 KiB: a batch-1 image or a few hundred
-floats), medium (1 MiB) and one the size of the largest body. The worker allocates a slot per
-request, writes the decoded inputs into it and names it in the request's record; the controller
-reads the inputs in place (numpy views) and the worker frees the slot when the request's answer
-(DONE) comes back. Counts are fixed at start-up: when every slot that fits is taken, the request
-is refused (503), never queued.
+preallocated slots of three size classes: small (16 KiB: a few thousand floats, a 3x32x32 image),
+medium (1 MiB: a batch-1 3x224x224 float32 image, ~602 KB) and one the size of the largest body.
+The worker allocates a slot per request, writes the decoded inputs into it and names it in the
+request's record; the controller reads the inputs in place (numpy views) and the worker frees the
+slot when the request's answer (DONE) comes back. Counts are fixed at start-up: when every slot
+that fits is taken, the request is refused (503), never queued.
 
 Pure bookkeeping, no I/O; one event loop uses it, so no locks.
 """
@@ -21,9 +21,11 @@ ALIGN = 64  # each input starts on a cache line (numpy and torch copies are fast
 
 
 def pool_classes(slots: int, max_bytes: int) -> list[tuple[int, int]]:
-    """(slot bytes, count) per class for `slots` small slots: a sixteenth as many medium ones and a
-    hundred-and-twenty-eighth as many of the largest body's size (at least one of each)."""
-    classes = [(SMALL_SLOT, slots), (MEDIUM_SLOT, max(1, slots // 16))]
+    """(slot bytes, count) per class for `slots` small slots: a quarter as many medium ones and a
+    hundred-and-twenty-eighth as many of the largest body's size (at least one of each). A quarter:
+    image models send a medium slot's worth per request, and a sixteenth (16 per worker by default)
+    held a worker to 18 such requests in flight (the many-models GPU bench: 503s at light load)."""
+    classes = [(SMALL_SLOT, slots), (MEDIUM_SLOT, max(1, slots // 4))]
     if max_bytes > MEDIUM_SLOT:
         classes.append((_align(max_bytes), max(1, slots // 128)))
     return classes

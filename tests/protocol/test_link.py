@@ -16,7 +16,9 @@ from daemon.errors import DeadlineExceeded, Overloaded, Unavailable
 
 def test_slots_come_from_the_smallest_class_that_has_one_free() -> None:
     classes = pool_classes(2, 4 << 20)
-    assert classes == [(SMALL_SLOT, 2), (MEDIUM_SLOT, 1), (4 << 20, 1)]
+    assert classes == [(SMALL_SLOT, 2), (MEDIUM_SLOT, 1), (4 << 20, 1)]  # at least one of each
+    # the default: a quarter as many medium slots (a 224x224 image each) and a 128th as many large
+    assert pool_classes(256, 4 << 20) == [(SMALL_SLOT, 256), (MEDIUM_SLOT, 64), (4 << 20, 2)]
     pool = SlotPool(classes)
     assert pool.total == pool_bytes(classes)
     a, b = pool.alloc(100), pool.alloc(SMALL_SLOT)
