@@ -48,7 +48,7 @@ from daemon.runtime.backend import Fill, IOBuffers, NoMemory, Resident
 from daemon.runtime.devapi import Buffer, CaptureError, DeviceApi, DeviceFault, Event, Graph, Region, Where
 from daemon.runtime.devices import Device
 from daemon.runtime.graph_cache import GraphCache, GraphSet, Retargetable
-from daemon.runtime.hostmem import HostPins, pages
+from daemon.runtime.hostmem import HostPins, PinnedPool, pages
 from daemon.runtime.program import Chain, Program, prefix_key, tail_key
 
 log = logging.getLogger("escapement.cuda")
@@ -58,6 +58,7 @@ LOAD_INFLIGHT = 2  # weight chunks queued on the copy engine at once
 # Unloaded models' graph sets kept for reuse (graph_cache.py): each holds a graph exec per batch
 # size (host memory, and device memory only inside the shared graph pool), so dozens cost little.
 PARKED_GRAPH_SETS = 64
+PINNED_POOL_BUFFERS = 1024  # pooled IO buffers at most (besides the pinned budget, which evicts them)
 OUTPUT_RING = 4  # pinned output slots per model (responses not yet written hold theirs)
 
 
@@ -138,6 +139,10 @@ class OutputRing:
         with self._lock:
             return sum(1 for n in self._lent if n != 0)
 
+    def lent_buffers(self) -> list[Buffer]:
+        with self._lock:
+            return [b for b, n in zip(self.slots, self._lent, strict=True) if n != 0]
+
 
 @dataclass(slots=True, eq=False)
 class CudaResident:
@@ -158,7 +163,8 @@ class CudaResident:
     # time, where events around the replay would also count the host's launch of it
     graph_timing: dict[int, tuple[Event, Event]] = field(default_factory=dict)
     kernels: dict[int, Retargetable] = field(default_factory=dict)  # batch size -> what its graph was captured from
-    pinned: list[Buffer] = field(default_factory=list)  # to unpin at UNLOAD
+    # (bytes asked for, buffer): pooled or unpinned at UNLOAD
+    pinned: list[tuple[int, Buffer]] = field(default_factory=list)
     pinned_bytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)  # held by an INFER, or by a compaction moving it
 
@@ -202,6 +208,7 @@ class CudaBackend:
         self.graphs_enabled = graphs
         # unloaded models' graphs, for the next LOAD of the same structure into the same extent
         self.graph_cache = GraphCache(graph_cache)
+        self.pinned_pool = PinnedPool(PINNED_POOL_BUFFERS)  # unloaded models' IO buffers, still pinned
         self.hang_timeout_s = hang_timeout_s
         self.check_target = torch.device("cuda", device.index)  # what the stand-in stands in for
         self.load_chunk = LOAD_CHUNK
@@ -279,10 +286,10 @@ class CudaBackend:
             self._captured.wait(deadline)
         except DeviceFault as e:
             self._fault(e)
-            self._release(res, st)
+            self._release(res, st, keep=False)
             raise
         except BaseException:
-            self._release(res, st)
+            self._release(res, st, keep=False)
             raise
         with self._lock:
             self._residents[ext.id] = res
@@ -439,17 +446,29 @@ class CudaBackend:
         self._captured.wait(deadline)
 
     def _pin(self, st: CudaResident, nbytes: int, label: str) -> Buffer:
-        if not self.host.charge(nbytes):
-            raise NoMemory(f"the host's pinned memory budget (runtime.host_pinned_budget = {self.host.budget}) "
-                           f"has no room for {label}")
-        try:
-            buf = self.api.alloc_pinned(nbytes, label)
-        except BaseException:
-            self.host.release(nbytes)
-            raise
-        st.pinned.append(buf)
+        buf = self.pinned_pool.take(nbytes)  # pinned and charged already
+        if buf is None:
+            if not self.host.charge(nbytes):
+                self._unpin(self.pinned_pool.evict(pages(nbytes)))
+                if not self.host.charge(nbytes):
+                    raise NoMemory(f"the host's pinned memory budget (runtime.host_pinned_budget = "
+                                   f"{self.host.budget}) has no room for {label}")
+            try:
+                buf = self.api.alloc_pinned(nbytes, label)
+            except BaseException:
+                self.host.release(nbytes)
+                raise
+        st.pinned.append((nbytes, buf))
         st.pinned_bytes += pages(nbytes)
         return buf
+
+    def _unpin(self, bufs: Sequence[tuple[int, Buffer]]) -> None:
+        for nbytes, buf in bufs:
+            try:
+                self.api.unpin(buf)
+            except Exception as e:
+                log.warning("%s: unpinning %s failed: %s", self.device.name, buf.label, e)
+            self.host.release(nbytes)
 
     @staticmethod
     def _kernel(res: Resident, ins: list[torch.Tensor], outs: list[torch.Tensor], b: int) -> Callable[[], None]:
@@ -537,16 +556,18 @@ class CudaBackend:
         st: CudaResident = res.state
         self._release(res, st)
 
-    def _release(self, res: Resident, st: CudaResident) -> None:
+    def _release(self, res: Resident, st: CudaResident, keep: bool = True) -> None:
         """Everything a resident holds, in order: graphs (before their memory), the program's view
-        of the weights, then the extent once the device is done with it, then pinned memory."""
+        of the weights, then the extent once the device is done with it, then pinned memory.
+        `keep`: graphs parked and IO buffers pooled for the next LOAD (not after a failed one)."""
         api = self.api
+        keep = keep and not self._failed
         held = GraphSet(dict(st.graphs), dict(st.graph_timing), dict(st.kernels))
         st.graphs.clear()
         st.graph_timing.clear()
         st.kernels.clear()
-        for gs in ([held] if self._failed else
-                   self.graph_cache.park(res.program.structure, st.extent.offset, st.extent.nbytes, held)):
+        for gs in (self.graph_cache.park(res.program.structure, st.extent.offset, st.extent.nbytes, held)
+                   if keep else [held]):
             gs.close()
         res.program.release(f"{self.device.name}/{res.key}")
         res.runner = _unbound
@@ -564,12 +585,16 @@ class CudaBackend:
         with self._lock:
             self._residents.pop(st.extent.id, None)
             self.arena.free(st.extent)
-        for buf in st.pinned:
-            try:
-                api.unpin(buf)
-            except Exception as e:
-                log.warning("%s: unpinning %s failed: %s", self.device.name, buf.label, e)
-        self.host.release(st.pinned_bytes)
+        # An output slot still lent (a response not yet written reads it) is never handed to another
+        # model: it is unpinned, and its memory lives on with the response's view.
+        lent = {id(b) for b in st.ring.lent_buffers()} if st.ring is not None else set()
+        gone: list[tuple[int, Buffer]] = []
+        for nbytes, buf in st.pinned:
+            if keep and id(buf) not in lent:
+                gone += self.pinned_pool.give(nbytes, buf)
+            else:
+                gone.append((nbytes, buf))
+        self._unpin(gone)
         st.pinned.clear()
         st.pinned_bytes = 0
 
@@ -764,6 +789,7 @@ class CudaBackend:
                 log.warning("%s: releasing %s at close failed: %s", self.device.name, res.key, e)
         for gs in self.graph_cache.clear():  # before the memory they replay over
             gs.close()
+        self._unpin(self.pinned_pool.clear())
         c = self.graph_cache
         if c.hits or c.misses:
             log.info("%s: %d LOAD(s) replayed parked graphs, %d captured their own (%d graph set(s) evicted)",

@@ -99,3 +99,65 @@ class HostPins:
     @property
     def blocks(self) -> int:
         return len(self._blocks)
+
+
+class PinnedPool:
+    """Pinned IO buffers an UNLOAD gave back, by size, for the next LOAD that asks for that size.
+
+    Page-locking is a system call per buffer that touches every page, milliseconds for a model's
+    input staging and output ring, where its LOAD's weight copy is one or two; models of one
+    structure ask for the same sizes, so keeping the buffers pinned makes a LOAD the weight copy.
+    Pooled buffers stay charged to the process's HostPins: the owner evicts them (`evict`) when a
+    new pin would pass its budget. Bookkeeping only: the owner unpins what comes back."""
+
+    def __init__(self, max_buffers: int) -> None:
+        self.max_buffers = max_buffers
+        self._free: dict[int, list[Buffer]] = {}  # requested bytes -> buffers (warmest last)
+        self._order: list[tuple[int, Buffer]] = []  # oldest first: what `evict` gives up first
+        self.reused = 0
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(pages(n) for n, _ in self._order)
+
+    def take(self, nbytes: int) -> Buffer | None:
+        bufs = self._free.get(nbytes)
+        if not bufs:
+            return None
+        buf = bufs.pop()
+        self._order.remove((nbytes, buf))
+        self.reused += 1
+        return buf
+
+    def give(self, nbytes: int, buf: Buffer) -> list[tuple[int, Buffer]]:
+        """Keep `buf` (pinned for `nbytes`); what no longer fits comes back, oldest first."""
+        self._free.setdefault(nbytes, []).append(buf)
+        self._order.append((nbytes, buf))
+        out = []
+        while len(self._order) > self.max_buffers:
+            out.append(self._evict_one())
+        return out
+
+    def evict(self, nbytes: int) -> list[tuple[int, Buffer]]:
+        """Give up the oldest buffers until at least `nbytes` of pages are freed (or none are left)."""
+        out: list[tuple[int, Buffer]] = []
+        freed = 0
+        while self._order and freed < nbytes:
+            n, buf = self._evict_one()
+            out.append((n, buf))
+            freed += pages(n)
+        return out
+
+    def clear(self) -> list[tuple[int, Buffer]]:
+        out = list(self._order)
+        self._order.clear()
+        self._free.clear()
+        return out
+
+    def _evict_one(self) -> tuple[int, Buffer]:
+        n, buf = self._order.pop(0)
+        self._free[n].remove(buf)
+        return n, buf
