@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import time
 import tomllib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", action="append", choices=POLICIES, help="the policies to run (default: all)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a daemon setting for every policy's run, a TOML value (repeatable)")
+    ap.add_argument("--budget", type=float, help="seconds for the whole run (default: the plan's)")
     args = ap.parse_args(argv)
     overrides: dict[str, dict[str, Any]] = {}
     for item in args.set:
@@ -219,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kind = args.device.partition(":")[0]
     plan = plan_for(kind, args.quick)
+    if args.budget:
+        plan = replace(plan, budget_s=args.budget)
     arch = arch_for(kind)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -248,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(base, ignore_errors=True)
     cmd = (f"python -m bench.gpu.manymodels --device {args.device} --out DIR" + (" --quick" if args.quick else "")
+           + (f" --budget {args.budget:g}" if args.budget else "")
            + "".join(f" --policy {p}" for p in args.policy or ()) + "".join(f" --set {x}" for x in args.set))
     result = {"device": device_name(args.device), "device_kind": kind, "torch": torch.__version__, "command": cmd,
               "seconds": time.monotonic() - t0, "plan": asdict(plan), "facts": facts, "policies": policies,

@@ -402,6 +402,8 @@ class TorchCuda:
             self._poll(s.raw.query, deadline, s.name)
             if _SANITIZING:
                 s.raw.synchronize()
+        if _SANITIZING:  # the whole device, stream 0 too: the sanitizer sees no waits done by polling
+            torch.cuda.synchronize(self.torch_device)
 
     def stream_synchronize(self, stream: CudaStream, deadline: float | None = None) -> None:
         self._poll(stream.raw.query, deadline, stream.name)
