@@ -246,3 +246,33 @@ def test_a_random_mix_of_classes_under_slowdowns_leaves_nothing_behind(policy: t
     sched = sim.scheduler
     assert sched.pending == 0 and sched.soft_bytes == 0 and not sched.inflight
     assert all(e.queue.requests == 0 and e.late.requests == 0 for e in sched.models.values())
+
+
+
+@pytest.mark.expect_errors("failed: injected")
+@pytest.mark.parametrize("policy", [ClockworkPolicy, DynamicBatchingPolicy])
+def test_a_lane_request_whose_batch_failed_runs_again_once_the_device_cools_off(policy: type) -> None:
+    """A failed INFER keeps its model off the device for FAILURE_COOLDOWN (clockwork: even its
+    best-effort lane); a lane request it held is retried by the time that ends, not left to wait
+    out best_effort_max_wait_s with nothing to wake the controller."""
+    from daemon.actions import ResultStatus
+    from daemon.controller.state import FAILURE_COOLDOWN
+
+    h = Harness(policy=policy())
+    spec = h.add(make_spec())
+    h.preload(spec, 1)
+    req = h.request(spec, klass=RequestClass.BEST_EFFORT, max_wait=30.0)
+    (infer,) = h.step()
+    assert req in infer.requests and infer.best_effort
+    failed_at = h.now
+    again = h.result(infer, ResultStatus.FAILED, error="injected")
+    if again:  # retried at once (dynamic: the lane runs where its model is)
+        (retry,) = again
+        h.result(retry)
+    else:  # cooling off: the controller must wake when that ends
+        assert req.status == RequestStatus.QUEUED and req.late
+        wake = h.sched.next_wakeup(h.now)
+        assert wake is not None and wake <= failed_at + FAILURE_COOLDOWN + 2 * MS
+        h.run_until(req)
+    assert req.ok and h.now < failed_at + FAILURE_COOLDOWN + 0.1  # not at 30 s
+    assert h.sched.pending == 0 and h.sched.soft_bytes == 0

@@ -325,7 +325,12 @@ class ClockworkPolicy:
         for entry in lane:
             key = entry.spec.key
             head = entry.late.head()
-            if head is None or not dev.memory.is_ready(key) or not dev.healthy_for(key, now):
+            if head is None or not dev.memory.is_ready(key):
+                continue
+            if not dev.healthy_for(key, now):
+                until = dev.failing.get(key, 0.0)
+                if until > now:  # its batch failed here just now: look again when the cooldown ends
+                    self._dev_wake[dev.name] = min(until, self._dev_wake.get(dev.name, until))
                 continue
             if best is None or (head.rank, head.arrival) < best:
                 best, chosen = (head.rank, head.arrival), entry
