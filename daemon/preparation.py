@@ -60,10 +60,12 @@ class Preparer:
         self.clock = clock
         self._phase = phase
         self.warming: set[threading.Event] = set()  # warm-ups running in a worker thread (shutdown waits)
+        self.native_runner = any(d.kind == "cpu" for d in devices)
 
     async def prepare(self, spec: ModelSpec, stamp: Stamp) -> Prepared:
         """Read a version into host memory and profile it (both in threads); raises ModelError."""
-        program = await asyncio.to_thread(load_program, spec)  # ProgramError is a ModelError
+        # ProgramError is a ModelError; the CPU's native runner only where a CPU device serves
+        program = await asyncio.to_thread(load_program, spec, native_runner=self.native_runner)
         need = self.footprint(program)
         largest = max(d.model_budget for d in self.devices)
         if need > largest:
@@ -93,7 +95,7 @@ class Preparer:
         try:
             if problem := parity_problem(spec):
                 raise ValueError(problem)
-            program = await asyncio.to_thread(load_program, pspec)
+            program = await asyncio.to_thread(load_program, pspec, native_runner=self.native_runner)
             parity_seeds = await self._profile(pspec, program)
         except (ValueError, ProgramError, RuntimeError) as e:
             log.warning("model %s is served without parity: %s", spec.key, e)

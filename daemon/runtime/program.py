@@ -365,13 +365,14 @@ def _graph_binder(gm: torch.fx.GraphModule, plan: list[int], n_weights: int, spe
     return bind_graph
 
 
-def _load_exported(spec: ModelSpec, store: ObjectStore, ep: torch.export.ExportedProgram | None = None) -> Program:
+def _load_exported(spec: ModelSpec, store: ObjectStore, ep: torch.export.ExportedProgram | None = None,
+                   native_runner: bool = True) -> Program:
     ep = ep if ep is not None else read_exported(spec)
     weights, plan = exported_weights(ep, spec)
     gm = ep.graph_module
     layout, tensors, cids = _stored(weights, store)
     bind_graph = _graph_binder(gm, plan, len(weights), spec)
-    native = _trace_binder(ep, spec, layout)
+    native = _trace_binder(ep, spec, layout) if native_runner else None
     lint = capture_lint(gm)
     if native is None:
         return Program(spec, layout, tensors, cids, bind_graph, None, graph=gm, capture_problem=lint)
@@ -380,13 +381,13 @@ def _load_exported(spec: ModelSpec, store: ObjectStore, ep: torch.export.Exporte
 
 
 def graph_stage(spec: ModelSpec, gm: torch.fx.GraphModule, weights: list[tuple[str, torch.Tensor]],
-                store: ObjectStore) -> Program:
+                store: ObjectStore, native_runner: bool = True) -> Program:
     """A stage cut out of an exported program (shared_prefix.py): `gm` takes `weights`, then the
     stage's inputs. Its native runner is a trace of the same graph over the same weight slots."""
     layout, tensors, cids = _stored(weights, store)
     plan = list(range(len(weights))) + [-(k + 1) for k in range(len(spec.inputs))]
     bind_graph = _graph_binder(gm, plan, len(weights), spec)
-    native = _trace_graph(gm, spec, tensors)
+    native = _trace_graph(gm, spec, tensors) if native_runner else None
     lint = capture_lint(gm)
     if native is None:
         return Program(spec, layout, tensors, cids, bind_graph, None, graph=gm, capture_problem=lint)
@@ -481,8 +482,8 @@ def _stage_specs(spec: ModelSpec) -> list[ModelSpec]:
     return out
 
 
-def _load_staged(spec: ModelSpec, store: ObjectStore) -> Program:
-    return plan_of(spec, [_load_exported(s, store) for s in _stage_specs(spec)])
+def _load_staged(spec: ModelSpec, store: ObjectStore, native_runner: bool = True) -> Program:
+    return plan_of(spec, [_load_exported(s, store, native_runner=native_runner) for s in _stage_specs(spec)])
 
 
 def plan_of(spec: ModelSpec, programs: list[Program], sids: Sequence[str | None] = ()) -> Program:
@@ -587,11 +588,13 @@ def _native_agrees(spec: ModelSpec, native: Runner, xs: list[torch.Tensor], refe
     return _same(outs, reference)
 
 
-def load_program(spec: ModelSpec, store: ObjectStore = STORE, prefixes: PrefixIndex | None = None) -> Program:
+def load_program(spec: ModelSpec, store: ObjectStore = STORE, prefixes: PrefixIndex | None = None,
+                 native_runner: bool = True) -> Program:
     """Read the model file into host memory (its weights into `store`: each distinct tensor once)
     and check it against its config by running it. A single-program model read ahead into
     `prefixes` (default: the process's, shared_prefix.INDEX) is split at the longest leading stage
-    it shares with another model there.
+    it shares with another model there. `native_runner` off (no CPU device serves it): no
+    TorchScript trace is made or checked, which is most of a big model's read on a GPU host.
 
     Runs batch 1, 2 and the largest batch size on the host CPU: this validates the shapes,
     checks the native runner against the graph, and gives first timings to seed estimates.
@@ -601,11 +604,11 @@ def load_program(spec: ModelSpec, store: ObjectStore = STORE, prefixes: PrefixIn
     index = prefixes if prefixes is not None else INDEX
     try:
         if spec.stages:
-            program = _load_staged(spec, store)
+            program = _load_staged(spec, store, native_runner)
         elif spec.format == "pt2":
             read = index.take(spec)  # read ahead when detection is on (runtime.detect_shared_prefix)
-            split = index.split(spec, read, store) if read is not None else None
-            program = split or _load_exported(spec, store, read.ep if read is not None else None)
+            split = index.split(spec, read, store, native_runner) if read is not None else None
+            program = split or _load_exported(spec, store, read.ep if read is not None else None, native_runner)
         else:
             program = _load_torchscript(spec, store)
     except ProgramError:

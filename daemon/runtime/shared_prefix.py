@@ -188,13 +188,14 @@ class PrefixIndex:
                     return c
         return None
 
-    def split(self, spec: ModelSpec, read: Read, store: ObjectStore = STORE) -> Program | None:
+    def split(self, spec: ModelSpec, read: Read, store: ObjectStore = STORE,
+              native_runner: bool = True) -> Program | None:
         """`spec` as a plan of two stages at its longest shared cut; None if it shares none."""
         cut = self.shared(spec, read)
         if cut is None or read.ep is None:
             return None
         try:
-            return split_at(read.ep, spec, cut, store)
+            return split_at(read.ep, spec, cut, store, native_runner)
         except ProgramError:
             raise
         except Exception as e:  # splitting is an optimisation: the whole program serves as it is
@@ -206,7 +207,8 @@ class PrefixIndex:
             return len(self._reads)
 
 
-def split_at(ep: torch.export.ExportedProgram, spec: ModelSpec, cut: Cut, store: ObjectStore) -> Program:
+def split_at(ep: torch.export.ExportedProgram, spec: ModelSpec, cut: Cut, store: ObjectStore,
+             native_runner: bool = True) -> Program:
     """`ep` as two stages: its ops up to `cut.node`, then the rest on that node's output."""
     weights, plan = exported_weights(ep, spec)
     nodes = list(ep.graph.nodes)
@@ -245,8 +247,8 @@ def split_at(ep: torch.export.ExportedProgram, spec: ModelSpec, cut: Cut, store:
                       spec.max_batch_size, spec.slo_s)
     spec1 = ModelSpec(f"{spec.name}.stage1", spec.version, spec.path, "pt2", (mid,), spec.outputs,
                       spec.max_batch_size, spec.slo_s)
-    first = graph_stage(spec0, gm0, w0, store)
-    program = plan_of(spec, [first, graph_stage(spec1, gm1, w1, store)], sids=[cut.key])
+    first = graph_stage(spec0, gm0, w0, store, native_runner)
+    program = plan_of(spec, [first, graph_stage(spec1, gm1, w1, store, native_runner)], sids=[cut.key])
     log.info("%s: split at its shared prefix (%d ops, %d weights, %d bytes of them)", spec.key, len(head),
              cut.weights, first.block_bytes)
     return program

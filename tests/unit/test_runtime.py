@@ -69,6 +69,19 @@ def test_exported_programs_get_a_native_runner_that_agrees_with_the_graph(progra
     assert ts.bind_graph is None and ts.bind(ts.layout.views(ts.host_block), native=False) is not None
 
 
+def test_a_host_without_cpu_devices_reads_no_native_runner(specs: dict[str, ModelSpec],
+                                                           programs: dict[str, Program]) -> None:
+    from daemon.runtime.objstore import ObjectStore
+    from daemon.runtime.shared_prefix import PrefixIndex
+
+    lean = load_program(specs["tiny_pt2:1"], ObjectStore(), PrefixIndex(), native_runner=False)
+    assert lean.bind_native is None and lean.bind_graph is not None
+    x = [torch.randn(3, 4)]
+    full = programs["tiny_pt2:1"]
+    np.testing.assert_allclose(lean.host_runner(x)[0].numpy(), full.host_runner(x)[0].numpy(), rtol=1e-6)
+    assert sorted(lean.seed_timings) == sorted(full.seed_timings)  # still checked at every probed size
+
+
 def test_program_errors_say_what_is_wrong(specs: dict[str, ModelSpec]) -> None:
     with pytest.raises(ProgramError, match=r"wrong_shape:1: running a batch of 1 failed"):
         load_program(specs["wrong_shape:1"])
