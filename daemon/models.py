@@ -301,7 +301,44 @@ class ModelManager:
                 changes.failed[key] = failed
             else:
                 (changes.reloaded if replacing else changes.loaded).append(key)
+        if runtime.detect_shared_prefix and runtime.share_weights and (changes.loaded or changes.reloaded):
+            await self._split_earlier([*changes.loaded, *changes.reloaded], changes)
         return changes
+
+    async def _split_earlier(self, new: Sequence[str], changes: Changes) -> None:
+        """Served models read whole, before anything shared their prefix, that share one with a model
+        just loaded: read again and served as plans of stages, so that they batch with it (the
+        version read before serves until its successor is warm, as in a reload)."""
+        index = shared_prefix.INDEX
+        sharers: set[str] = set()
+        for key in new:
+            program = self.programs.get(key)
+            if program is not None and program.prefix:
+                sharers |= index.owners(program.prefix)
+        earlier = []
+        for key in sorted(sharers - set(new)):
+            served = self._served.get(key)
+            program = self.programs.get(key)
+            if served is None or served.retiring or program is None or program.prefix or program.stages \
+                    or served.spec.stages or served.spec.format != "pt2":
+                continue
+            earlier.append(served)
+        if not earlier:
+            return
+        await asyncio.to_thread(index.read_ahead, [s.spec for s in earlier])
+        for served in earlier:
+            if self.state > State.RUNNING:
+                return
+            key = served.spec.key
+            self.notifier.status(f"splitting {key} at the prefix it shares")
+            failed = await self._bring_up(served.spec, served.stamp, "reloading: it shares a prefix with a model "
+                                          "loaded since, and is read again as a plan of stages")
+            if failed is None:
+                log.info("model %s: read again as a plan of stages, sharing its prefix with models loaded since",
+                         key)
+                changes.reloaded.append(key)
+            else:  # still served whole: its answers are the same, it only misses cross-model batches
+                log.warning("model %s: not split at the prefix it shares: %s", key, failed)
 
     async def _retire_all(self, keys: Sequence[str], reason: str, after: Callable[[ModelSpec], None]) -> Changes:
         changes = Changes()
@@ -315,7 +352,8 @@ class ModelManager:
                 changes.failed[key] = "still running on a device: it is unloaded once that returns"
         return changes
 
-    async def _bring_up(self, spec: ModelSpec, stamp: Stamp) -> str | None:
+    async def _bring_up(self, spec: ModelSpec, stamp: Stamp,
+                        why: str = "reloading: its files changed") -> str | None:
         """Serve a new version, or replace a served one whose files changed; None if it is now
         ready, else why not. A replaced version serves until its successor is read and warm."""
         old = self._served.get(spec.key)
@@ -329,7 +367,7 @@ class ModelManager:
             self.catalog.set_state(spec, ModelState.UNAVAILABLE, str(e))
             return str(e)
         if old is not None:
-            self._stop_admitting(spec.key, ModelState.LOADING, "reloading: its files changed")
+            self._stop_admitting(spec.key, ModelState.LOADING, why)
             ok = await self._retire(spec.key, lambda s: self.catalog.set_state(
                 s, ModelState.UNAVAILABLE, "unloaded for a reload that could not finish (a device did not "
                 "return); reload again"))

@@ -202,6 +202,11 @@ class PrefixIndex:
             log.warning("%s: not split at its shared prefix (%s: %s); served whole", spec.key, type(e).__name__, e)
             return None
 
+    def owners(self, cut_key: str) -> set[str]:
+        """The models (version keys) known to have the cut, loaded since or not."""
+        with self._lock:
+            return set(self._owners.get(cut_key, ()))
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._reads)

@@ -20,6 +20,7 @@ import torch
 from daemon import variants
 from daemon.client import AsyncSocketClient
 from daemon.repository import scan
+from daemon.runtime import shared_prefix
 from daemon.runtime.faults import FaultSpec
 from daemon.runtime.objstore import ObjectStore
 from daemon.runtime.program import load_program
@@ -140,3 +141,34 @@ def test_detection_off_serves_the_whole_programs(daemon_of: Any) -> None:
     dt = daemon_of(detect_shared_prefix=False)
     assert _prefixes(dt) == {""}
     assert "escapement_prefix_cache_hits_total" in _metrics(dt)  # (the cache is there, with nothing to keep)
+
+
+def test_a_variant_loaded_later_splits_the_one_served_before(family: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first variant, alone in its repository, is served whole; once a second appears, both
+    are served as plans with one leading stage, and batch together."""
+    # a process's index remembers the cuts of every model it read (the other tests' variants too)
+    monkeypatch.setattr(shared_prefix, "INDEX", shared_prefix.PrefixIndex())
+    repo = short_tmpdir() / "repo"
+    repo.mkdir(parents=True)
+    shutil.copytree(family / NAMES[0], repo / NAMES[0])
+    d = short_tmpdir()
+    dt = DaemonThread(settings(repo, d, controller={"batch_wait_ms": 0.0})).start()
+    try:
+        sched = dt.daemon.controller.scheduler
+        first = f"{NAMES[0]}:1"
+        assert dt.call(lambda: sched.models[first].prefix) == ""  # nothing to share with yet
+        shutil.copytree(family / NAMES[1], repo / NAMES[1])
+        changes = dt.on_loop(dt.daemon.models.reload_repository(), 120)
+        assert changes["loaded"] == [f"{NAMES[1]}:1"] and changes["reloaded"] == [first]
+        prefixes = dt.call(lambda: {sched.models[f"{n}:1"].prefix for n in NAMES[:2]})
+        assert len(prefixes) == 1 and "" not in prefixes
+        x = np.random.default_rng(3).uniform(0, 16, (8, 64)).astype(np.float32)
+        alone = _alone(family, x)
+        got = asyncio.run(_each(dt, [(n, x) for n in NAMES[:2]]))
+        for n, out in zip(NAMES[:2], got, strict=True):
+            np.testing.assert_array_equal(out, alone[n])
+        assert not dt.errors
+    finally:
+        dt.stop()
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(repo.parent, ignore_errors=True)
