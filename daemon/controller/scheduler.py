@@ -97,8 +97,10 @@ class Scheduler:
         self.late_keys: set[str] = set()
         self._giveup: list[tuple[float, int, InferenceRequest]] = []
         self.soft_bytes = 0
-        self._overdue: list[tuple[float, int, Action]] = []  # INFERs by when their requests are overdue
-        self._hung: list[tuple[float, int, Action]] = []  # every action by when it counts as hung
+        # Every action in flight, once, by when it must be looked at again: an INFER's requests
+        # overdue, or it counts as hung (the last field); one entry per action rather than one
+        # per watch (a heap push and pop fewer per INFER).
+        self._watches: list[tuple[float, int, Action, float]] = []
         self.hung: dict[str, str] = {}  # device -> what hangs there (it never comes back in this process)
         self._decision = Decision()
         self._load_share: dict[int, float] = {}  # LOAD id -> the share of its model's bytes it copies
@@ -454,12 +456,10 @@ class Scheduler:
             self._run(self.parm.due(self, now), now)
         if self._expiry and self._expiry[0][0] <= now:
             self._expire(now)
-        if self._overdue and self._overdue[0][0] <= now:
-            self._watch_overdue(now)
+        if self._watches and self._watches[0][0] <= now:
+            self._watch(now)
         if self._giveup and self._giveup[0][0] <= now:
             self._give_up(now)
-        if self._hung and self._hung[0][0] <= now:
-            self._watch_hung(now)
         self._run(self.policy.schedule(self, now), now)
         return self._take()
 
@@ -519,20 +519,16 @@ class Scheduler:
         """When `schedule` next has something to do without new requests or results."""
         # (after every step: locals, plain comparisons, no list)
         queued, pop, inflight = RequestStatus.QUEUED, heapq.heappop, self.inflight
-        expiry, giveup, overdue, hung = self._expiry, self._giveup, self._overdue, self._hung
+        expiry, giveup, watches = self._expiry, self._giveup, self._watches
         while expiry and (expiry[0][2].status != queued or expiry[0][2].late):
             pop(expiry)
         while giveup and (giveup[0][2].status != queued or not giveup[0][2].late):
             pop(giveup)
-        while overdue and overdue[0][2].id not in inflight:
-            pop(overdue)
-        while hung and hung[0][2].id not in inflight:
-            pop(hung)
+        while watches and watches[0][2].id not in inflight:
+            pop(watches)
         best = expiry[0][0] if expiry else math.inf
-        if overdue and overdue[0][0] < best:
-            best = overdue[0][0]
-        if hung and hung[0][0] < best:
-            best = hung[0][0]
+        if watches and watches[0][0] < best:
+            best = watches[0][0]
         if giveup and giveup[0][0] < best:
             best = giveup[0][0]
         t = self.policy.next_wakeup(self, now)
@@ -568,42 +564,37 @@ class Scheduler:
             entry.queue.take(req)  # (its inputs stay: it still runs)
             self._to_lane(req, entry, now)
 
-    def _watch_overdue(self, now: float) -> None:
-        """Answer the requests of INFERs a device has not returned by their deadline (plus a grace):
-        a hung or lost device must not keep a request unanswered."""
-        heap = self._overdue
+    def _watch(self, now: float) -> None:
+        """Actions whose watch is due: an INFER's requests not answered by their deadline (plus a
+        grace) are answered 504, so that a hung or lost device keeps no request unanswered; an
+        action its device has not returned long past its expected end (the executor's own device
+        waits give up at `hang_timeout_s`) means the device's thread is stuck where no deadline
+        reaches (a driver call, a read from a dead disk): nothing more goes there, its requests are
+        answered by their deadlines or retried elsewhere, its LOADs no longer hold a preload."""
+        heap, inflight = self._watches, self.inflight
         while heap and heap[0][0] <= now:
-            _, _, action = heapq.heappop(heap)
-            if action.id not in self.inflight:
+            _, _, action, hung_at = heapq.heappop(heap)
+            if action.id not in inflight:
                 continue
-            later = []  # requests of the batch due later: each is answered by its own deadline
+            due_next = math.inf  # the earliest deadline of its requests still running, past the due ones
             for r in action.requests:
                 if r.status != RequestStatus.RUNNING:
                     continue
                 due = r.deadline if r.klass == RequestClass.HARD else r.give_up_at  # a late answer is still one
                 if due + OVERDUE_GRACE > now:
-                    later.append(due)
+                    due_next = min(due_next, due + OVERDUE_GRACE)
                     continue
                 self.counters["overdue"] += 1
                 self._finish(r, RequestStatus.FAILED, DeadlineExceeded(
                     f"deadline missed: {action.device} did not answer in time"), now)
-            if later:
-                heapq.heappush(heap, (min(later) + OVERDUE_GRACE, action.id, action))
-
-    def _watch_hung(self, now: float) -> None:
-        """An action its device has not returned long past its expected end (the executor's own
-        device waits give up at `hang_timeout_s`): the device's thread is stuck where no deadline
-        reaches (a driver call, a read from a dead disk). Nothing more goes there; its requests are
-        answered by the overdue watch or retried elsewhere, its LOADs no longer hold a preload."""
-        heap = self._hung
-        while heap and heap[0][0] <= now:
-            _, _, action = heapq.heappop(heap)
-            if action.id not in self.inflight:
+            if hung_at > now:
+                heapq.heappush(heap, (min(due_next, hung_at), action.id, action, hung_at))
                 continue
-            waited = now - action.issued_at
             self.counters["actions_hung"] += 1
             self.declare_hung(action.device, f"{action.kind.name} of {action.model.key} has not returned for "
-                              f"{waited:.1f} s", now)
+                              f"{now - action.issued_at:.1f} s", now)
+            if due_next < math.inf:  # its requests are still answered by their deadlines
+                heapq.heappush(heap, (due_next, action.id, action, math.inf))
 
     def declare_hung(self, device: str, why: str, now: float) -> None:
         """`device` holds a thread that never returns: it is lost for this process."""
@@ -649,8 +640,9 @@ class Scheduler:
 
     # ---------------------------------------------------------------- actions (used by policies)
 
-    def issue(self, action: Action, now: float, dev: DeviceState | None = None) -> Action:
-        """`dev`: the action's device's state, where the caller has it."""
+    def issue(self, action: Action, now: float, dev: DeviceState | None = None, due: float = math.inf) -> Action:
+        """`dev`: the action's device's state, where the caller has it; `due`: an INFER's earliest
+        deadline, by which (plus a grace) its requests are answered if it has not come back."""
         action.issued_at = now
         self.inflight[action.id] = action
         self._decision.actions.append(action)
@@ -668,8 +660,9 @@ class Scheduler:
         # when it counts as hung: its expected end, ten times over (as the executor's device waits),
         # a LOAD's bytes at the slowest rate a healthy device moves them, then hung_after_s
         start = now if now > action.earliest else action.earliest
-        heapq.heappush(self._hung, (start + 10 * action.expected_duration + moved + self.hung_after_s,
-                                    action.id, action))
+        hung_at = start + 10 * action.expected_duration + moved + self.hung_after_s
+        due += OVERDUE_GRACE
+        heapq.heappush(self._watches, (due if due < hung_at else hung_at, action.id, action, hung_at))
         return action
 
     def issue_infer(self, spec: ModelSpec, dev: DeviceState, requests: list[InferenceRequest], batch_size: int,
@@ -693,11 +686,9 @@ class Scheduler:
         counters["infer_slots"] += batch_size
         action = Action(ActionKind.INFER, spec, dev.name, earliest, latest, expected, batch_size, requests,
                         expected_start=earliest, best_effort=best_effort)
-        self.issue(action, now, dev)
+        self.issue(action, now, dev, due)
         self.models[key].running += samples
         self._running[action.id] = [(key, samples)]
-        if requests:
-            heapq.heappush(self._overdue, (due + OVERDUE_GRACE, action.id, action))
         if spec.parity is not None and not best_effort:  # (ParM protects on-time work only)
             self._run(self.parm.issued(self, action, now), now)
         return action
@@ -735,9 +726,8 @@ class Scheduler:
         counters["cross_model_members"] += len(members)
         action = self.issue(Action(ActionKind.INFER, step.spec, dev.name, now, step.latest, step.expected,
                                    step.batch_size, requests, expected_start=now,
-                                   group=tuple((spec, len(reqs)) for spec, reqs in members)), now)
+                                   group=tuple((spec, len(reqs)) for spec, reqs in members)), now, dev, due)
         self._running[action.id] = counted
-        heapq.heappush(self._overdue, (due + OVERDUE_GRACE, action.id, action))
         return action
 
     def _issue_extra(self, step: Infer, dev: DeviceState, now: float) -> Action:

@@ -420,7 +420,13 @@ class ClockworkPolicy:
 
     def _drop_late(self, view: ControllerView, dev: DeviceState, start: float, now: float) -> Steps:
         """Heads that cannot start in time even when this device frees, where no device holding
-        them frees sooner: answered now (the latest-start index reaches exactly those)."""
+        them frees sooner: answered now (the latest-start index reaches exactly those).
+
+        A model another device can still serve in time leaves this device's index until work of
+        it arrives again (on_queued): that device indexes it too and drops its head if it no
+        longer can, and its dispatch runs or drops it. Kept here, it was looked at again in every
+        pass while this device stayed full: under overload, every model on the device, per pass
+        (most of the controller's time at 5x capacity)."""
         late = self._late(dev.name)
         keep: list[tuple[str, float]] = []
         while (top := late.top()) is not None and top[1] < start:
@@ -430,8 +436,10 @@ class ClockworkPolicy:
                 continue
             while (head := entry.queue.head()) is not None:
                 latest = head.deadline - self._est(view, key, head.samples, dev)
-                if start <= latest or self._sooner_elsewhere(view, key, head.samples, dev, head.deadline, now):
+                if start <= latest:
                     keep.append((key, latest))
+                    break
+                if self._sooner_elsewhere(view, key, head.samples, dev, head.deadline, now):
                     break
                 yield Drop(head)
                 self._dropped(key, now)
