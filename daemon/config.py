@@ -221,10 +221,11 @@ class RuntimeSettings:
     detect_shared_prefix: bool = doc("Find a leading stage single-program (model.pt2) models share (the same ops over "
                                      "the same weights up to one tensor) when they load, and serve them split there "
                                      "as plans of stages (docs/models.md); with share_weights.", True)
-    prefix_cache_entries: int = doc("CPU devices: outputs of a shared leading stage kept per device, by input, so "
+    prefix_cache_entries: int = doc("Outputs of a shared leading stage kept per device, by input, so "
                                     "the same input sent to several models that share it runs it once; 0 disables.",
                                     4096)
-    prefix_cache_bytes: int = doc("CPU devices: bytes those kept outputs may hold (or '64MiB').", 64 << 20)
+    prefix_cache_bytes: int = doc("Bytes those kept outputs may hold per device (or '64MiB'; on CUDA at most a "
+                                  "quarter of device_workspace).", 64 << 20)
 
     def __post_init__(self) -> None:
         _need(len(self.devices) > 0, "runtime.devices", self.devices, "list at least one device")

@@ -22,7 +22,7 @@ from daemon.model import ModelSpec
 from daemon.parity.codes import encode_requests
 from daemon.request import InferenceRequest
 from daemon.runtime.devices import Device
-from daemon.runtime.prefixcache import PrefixCache
+from daemon.runtime.prefixcache import PrefixCache, plan_prefix
 from daemon.runtime.program import Chain, Program, Runner, prefix_key, tail_key
 
 
@@ -297,29 +297,9 @@ class CpuBackend:
         lead = members[0][0]
         assert isinstance(lead.runner, Chain) and lead.program.stages
         sid = lead.program.stages[0].sid
-        cache = self.prefix_cache
-        run: list[InferenceRequest] = []  # requests whose prefix is computed (each distinct input once)
-        fresh: list[bytes | None] = []  # per request of `run`: its cache key (None: no cache)
-        pending: dict[bytes, int] = {}  # key -> its position in `run`
-        sources: list[tuple[int, tuple[torch.Tensor, ...] | None]] = []  # per request: its row in `run`, or held
-        for _, reqs in members:
-            for r in reqs:
-                k = cache.key(sid, r.inputs) if cache.enabled else None
-                if k is not None:
-                    j = pending.get(k)
-                    if j is not None:  # the same input earlier in this batch
-                        sources.append((j, None))
-                        continue
-                    held = cache.get(k)
-                    if held is not None:
-                        sources.append((-1, held))
-                        continue
-                    pending[k] = len(run)
-                sources.append((len(run), None))
-                fresh.append(k)
-                run.append(r)
+        plan = plan_prefix(self.prefix_cache, sid, [r for _, reqs in members for r in reqs])
         t0 = time.perf_counter()
-        rows = io.fill(run) if run else 0
+        rows = io.fill(plan.run) if plan.run else 0
         computed: tuple[torch.Tensor, ...] = ()
         if rows:
             xs = io.device if rows == io.batch_size else [t[:rows] for t in io.device]
@@ -328,24 +308,13 @@ class CpuBackend:
             if any(o.untyped_storage().data_ptr() in io.input_ptrs for o in computed):
                 computed = tuple(o.clone() for o in computed)  # the next batch overwrites the buffers
         t1 = time.perf_counter()
-        starts: list[int] = []
-        at = 0
-        for r, k in zip(run, fresh, strict=True):
-            starts.append(at)
-            if k is not None:  # copies: a view would keep the whole batch's output alive
-                cache.put(k, tuple(o[at : at + r.samples].clone() for o in computed))
-            at += r.samples
+        plan.keep(self.prefix_cache, computed)
         out: list[tuple[np.ndarray, ...]] = []
         stage_runs = [(prefix_key(sid), rows, t1 - t0)]
         i = 0
         for res, reqs in members:
-            parts: list[tuple[torch.Tensor, ...]] = []
-            for r in reqs:
-                j, held = sources[i]
-                i += 1
-                parts.append(held if held is not None else tuple(o[starts[j] : starts[j] + r.samples]
-                                                                 for o in computed))
-            xs2 = parts[0] if len(parts) == 1 else tuple(torch.cat(c) for c in zip(*parts, strict=True))
+            xs2 = plan.parts(computed, i, len(reqs))
+            i += len(reqs)
             assert isinstance(res.runner, Chain)
             t2 = time.perf_counter()
             with torch.inference_mode():

@@ -49,6 +49,7 @@ from daemon.runtime.devapi import Buffer, CaptureError, DeviceApi, DeviceFault, 
 from daemon.runtime.devices import Device
 from daemon.runtime.graph_cache import GraphCache, GraphSet, Retargetable
 from daemon.runtime.hostmem import HostPins, PinnedPool, pages
+from daemon.runtime.prefixcache import PrefixCache, PrefixPlan, plan_prefix
 from daemon.runtime.program import Chain, Program, prefix_key, tail_key
 
 log = logging.getLogger("escapement.cuda")
@@ -201,7 +202,8 @@ def extent_layout(program: Program) -> tuple[int, list[int], list[int], int]:
 
 class CudaBackend:
     def __init__(self, device: Device, api: DeviceApi, host: HostPins, graphs: bool = True,
-                 hang_timeout_s: float = 2.0, graph_cache: int = PARKED_GRAPH_SETS) -> None:
+                 hang_timeout_s: float = 2.0, graph_cache: int = PARKED_GRAPH_SETS,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.device = device
         self.api = api
         self.host = host
@@ -209,6 +211,10 @@ class CudaBackend:
         # unloaded models' graphs, for the next LOAD of the same structure into the same extent
         self.graph_cache = GraphCache(graph_cache)
         self.pinned_pool = PinnedPool(PINNED_POOL_BUFFERS)  # unloaded models' IO buffers, still pinned
+        # Shared stages' outputs by input, in device memory: the workspace's (torch's allocator), so
+        # a quarter of the workspace at most, whatever runtime.prefix_cache_bytes says.
+        pc = prefix_cache if prefix_cache is not None else PrefixCache(0, 0)
+        self.prefix_cache = PrefixCache(pc.max_entries, min(pc.max_bytes, device.workspace // 4))
         self.hang_timeout_s = hang_timeout_s
         self.check_target = torch.device("cuda", device.index)  # what the stand-in stands in for
         self.load_chunk = LOAD_CHUNK
@@ -667,7 +673,10 @@ class CudaBackend:
         # (the executor gives the whole-program path a deadline from the action's estimate; this
         # path has none, so it allows the hang timeout past ten times the longest INFER seen here)
         deadline = self._deadline() + 10 * self._longest_s
-        if len(members) == 1:
+        cache = self.prefix_cache
+        plan = plan_prefix(cache, lead.program.prefix, [r for _, reqs in members for r in reqs])
+        if len(members) == 1 and plan.run:
+            # a lone plan whose prefix must run anyway runs as one program, with its graphs
             reqs = members[0][1]
             outs, duration = self.infer(lead, io, lambda b: b.fill(reqs), deadline)
             return [outs], duration, ()
@@ -688,10 +697,11 @@ class CudaBackend:
                     continue
                 st.lock.acquire()
                 taken.append(st.lock)
+            # only the requests whose prefix output the cache lacks are copied in and run through it
             api.host_write(stage.region())
-            rows = io.fill([r for _, reqs in members for r in reqs])
+            rows = io.fill(plan.run) if plan.run else 0
             for k, (dst, n) in enumerate(zip(lst.inputs, lst.in_row_bytes, strict=True)):
-                if n:
+                if n and rows:
                     api.copy(dst.sub(0, rows * n), stage.region(lst.staging_offsets[k], rows * n), self.h2d)
             api.record(self.ev_in, self.h2d)
             api.wait_event(self.exec, self.ev_in)
@@ -704,18 +714,23 @@ class CudaBackend:
 
             def prefix() -> None:
                 with torch.inference_mode():
-                    mid.append(chain.stages[0](ins))
+                    computed = chain.stages[0](ins)
+                    mid.append(computed)
+                    plan.keep(cache, computed)  # copies, on this stream, after the stage wrote them
             api.record(events[0], self.exec)
-            api.launch(self.exec, prefix, [lst.weights, *(r.sub(0, rows * n) for r, n in
-                                                         zip(lst.inputs, lst.in_row_bytes, strict=True))], [])
-            at = 0
-            for i, ((res, _), st, n) in enumerate(zip(members, sts, counts, strict=True)):
+            if rows:
+                api.launch(self.exec, prefix, [lst.weights, *(r.sub(0, rows * n) for r, n in
+                                                             zip(lst.inputs, lst.in_row_bytes, strict=True))], [])
+            else:  # every request's prefix output was held
+                mid.append(())
+            first = 0
+            for i, ((res, reqs), st, n) in enumerate(zip(members, sts, counts, strict=True)):
                 api.record(events[i + 1], self.exec)
                 dests = [r.buffer.view(r.offset, t.datatype.tensor_dtype, (n, *t.sample_shape))
                          for r, t in zip(st.outputs, res.program.spec.outputs, strict=True)]
-                api.launch(self.exec, self._tail(res, mid, at, n, dests),
+                api.launch(self.exec, self._tail(res, mid, plan, first, len(reqs), dests),
                            [st.weights], [r.sub(0, n * rb) for r, rb in zip(st.outputs, st.out_row_bytes, strict=True)])
-                at += n
+                first += len(reqs)
             api.record(self.ev_end, self.exec)
             api.wait_event(self.d2h, self.ev_end)
             regions: list[list[Region]] = []
@@ -755,18 +770,19 @@ class CudaBackend:
         return parts, duration, tuple(runs)
 
     @staticmethod
-    def _tail(res: Resident, mid: list[tuple[torch.Tensor, ...]], at: int, n: int, outs: list[torch.Tensor]
-              ) -> Callable[[], None]:
-        """A member's stages after the first, on its rows of the first stage's outputs, into `outs`."""
+    def _tail(res: Resident, mid: list[tuple[torch.Tensor, ...]], plan: PrefixPlan, first: int, count: int,
+              outs: list[torch.Tensor]) -> Callable[[], None]:
+        """A member's stages after the first, on its requests' first-stage outputs (computed in this
+        batch, or held by the prefix cache), into `outs`."""
         chain = res.runner
         assert isinstance(chain, Chain)
 
         def tail() -> None:
             with torch.inference_mode():
-                result = chain.tail(tuple(t[at : at + n] for t in mid[0]))
+                result = chain.tail(plan.parts(mid[0], first, count))
                 for dst, src in zip(outs, result, strict=True):
                     dst.copy_(src)
-        tail.__name__ = f"{res.key} tail rows {at}..{at + n}"
+        tail.__name__ = f"{res.key} tail, requests {first}..{first + count - 1}"
         return tail
 
     def _stage_events(self, n: int) -> list[Event]:

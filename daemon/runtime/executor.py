@@ -346,7 +346,8 @@ def make_backend(device: Device, cpu_threads: int, core: int | None = None, *, h
                  graphs: bool = True, hang_timeout_s: float = 2.0, emucuda: object | None = None,
                  prefix_cache: tuple[int, int] = (0, 0), share_weights: bool = True) -> Backend:
     """The backend of a device; CUDA and stand-in devices share `host` (the process's pinned memory).
-    `prefix_cache`: (entries, bytes) of a CPU device's cache of shared stages' outputs;
+    `prefix_cache`: (entries, bytes) of a device's cache of shared stages' outputs (on CUDA, at most
+    a quarter of its workspace);
     `share_weights` off: a CPU device keeps every model's weights apart."""
     if device.kind in ("cuda", "emucuda"):
         from daemon.runtime.cuda import CudaBackend
@@ -361,8 +362,11 @@ def make_backend(device: Device, cpu_threads: int, core: int | None = None, *, h
             from daemon.runtime import emucuda as emu
 
             api = emu.device(device.index, emu.settings_from(emucuda))
+        from daemon.runtime.prefixcache import PrefixCache
+
         pins = host if isinstance(host, HostPins) else HostPins(default_pinned_budget())
-        return CudaBackend(device, api, pins, graphs=graphs, hang_timeout_s=hang_timeout_s)  # type: ignore[arg-type]
+        return CudaBackend(device, api, pins, graphs=graphs, hang_timeout_s=hang_timeout_s,  # type: ignore[arg-type]
+                           prefix_cache=PrefixCache(*prefix_cache))
     if device.kind == "cpu":
         from daemon.runtime.backend import CpuBackend
         from daemon.runtime.prefixcache import PrefixCache

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from daemon.request import InferenceRequest
+
 
 @dataclass(frozen=True, slots=True)
 class PrefixCacheStats:
@@ -83,3 +85,62 @@ class PrefixCache:
             self.evictions += 1
         self._entries[key] = (value, n)
         self.nbytes += n
+
+
+@dataclass(slots=True)
+class PrefixPlan:
+    """Which requests of a batch of plans run the shared first stage, and where every request's
+    output of it comes from."""
+
+    run: list[InferenceRequest]  # requests whose prefix is computed (each distinct input once)
+    keys: list[bytes | None]  # per request of `run`: its cache key (None: no cache)
+    starts: list[int]  # per request of `run`: its first row among the computed ones
+    # per request of the batch, in order: (its request's index in `run`, -1 if held) and the held output
+    sources: list[tuple[int, tuple[torch.Tensor, ...] | None]]
+
+    @property
+    def rows(self) -> int:
+        return sum(r.samples for r in self.run)
+
+    def parts(self, computed: tuple[torch.Tensor, ...], first: int, count: int) -> tuple[torch.Tensor, ...]:
+        """The prefix output of batch requests first .. first+count-1, their rows in order."""
+        parts: list[tuple[torch.Tensor, ...]] = []
+        for j, held in self.sources[first : first + count]:
+            if held is not None:
+                parts.append(held)
+            else:
+                at, n = self.starts[j], self.run[j].samples
+                parts.append(tuple(o[at : at + n] for o in computed))
+        return parts[0] if len(parts) == 1 else tuple(torch.cat(c) for c in zip(*parts, strict=True))
+
+    def keep(self, cache: PrefixCache, computed: tuple[torch.Tensor, ...]) -> None:
+        """Copies of the computed rows into the cache (a view would keep the whole batch's output alive)."""
+        for r, k, at in zip(self.run, self.keys, self.starts, strict=True):
+            if k is not None:
+                cache.put(k, tuple(o[at : at + r.samples].clone() for o in computed))
+
+
+def plan_prefix(cache: PrefixCache, sid: str, requests: Sequence[InferenceRequest]) -> PrefixPlan:
+    """Look every request up (the stage `sid`'s output for its input): held ones are served from the
+    cache, repeats of one input in the batch computed once."""
+    plan = PrefixPlan([], [], [], [])
+    pending: dict[bytes, int] = {}  # key -> its position in `run`
+    at = 0
+    for r in requests:
+        k = cache.key(sid, r.inputs) if cache.enabled else None
+        if k is not None:
+            j = pending.get(k)
+            if j is not None:  # the same input earlier in this batch
+                plan.sources.append((j, None))
+                continue
+            held = cache.get(k)
+            if held is not None:
+                plan.sources.append((-1, held))
+                continue
+            pending[k] = len(plan.run)
+        plan.sources.append((len(plan.run), None))
+        plan.keys.append(k)
+        plan.starts.append(at)
+        plan.run.append(r)
+        at += r.samples
+    return plan

@@ -17,6 +17,7 @@ from daemon.request import InferenceRequest
 from daemon.runtime.backend import Resident
 from daemon.runtime.cuda import CudaBackend
 from daemon.runtime.objstore import ObjectStore
+from daemon.runtime.prefixcache import PrefixCache
 from daemon.runtime.program import Program, load_program, prefix_key, tail_key
 from daemon.runtime.shared_prefix import PrefixIndex
 from tests.device.test_backend import load
@@ -91,3 +92,64 @@ def test_a_lone_plan_runs_as_one_program_with_its_graphs(
     with torch.inference_mode():
         want = whole["a"].host_runner([torch.from_numpy(q.inputs[0])])[0].numpy()
     np.testing.assert_allclose(parts[0][0], want, rtol=1e-5, atol=1e-5)
+
+
+def _want(whole: dict[str, Program], name: str, reqs: list[InferenceRequest]) -> np.ndarray:
+    with torch.inference_mode():
+        x = torch.from_numpy(np.concatenate([r.inputs[0] for r in reqs]))
+        return whole[name].host_runner([x])[0].numpy()  # type: ignore[no-any-return]
+
+
+def test_the_prefix_cache_serves_repeated_inputs_without_running_the_shared_stage(
+        backend: CudaBackend, plans: Plans) -> None:
+    staged, whole = plans
+    backend.prefix_cache = PrefixCache(8, 1 << 20)
+    ra, rb = load(backend, staged["a"]), load(backend, staged["b"])
+    sid = staged["a"].prefix
+    x = _requests(ra, 3, seed=7)[0].inputs
+    qa = [InferenceRequest(ra.program.spec, x, 3, 0.0, 1.0)]
+    qb = [InferenceRequest(rb.program.spec, x, 3, 0.0, 1.0)]  # one input to both: its prefix once
+    b = staged["a"].spec.batch_size_for(6)
+    parts, _, runs = backend.infer_staged([(ra, qa), (rb, qb)], ra.io[b])
+    assert runs[0][:2] == (prefix_key(sid), 3)
+    np.testing.assert_allclose(parts[0][0], _want(whole, "a", qa), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(parts[1][0], _want(whole, "b", qb), rtol=1e-5, atol=1e-5)
+    st = backend.prefix_cache.stats()
+    assert (st.misses, st.hits, st.entries) == (1, 0, 1)
+    # later, the same input alone: only its head runs, on the held output
+    again = [InferenceRequest(rb.program.spec, x, 3, 0.0, 1.0)]
+    parts, _, runs = backend.infer_staged([(rb, again)], rb.io[staged["b"].spec.batch_size_for(3)])
+    assert [(k, n) for k, n, _ in runs] == [(prefix_key(sid), 0), (tail_key("b:1"), 3)]
+    np.testing.assert_allclose(parts[0][0], _want(whole, "b", again), rtol=1e-5, atol=1e-5)
+    assert backend.prefix_cache.stats().hits == 1
+    # a held input beside a new one: only the new rows run through the shared stage
+    new = _requests(ra, 2, seed=8)[0]
+    mixed = [InferenceRequest(ra.program.spec, x, 3, 0.0, 1.0), new]
+    parts, _, runs = backend.infer_staged([(ra, mixed), (rb, _requests(rb, 1, seed=9))], ra.io[b])
+    assert runs[0][:2] == (prefix_key(sid), 3)  # new's 2 rows and b's 1
+    np.testing.assert_allclose(parts[0][0], _want(whole, "a", mixed), rtol=1e-5, atol=1e-5)
+
+
+def test_a_lone_plan_without_held_output_still_runs_whole(backend: CudaBackend, plans: Plans) -> None:
+    staged, _ = plans
+    backend.prefix_cache = PrefixCache(8, 1 << 20)
+    ra = load(backend, staged["a"])
+    (q,) = _requests(ra, 4, seed=3)
+    _, _, runs = backend.infer_staged([(ra, [q])], ra.io[4])
+    assert runs == () and backend.prefix_cache.stats().misses == 1
+
+
+def test_the_cuda_prefix_cache_stays_within_a_quarter_of_the_workspace() -> None:
+    from daemon.runtime.devices import Device
+    from daemon.runtime.emucuda import EmuCuda, EmuSettings
+    from daemon.runtime.hostmem import HostPins
+
+    api = EmuCuda(0, EmuSettings(capacity=64 << 20))
+    be = CudaBackend(Device("emucuda:0", "emucuda", 0, 32 << 20, 8 << 20), api, HostPins(1 << 30),
+                     prefix_cache=PrefixCache(100, 1 << 30))
+    try:
+        assert be.prefix_cache.max_bytes == 2 << 20 and be.prefix_cache.max_entries == 100
+    finally:
+        be.close()
+        be.host.close()
+        api.release()
