@@ -103,8 +103,10 @@ if [[ -f bench/gpu/profiles.py ]]; then
     step "INFER profiles of standard architectures" profiles.log "$py" -m bench.gpu.profiles --device "$device" \
         --out "$out" $([[ $standin == 1 ]] && echo --quick)
 fi
+# (each policy's daemon reads 40 ResNet-18s before READY: 240 s lets both policies run their ladder)
 step "many models: clockwork against dynamic on a real daemon" manymodels.log \
-    timeout 200 "$py" -m bench.gpu.manymodels --device "$device" --out "$out" $([[ $standin == 1 ]] && echo --quick)
+    timeout 270 "$py" -m bench.gpu.manymodels --device "$device" --out "$out" \
+    $([[ $standin == 1 ]] && echo --quick || echo --budget 240)
 
 summary+=("" "$(( $(date +%s) - started )) s in all; $failed step(s) failed.")
 printf '%s\n' "${summary[@]}" > "$out/summary.md"
