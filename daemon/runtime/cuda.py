@@ -437,11 +437,14 @@ class CudaBackend:
         vacated = max(move.new + n, move.old)
         api.discard(self.arena_buf.region(vacated, move.old + n - vacated), self.load_s)
         api.record(self._loaded, self.load_s)
-        for g in st.graphs.values():
-            g.close()
+        # its graphs stay valid where it was: parked there for the next of its structure (and it may
+        # find a set parked at its new place)
+        held = GraphSet(dict(st.graphs), dict(st.graph_timing), dict(st.kernels))
         st.graphs.clear()
         st.graph_timing.clear()
         st.kernels.clear()
+        for gs in self.graph_cache.park(res.program.structure, move.old, n, held):
+            gs.close()
         with self._lock:
             self.arena.apply([move])
         moved = self._layout(res.program, st.extent)

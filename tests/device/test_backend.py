@@ -344,6 +344,8 @@ def test_compaction_moves_idle_models_and_they_still_serve(kind: tuple[str, str,
     big = programs["wide:1"]
     d = load(be, big, "d")  # fits only once c slides down
     be.arena.check()
+    # c, moved into b's place, took the graphs b parked there; d took those c left behind
+    assert be.graph_cache.hits == 2 and be.compactions == 1
     for res in (a, c, d):
         check(be, res, 3)
     for res in (a, c, d):
