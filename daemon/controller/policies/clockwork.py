@@ -697,11 +697,20 @@ class ClockworkPolicy:
         it spreads load in steps of a tenth of a device), and again after a LOAD or UNLOAD there."""
         cached = self._util.get(dev.name)
         if cached is None or now - cached[0] > UTIL_REFRESH:
+            # (_share inline, and only for models that have had arrivals: at 10,000 models a device
+            # holds hundreds, most never asked for; a share of 0 changes no sum)
             parts: dict[str, float] = {}
+            rates, models, placed_on, exp = self.rates, view.models, view.placed_on, math.exp
             for k in dev.memory.models():
-                entry = view.models.get(k)
+                meter = rates.get(k)
+                if meter is None or not meter.rate:
+                    continue
+                entry = models.get(k)
                 if entry is not None:
-                    parts[k] = self._share(view, entry, dev, now)
+                    b = entry.spec.max_batch_size
+                    replicas = len(placed_on.get(k, ())) or 1
+                    parts[k] = meter.rate * exp(-(now - meter.at) / RATE_TAU) * \
+                        self._est_on(view, k, b, dev) / b / replicas
             cached = self._util[dev.name] = (now, sum(parts.values()), parts)
         _, total, parts = cached
         return total - sum(parts.get(k, 0.0) for k in leaving)
