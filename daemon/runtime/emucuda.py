@@ -155,6 +155,7 @@ class EmuGraph:
         self.items: list[_Captured] = []
         self.nbytes = 0  # the largest activation footprint of its kernels
         self.closed = False
+        self.written: list[Region] = []  # what its kernels write: garbage once captured (poisoned in stream order)
 
     def replay(self, stream: EmuStream) -> None:
         self._dev._replay(self, stream)
@@ -697,17 +698,25 @@ class EmuCuda:
                     > self.settings.capacity:
                 raise torch.OutOfMemoryError(f"{self.name}: out of memory for a graph's {graph.nbytes} bytes")
             self._graphs.add(graph)
+        for r in graph.written:  # nothing was computed there: what follows on the stream sees garbage
+            self.discard(r, stream)
         return graph
 
     def _dry_run(self, graph: EmuGraph, kernel: Kernel, writes: Sequence[Region]) -> None:
         """Check a kernel being captured: no host syncs inside; measure its activations. Capture
-        computes nothing, so what it wrote is poisoned afterwards."""
+        computes nothing and writes nothing when it happens: what the dry run wrote is put back at
+        once (work still queued may read those bytes: a compaction's copies out of the old place,
+        say), and poisoned in stream order when the capture ends (`capture`)."""
+        before = [r.bytes().clone() for r in writes]
         meter = _Activations(capture=True)
-        with meter:
-            kernel()
+        try:
+            with meter:
+                kernel()
+        finally:
+            for r, b in zip(writes, before, strict=True):
+                r.bytes().copy_(b)
         graph.nbytes = max(graph.nbytes, meter.peak)
-        for r in writes:
-            r.bytes().fill_(POISON)
+        graph.written.extend(writes)
 
     def _replay(self, graph: EmuGraph, stream: EmuStream) -> None:
         if graph.closed:
