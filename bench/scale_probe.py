@@ -1,0 +1,109 @@
+"""Where the controller's time goes at one `bench run scale` point, for any tree (issue 12).
+
+    python -m bench.scale_probe phases TREE [MODELS RATE SECONDS SPEEDUP RUNS]
+        wall µs per request of each Scheduler phase (submit, schedule, on_result, next_wakeup),
+        median of RUNS runs in this process
+    python -m bench.scale_probe profile TREE [MODELS RATE SECONDS SPEEDUP]
+        cProfile of the controller's calls only (the Driver's submit, step, next_wakeup)
+    python -m bench.scale_probe decisions TREE
+        a hash of every action sent and every request answered at three points: two trees whose
+        hashes agree made the same decisions in the same order
+
+TREE is a checkout (e.g. a `git worktree add /tmp/old COMMIT`); its code is imported first.
+Defaults: 1000 models, 20,000 req/s, 0.5 s, the 20x profile, 3 runs; 8 devices, 64 GiB each.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import hashlib
+import pstats
+import statistics
+import sys
+import time
+from typing import Any
+
+
+def _point(models: int, rate: float, seconds: float, speedup: float) -> dict[str, Any]:
+    from bench.scenarios import scale
+    return scale.point(models, speedup, rate, seconds, 8, 64.0, 2)
+
+
+def phases(models: int, rate: float, seconds: float, speedup: float, runs: int) -> None:
+    from daemon.controller import scheduler as sm
+    acc: dict[str, float] = {}
+    for name in ("submit", "schedule", "on_result", "next_wakeup"):
+        f = getattr(sm.Scheduler, name)
+
+        def timed(self: Any, *a: Any, _f: Any = f, _n: str = name, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _f(self, *a, **k)
+            finally:
+                acc[_n] = acc.get(_n, 0.0) + time.perf_counter() - t0
+        setattr(sm.Scheduler, name, timed)
+    out = []
+    for _ in range(runs):
+        acc.clear()
+        r = _point(models, rate, seconds, speedup)
+        out.append({k: v / r["requests"] * 1e6 for k, v in acc.items()} | {"whole": r["controller_us_per_request"]})
+    for k in out[0]:
+        print(f"{k:12s} {statistics.median(x[k] for x in out):6.1f} µs/request")
+
+
+def profile(models: int, rate: float, seconds: float, speedup: float) -> None:
+    from daemon.controller import driver as dm
+    prof = cProfile.Profile()
+    for name in ("submit", "step", "next_wakeup"):
+        f = getattr(dm.Driver, name)
+
+        def profiled(self: Any, *a: Any, _f: Any = f, **k: Any) -> Any:
+            prof.enable()
+            try:
+                return _f(self, *a, **k)
+            finally:
+                prof.disable()
+        setattr(dm.Driver, name, profiled)
+    r = _point(models, rate, seconds, speedup)
+    print("requests", r["requests"], "attainment", r["slo_attainment"], "(µs/request under the profiler:",
+          round(r["controller_us_per_request"], 1), ")")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(40)
+
+
+def decisions() -> None:
+    from daemon.controller import driver as dm
+    h = hashlib.sha256()
+    n = [0]
+    step = dm.Driver.step
+
+    def recorded(self: Any, now: float, results: Any = (), on_error: Any = None) -> Any:
+        d = step(self, now, results, on_error)
+        for a in d.actions:
+            h.update(repr((a.kind.name, a.model.key, a.device, round(a.earliest, 9), round(a.latest, 9),
+                           a.batch_size, a.samples)).encode())
+            n[0] += 1
+        for req in d.finished:
+            h.update(repr((req.status.name, round(req.finished_at, 9))).encode())
+        return d
+    dm.Driver.step = recorded  # type: ignore[method-assign]
+    for models, rate, secs in ((1000, 20000, 0.3), (10000, 20000, 0.2), (1000, 60000, 0.2)):
+        r = _point(models, rate, secs, 20.0)
+        print(models, rate, n[0], r["slo_attainment"], h.hexdigest()[:16])
+
+
+def main(argv: list[str]) -> None:
+    mode, tree, *rest = argv
+    sys.path.insert(0, tree)
+    args = [float(x) for x in rest]
+    models, rate, seconds, speedup = (int(args[0]) if args else 1000, args[1] if len(args) > 1 else 20000.0,
+                                      args[2] if len(args) > 2 else 0.5, args[3] if len(args) > 3 else 20.0)
+    if mode == "phases":
+        phases(models, rate, seconds, speedup, int(args[4]) if len(args) > 4 else 3)
+    elif mode == "profile":
+        profile(models, rate, seconds, speedup)
+    else:
+        decisions()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
