@@ -53,6 +53,7 @@ from daemon.request import InferenceRequest, RequestStatus
 log = logging.getLogger("escapement.gateway")
 
 MAX_FORECAST_MODELS = 4096  # a forecast is built on the loop: bounded like every answer
+RESOLVED_MAX = 1024  # (name, version) spellings Gateway.resolve remembers per catalog generation
 
 if TYPE_CHECKING:
     from daemon.controller.scheduler import Scheduler
@@ -123,6 +124,9 @@ class Gateway:
         # frontend worker forwards what names a region).
         self.shared_memory = SharedMemoryRegions(settings.shared_memory)
         self._statistics = RenderBudget(self._render_statistics)
+        # resolve(): specs by (name, version) for one catalog object at one generation
+        self._resolved: dict[tuple[str, str | int | None], ModelSpec] = {}
+        self._resolved_of: tuple[ModelCatalog | None, int] = (None, -1)
         self._metrics: RenderBudget[bytes] | None = None
 
     # ---------------------------------------------------------------- requests
@@ -134,7 +138,24 @@ class Gateway:
             self.overload.shed += 1
             raise Overloaded(f"the daemon is overloaded: its event loop is {self.overload.lag_s * 1e3:.0f} ms "
                              "behind; retry later", retry_after_s=1.0)
-        return self.catalog.resolve(name, version)
+        return self.resolve(name, version)
+
+    def resolve(self, name: str, version: str | int | None) -> ModelSpec:
+        """`catalog.resolve`, remembered until the catalog changes: a request resolves its model two or
+        three times (admit, submit, a worker's SUBMIT), each ~1-2 µs of dict walks. The key is the
+        catalog object and its generation (a worker replaces its replica whole); at most
+        RESOLVED_MAX names are kept (clients choose the spellings: "1", "01", ...)."""
+        catalog = self.catalog
+        if self._resolved_of[0] is not catalog or self._resolved_of[1] != catalog.generation:
+            self._resolved.clear()
+            self._resolved_of = (catalog, catalog.generation)
+        key = (name, version)
+        spec = self._resolved.get(key)
+        if spec is None:
+            spec = catalog.resolve(name, version)  # raises NotFound / Unavailable: never remembered
+            if len(self._resolved) < RESOLVED_MAX:
+                self._resolved[key] = spec
+        return spec
 
     def new_request(self, spec: ModelSpec, arrays: tuple[np.ndarray, ...], samples: int, timeout_us: int | None,
                     priority: int | None, client_id: str) -> InferenceRequest:
@@ -155,7 +176,7 @@ class Gateway:
         spec = req.model
         # A version being unloaded or replaced stays in the scheduler until its accepted requests
         # are answered: only the catalog says it admits no more (a request built before that).
-        if self.catalog.resolve(spec.name, spec.version) is not spec:
+        if self.resolve(spec.name, spec.version) is not spec:
             raise Unavailable(f"model {spec.name} version {spec.version} was reloaded while the request was "
                               "read; retry")
         if req.user and spec.personalization is not None:  # first: a cached answer is personalized too

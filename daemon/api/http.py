@@ -51,6 +51,7 @@ log = logging.getLogger("escapement.http")
 
 HEADER_LEN = "Inference-Header-Content-Length"
 _HEADER_LEN_KEY = HEADER_LEN.lower()  # request headers are looked up lower-case
+_SHM_KEY = b"shared_memory_region"  # in a body: the request names a region (a frontend worker forwards it)
 EXTENSIONS = ["binary_tensor_data", "model_repository", "schedule_policy", "model_configuration", "parameters",
               "statistics", "system_shared_memory"]
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
@@ -465,11 +466,16 @@ class HttpFrontend:
             view = memoryview(body)
             if n == 0:
                 return await self._raw_binary(request, spec, view)
+            if self.forward_shm is not None and body.find(_SHM_KEY, 0, n) >= 0:
+                return await self.forward_shm(request)  # parsed where the regions are, not here too
             obj, binary = _parse_json(view[:n], "the inference header", max_json), view[n:]
         else:
+            if self.forward_shm is not None and _SHM_KEY in body:
+                return await self.forward_shm(request)  # parsed where the regions are, not here too
             obj, binary = _parse_json(body, "the request body", max_json), memoryview(b"")
         if not isinstance(obj, dict):
             raise BadRequest("the inference request must be a JSON object")
+        # (a region key spelled with JSON escapes gets past the byte search above: caught here)
         if self.forward_shm is not None and (names_region(obj.get("inputs")) or names_region(obj.get("outputs"))
                                              or (spec.personalization is not None and _names_user(obj))):
             return await self.forward_shm(request)  # the controller process owns the regions and the users

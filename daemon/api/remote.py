@@ -128,9 +128,9 @@ class RemoteController:
         req, slot = item
         self.pool.free(slot)  # the controller is done with the inputs: DONE is sent after they were copied
         if status == 200:
-            specs = req.model.outputs
-            req.outputs = tuple(np.frombuffer(data, dtype=specs[i].datatype.numpy).reshape(shape)
-                                for i, (shape, data) in enumerate(outputs))
+            specs = req.model.outputs  # a list, then a tuple: a generator costs a frame per request
+            req.outputs = tuple([np.frombuffer(data, dtype=s.datatype.numpy).reshape(shape)
+                                 for s, (shape, data) in zip(specs, outputs, strict=False)])
             req.status = RequestStatus.SUCCEEDED
         else:
             req.error = error_from(status, error, retry_after_s)
