@@ -42,12 +42,13 @@ import numpy as np
 import torch
 
 from daemon.errors import ConfigError
+from daemon.model import TensorSpec
 from daemon.request import InferenceRequest
 from daemon.runtime.arena import Arena, Extent, Move, aligned
 from daemon.runtime.backend import Fill, IOBuffers, NoMemory, Resident
 from daemon.runtime.devapi import Buffer, CaptureError, DeviceApi, DeviceFault, Event, Graph, Region, Where
 from daemon.runtime.devices import Device
-from daemon.runtime.graph_cache import GraphCache, GraphSet, Retargetable
+from daemon.runtime.graph_cache import GraphCache, GraphSet, Retargetable, StageKey
 from daemon.runtime.hostmem import HostPins, PinnedPool, pages
 from daemon.runtime.prefixcache import PrefixCache, PrefixPlan, plan_prefix
 from daemon.runtime.program import Chain, Program, prefix_key, tail_key
@@ -164,6 +165,13 @@ class CudaResident:
     # time, where events around the replay would also count the host's launch of it
     graph_timing: dict[int, tuple[Event, Event]] = field(default_factory=dict)
     kernels: dict[int, Retargetable] = field(default_factory=dict)  # batch size -> what its graph was captured from
+    # A plan whose first stage is shared: that stage's outputs at the largest batch size, and per
+    # (0: first stage, 1: the rest; batch size) an eager kernel, its graph and what it was captured from
+    mids: list[Region] = field(default_factory=list)
+    mid_row_bytes: list[int] = field(default_factory=list)
+    stage_steps: dict[StageKey, Callable[[], None]] = field(default_factory=dict)
+    stage_graphs: dict[StageKey, Graph] = field(default_factory=dict)
+    stage_kernels: dict[StageKey, Retargetable] = field(default_factory=dict)
     # (bytes asked for, buffer): pooled or unpinned at UNLOAD
     pinned: list[tuple[int, Buffer]] = field(default_factory=list)
     pinned_bytes: int = 0
@@ -185,19 +193,26 @@ def _sample_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
-def extent_layout(program: Program) -> tuple[int, list[int], list[int], int]:
-    """(weights bytes, input offsets, output offsets, total) of a model's extent."""
+def mid_specs(program: Program) -> tuple[TensorSpec, ...]:
+    """What a plan's shared first stage hands to the rest (it has a static place in the extent, so
+    each part can be a graph); nothing for other programs."""
+    return program.stages[0].program.spec.outputs if program.prefix else ()
+
+
+def extent_layout(program: Program) -> tuple[int, list[int], list[int], int, list[int]]:
+    """(weights bytes, input offsets, output offsets, total, first-stage output offsets) of a
+    model's extent."""
     spec = program.spec
     b = spec.max_batch_size
     off = aligned(program.weight_bytes)
-    ins, outs = [], []
-    for t in spec.inputs:
-        ins.append(off)
-        off += aligned(b * _sample_bytes(t.sample_shape, t.datatype.tensor_dtype))
-    for t in spec.outputs:
-        outs.append(off)
-        off += aligned(b * _sample_bytes(t.sample_shape, t.datatype.tensor_dtype))
-    return program.weight_bytes, ins, outs, max(off, 256)
+    ins: list[int] = []
+    outs: list[int] = []
+    mids: list[int] = []
+    for group, tensors in ((ins, spec.inputs), (outs, spec.outputs), (mids, mid_specs(program))):
+        for t in tensors:
+            group.append(off)
+            off += aligned(b * _sample_bytes(t.sample_shape, t.datatype.tensor_dtype))
+    return program.weight_bytes, ins, outs, max(off, 256), mids
 
 
 class CudaBackend:
@@ -243,6 +258,7 @@ class CudaBackend:
         self._said: dict[str, str] = {}  # model -> why it runs eagerly, as logged
         self._residents: dict[int, Resident] = {}  # extent id -> the model in it
         self.compactions = 0  # arena compactions done (models moved to make a LOAD fit)
+        self.staged_replays = 0  # cross-model batches run as graphs (the rest ran eagerly)
         limit = getattr(api, "limit", None)
         if limit is not None:  # torch's allocator refuses past the budget rather than overrun it: the
             limit(device.workspace)  # arena is allocated, so what it may still take is the workspace
@@ -318,15 +334,18 @@ class CudaBackend:
         return ext
 
     def _layout(self, program: Program, ext: Extent) -> CudaResident:
-        wbytes, ins, outs, _ = extent_layout(program)
+        wbytes, ins, outs, _, mids = extent_layout(program)
         spec = program.spec
         b = spec.max_batch_size
         base = self.arena_buf.region(ext.offset, ext.nbytes)
         in_rb = [_sample_bytes(t.sample_shape, t.datatype.tensor_dtype) for t in spec.inputs]
         out_rb = [_sample_bytes(t.sample_shape, t.datatype.tensor_dtype) for t in spec.outputs]
+        mid_rb = [_sample_bytes(t.sample_shape, t.datatype.tensor_dtype) for t in mid_specs(program)]
         return CudaResident(ext, base.sub(0, wbytes),
                             [base.sub(o, b * n) for o, n in zip(ins, in_rb, strict=True)],
-                            [base.sub(o, b * n) for o, n in zip(outs, out_rb, strict=True)], in_rb, out_rb)
+                            [base.sub(o, b * n) for o, n in zip(outs, out_rb, strict=True)], in_rb, out_rb,
+                            mids=[base.sub(o, b * n) for o, n in zip(mids, mid_rb, strict=True)],
+                            mid_row_bytes=mid_rb)
 
     def _copy_weights(self, program: Program, st: CudaResident, deadline: float) -> float:
         """Chunked copies into the extent, at most LOAD_INFLIGHT queued, after every fence of
@@ -395,6 +414,13 @@ class CudaBackend:
         for b in spec.batch_sizes:
             res.io[b].device = [v[:b] for v in in_views]
             st.steps[b] = self._kernel(res, [v[:b] for v in in_views], [v[:b] for v in out_views], b)
+        st.stage_steps.clear()
+        if st.mids:
+            mid_views = [r.buffer.view(r.offset, t.datatype.tensor_dtype, (spec.max_batch_size, *t.sample_shape))
+                         for r, t in zip(st.mids, mid_specs(program), strict=True)]
+            for b in spec.batch_sizes:
+                st.stage_steps[(0, b)] = self._part(res, 0, [v[:b] for v in in_views], [v[:b] for v in mid_views], b)
+                st.stage_steps[(1, b)] = self._part(res, 1, [v[:b] for v in mid_views], [v[:b] for v in out_views], b)
 
     # ---------------------------------------------------------------- compaction
 
@@ -439,10 +465,7 @@ class CudaBackend:
         api.record(self._loaded, self.load_s)
         # its graphs stay valid where it was: parked there for the next of its structure (and it may
         # find a set parked at its new place)
-        held = GraphSet(dict(st.graphs), dict(st.graph_timing), dict(st.kernels))
-        st.graphs.clear()
-        st.graph_timing.clear()
-        st.kernels.clear()
+        held = self._unhold_graphs(st)
         for gs in self.graph_cache.park(res.program.structure, move.old, n, held):
             gs.close()
         with self._lock:
@@ -489,6 +512,27 @@ class CudaBackend:
         step.__name__ = f"{res.key} b={b}"
         return step
 
+    @staticmethod
+    def _part(res: Resident, part: int, ins: list[torch.Tensor], outs: list[torch.Tensor], b: int
+              ) -> Callable[[], None]:
+        """A plan's first stage (0) or its other stages (1), from static buffers into static buffers."""
+        def step() -> None:
+            chain = res.runner
+            assert isinstance(chain, Chain)
+            with torch.inference_mode():
+                result = chain.stages[0](ins) if part == 0 else chain.tail(ins)
+                for dst, src in zip(outs, result, strict=True):
+                    dst.copy_(src)
+        step.__name__ = f"{res.key} {'first stage' if part == 0 else 'rest'} b={b}"
+        return step
+
+    def _stage_touches(self, st: CudaResident, key: StageKey) -> tuple[list[Region], list[Region]]:
+        part, b = key
+        ins = [r.sub(0, b * n) for r, n in zip(st.inputs, st.in_row_bytes, strict=True)]
+        mids = [r.sub(0, b * n) for r, n in zip(st.mids, st.mid_row_bytes, strict=True)]
+        outs = [r.sub(0, b * n) for r, n in zip(st.outputs, st.out_row_bytes, strict=True)]
+        return ([st.weights, *ins], mids) if part == 0 else ([st.weights, *mids], outs)
+
     def _timed_step(self, step: Callable[[], None], reads: list[Region], writes: list[Region],
                     timing: tuple[Event, Event] | None) -> None:
         """What a capture records: the step, between two timing nodes when the device has them."""
@@ -511,21 +555,27 @@ class CudaBackend:
         if self.graphs_enabled and not program.capture_problem:
             parked = self.graph_cache.take(program.structure, st.extent.offset, st.extent.nbytes)
             if parked is not None:  # captured for this structure at this offset: the copy was the LOAD
-                parked.retarget(st.steps)
+                parked.retarget(st.steps, st.stage_steps)
                 st.graphs, st.graph_timing, st.kernels = parked.graphs, parked.timing, parked.kernels
+                st.stage_graphs, st.stage_kernels = parked.stages, parked.stage_kernels
                 return ""
-        # The first runs read the static inputs: zeros, never what the arena held (an index read
-        # from stale bytes can trip a device-side assert).
-        api.launch(self.capture_s, _zero(res.io[program.spec.max_batch_size].device), [], st.inputs)
+        # The first runs read the static inputs (and a plan's rest reads its first stage's outputs):
+        # zeros, never what the arena held (an index read from stale bytes can trip a device-side assert).
+        zero_mids = [r.buffer.view(r.offset, torch.uint8, (r.nbytes,)) for r in st.mids]
+        api.launch(self.capture_s, _zero([*res.io[program.spec.max_batch_size].device, *zero_mids]), [],
+                   [*st.inputs, *st.mids])
         why = ""
         if not self.graphs_enabled:
             why = "CUDA graphs are off (runtime.cuda_graphs)"
         elif program.capture_problem:
             why = f"not capturable: {program.capture_problem}"
         sizes = sorted(program.spec.batch_sizes, reverse=True)
+        parts = sorted(st.stage_steps, key=lambda k: (-k[1], k[0]))
         for b in sizes:  # first runs (lazy initialisation) all before any capture: a failed
             reads, writes = self._touches(st, b)  # capture is the last thing done on this stream
             api.launch(self.capture_s, st.steps[b], reads, writes)
+        for key in parts:
+            api.launch(self.capture_s, st.stage_steps[key], *self._stage_touches(st, key))
         for b in sizes:
             if why:
                 break
@@ -557,7 +607,50 @@ class CudaBackend:
             if self._said.get(program.spec.key) != why:  # once per model, not at every LOAD
                 log.info("%s on %s runs eagerly: %s", program.spec.key, self.device.name, why)
                 self._said[program.spec.key] = why
-        return f"runs without CUDA graphs: {why}" if why else ""
+            return f"runs without CUDA graphs: {why}"
+        self._capture_parts(program, st, parts)
+        return ""
+
+    def _capture_parts(self, program: Program, st: CudaResident, parts: list[StageKey]) -> None:
+        """A plan's first stage and its rest as graphs of their own, per batch size: what a cross-model
+        batch replays. Any failure leaves such batches eager (the plan alone keeps its whole graphs)."""
+        api = self.api
+        why = ""
+        for key in parts:
+            kernel = Retargetable(st.stage_steps[key])
+            try:
+                graph = api.capture(self.capture_s, functools.partial(
+                    self._timed_step, kernel, *self._stage_touches(st, key), None))
+            except (CaptureError, torch.OutOfMemoryError) as e:
+                why = f"capture of {'its first stage' if key[0] == 0 else 'its rest'} failed at batch {key[1]}: {e}"
+                break
+            st.stage_graphs[key] = graph
+            st.stage_kernels[key] = kernel
+            if api.graph_pool_bytes > self.device.workspace:
+                why = (f"its stages' graphs need {api.graph_pool_bytes} bytes of graph memory, more than the "
+                       f"workspace reserve (runtime.device_workspace = {self.device.workspace})")
+                break
+        if why:
+            for g in st.stage_graphs.values():
+                g.close()
+            st.stage_graphs.clear()
+            st.stage_kernels.clear()
+            said = f"stages: {why}"
+            if self._said.get(program.spec.key) != said:
+                log.info("%s on %s runs cross-model batches eagerly: %s", program.spec.key, self.device.name, why)
+                self._said[program.spec.key] = said
+
+    @staticmethod
+    def _unhold_graphs(st: CudaResident) -> GraphSet:
+        """Every graph the resident holds, as one set (to park or close); the resident keeps none."""
+        held = GraphSet(dict(st.graphs), dict(st.graph_timing), dict(st.kernels), dict(st.stage_graphs),
+                        dict(st.stage_kernels))
+        st.graphs.clear()
+        st.graph_timing.clear()
+        st.kernels.clear()
+        st.stage_graphs.clear()
+        st.stage_kernels.clear()
+        return held
 
     # ---------------------------------------------------------------- UNLOAD
 
@@ -571,10 +664,7 @@ class CudaBackend:
         `keep`: graphs parked and IO buffers pooled for the next LOAD (not after a failed one)."""
         api = self.api
         keep = keep and not self._failed
-        held = GraphSet(dict(st.graphs), dict(st.graph_timing), dict(st.kernels))
-        st.graphs.clear()
-        st.graph_timing.clear()
-        st.kernels.clear()
+        held = self._unhold_graphs(st)
         for gs in (self.graph_cache.park(res.program.structure, st.extent.offset, st.extent.nbytes, held)
                    if keep else [held]):
             gs.close()
@@ -720,20 +810,25 @@ class CudaBackend:
                     computed = chain.stages[0](ins)
                     mid.append(computed)
                     plan.keep(cache, computed)  # copies, on this stream, after the stage wrote them
-            api.record(events[0], self.exec)
-            if rows:
-                api.launch(self.exec, prefix, [lst.weights, *(r.sub(0, rows * n) for r, n in
-                                                             zip(lst.inputs, lst.in_row_bytes, strict=True))], [])
-            else:  # every request's prefix output was held
-                mid.append(())
-            first = 0
-            for i, ((res, reqs), st, n) in enumerate(zip(members, sts, counts, strict=True)):
-                api.record(events[i + 1], self.exec)
-                dests = [r.buffer.view(r.offset, t.datatype.tensor_dtype, (n, *t.sample_shape))
-                         for r, t in zip(st.outputs, res.program.spec.outputs, strict=True)]
-                api.launch(self.exec, self._tail(res, mid, plan, first, len(reqs), dests),
-                           [st.weights], [r.sub(0, n * rb) for r, rb in zip(st.outputs, st.out_row_bytes, strict=True)])
-                first += len(reqs)
+            graphed = self._parts_ready(lead, members, sts, counts, rows)
+            if graphed:
+                self.staged_replays += 1
+                self._replay_parts(lead, members, sts, counts, rows, plan, mid, events)
+            else:
+                api.record(events[0], self.exec)
+                if rows:
+                    api.launch(self.exec, prefix, [lst.weights, *(r.sub(0, rows * n) for r, n in
+                                                                 zip(lst.inputs, lst.in_row_bytes, strict=True))], [])
+                else:  # every request's prefix output was held
+                    mid.append(())
+                first = 0
+                for i, ((res, reqs), st, n) in enumerate(zip(members, sts, counts, strict=True)):
+                    api.record(events[i + 1], self.exec)
+                    dests = [r.buffer.view(r.offset, t.datatype.tensor_dtype, (n, *t.sample_shape))
+                             for r, t in zip(st.outputs, res.program.spec.outputs, strict=True)]
+                    api.launch(self.exec, self._tail(res, mid, plan, first, len(reqs), dests), [st.weights],
+                               [r.sub(0, n * rb) for r, rb in zip(st.outputs, st.out_row_bytes, strict=True)])
+                    first += len(reqs)
             api.record(self.ev_end, self.exec)
             api.wait_event(self.d2h, self.ev_end)
             regions: list[list[Region]] = []
@@ -771,6 +866,64 @@ class CudaBackend:
         duration = marks[0].elapsed_s(self.ev_end)
         self._longest_s = max(self._longest_s, duration)
         return parts, duration, tuple(runs)
+
+    @staticmethod
+    def _parts_ready(lead: Resident, members: Sequence[tuple[Resident, Sequence[InferenceRequest]]],
+                     sts: list[CudaResident], counts: list[int], rows: int) -> bool:
+        """Whether a cross-model batch can replay graphs: the lead's first stage at the computed rows'
+        batch size (none computed: nothing to replay), each member's rest at its own."""
+        if rows and (0, lead.program.spec.batch_size_for(rows)) not in sts[0].stage_graphs:
+            return False
+        for (res, _), st, n in zip(members, sts, counts, strict=True):
+            spec = res.program.spec
+            if n > spec.max_batch_size or (1, spec.batch_size_for(n)) not in st.stage_graphs:
+                return False
+        return True
+
+    def _replay_parts(self, lead: Resident, members: Sequence[tuple[Resident, Sequence[InferenceRequest]]],
+                      sts: list[CudaResident], counts: list[int], rows: int, plan: PrefixPlan,
+                      mid: list[tuple[torch.Tensor, ...]], events: list[Event]) -> None:
+        """A cross-model batch as graphs: the lead's first stage over the computed rows (its static
+        inputs to its static first-stage outputs), a copy of those rows out (the cache keeps some,
+        and the lead's own rest overwrites them), then per member its rows gathered into its static
+        first-stage outputs and its rest replayed into its static outputs."""
+        api, lst = self.api, sts[0]
+        api.record(events[0], self.exec)
+        if rows:
+            lst.stage_graphs[(0, lead.program.spec.batch_size_for(rows))].replay(self.exec)
+            lead_mids = [r.buffer.view(r.offset, t.datatype.tensor_dtype, (rows, *t.sample_shape))
+                         for r, t in zip(lst.mids, mid_specs(lead.program), strict=True)]
+            cache = self.prefix_cache
+
+            def snapshot() -> None:
+                with torch.inference_mode():
+                    computed = tuple(v.clone() for v in lead_mids)
+                    mid.append(computed)
+                    plan.keep(cache, computed)
+            api.launch(self.exec, snapshot, [r.sub(0, rows * n) for r, n in zip(lst.mids, lst.mid_row_bytes,
+                                                                                  strict=True)], [])
+        else:  # every request's first-stage output was held
+            mid.append(())
+        first = 0
+        for i, ((res, reqs), st, n) in enumerate(zip(members, sts, counts, strict=True)):
+            api.record(events[i + 1], self.exec)
+            dests = [r.buffer.view(r.offset, t.datatype.tensor_dtype, (n, *t.sample_shape))
+                     for r, t in zip(st.mids, mid_specs(res.program), strict=True)]
+            api.launch(self.exec, self._gather(res, mid, plan, first, len(reqs), dests), [],
+                       [r.sub(0, n * rb) for r, rb in zip(st.mids, st.mid_row_bytes, strict=True)])
+            st.stage_graphs[(1, res.program.spec.batch_size_for(n))].replay(self.exec)
+            first += len(reqs)
+
+    @staticmethod
+    def _gather(res: Resident, mid: list[tuple[torch.Tensor, ...]], plan: PrefixPlan, first: int, count: int,
+                dests: list[torch.Tensor]) -> Callable[[], None]:
+        """A member's requests' first-stage outputs (computed in this batch, or held) into its static ones."""
+        def gather() -> None:
+            with torch.inference_mode():
+                for dst, src in zip(dests, plan.parts(mid[0], first, count), strict=True):
+                    dst.copy_(src)
+        gather.__name__ = f"{res.key} gather, requests {first}..{first + count - 1}"
+        return gather
 
     @staticmethod
     def _tail(res: Resident, mid: list[tuple[torch.Tensor, ...]], plan: PrefixPlan, first: int, count: int,

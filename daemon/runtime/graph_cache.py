@@ -43,29 +43,41 @@ def _parked() -> None:
     raise RuntimeError("a parked graph's kernel ran before a model took it")
 
 
+StageKey = tuple[int, int]  # (0: the shared first stage, 1: the stages after it; batch size)
+
+
 @dataclass
 class GraphSet:
-    """One model's graphs, by batch size, with their timing events and retargetable kernels."""
+    """One model's graphs, by batch size, with their timing events and retargetable kernels; and
+    for a plan whose first stage is shared, a graph per stage part and batch size (cross-model
+    batches replay the first stage's of one member and each member's rest)."""
 
     graphs: dict[int, Graph] = field(default_factory=dict)
     timing: dict[int, tuple[Event, Event]] = field(default_factory=dict)
     kernels: dict[int, Retargetable] = field(default_factory=dict)
+    stages: dict[StageKey, Graph] = field(default_factory=dict)
+    stage_kernels: dict[StageKey, Retargetable] = field(default_factory=dict)
 
-    def retarget(self, steps: dict[int, Callable[[], None]]) -> None:
+    def retarget(self, steps: dict[int, Callable[[], None]],
+                 stage_steps: dict[StageKey, Callable[[], None]] | None = None) -> None:
         for b, k in self.kernels.items():
             k.target = steps[b]
+        for sk, k in self.stage_kernels.items():
+            k.target = (stage_steps or {})[sk]
 
     def detach(self) -> None:
         """Drop the last holder's steps (and through them its runner and views) while parked."""
-        for k in self.kernels.values():
+        for k in (*self.kernels.values(), *self.stage_kernels.values()):
             k.target = _parked
 
     def close(self) -> None:
-        for g in self.graphs.values():
+        for g in (*self.graphs.values(), *self.stages.values()):
             g.close()
         self.graphs.clear()
         self.timing.clear()
         self.kernels.clear()
+        self.stages.clear()
+        self.stage_kernels.clear()
 
 
 Key = tuple[str, int, int]  # (structure, extent offset, extent bytes)

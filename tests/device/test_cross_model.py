@@ -80,6 +80,41 @@ def test_a_cross_model_batch_runs_the_shared_stage_once_and_answers_each_model(
                     np.testing.assert_array_equal(got[0], want)
                 np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
                 assert got[0].shape == (len(x), whole[name].spec.outputs[0].sample_shape[0])
+    # as graphs: the first stage of a, then each member's rest (captured at LOAD, per batch size)
+    assert {k[0] for k in ra.state.stage_graphs} == {0, 1} and backend.staged_replays == 3
+
+
+def test_without_graphs_a_cross_model_batch_runs_eagerly_with_the_same_answers(plans: Plans) -> None:
+    from daemon.runtime.emucuda import EmuCuda, EmuSettings
+    from tests.device.conftest import backend_on
+
+    staged, whole = plans
+    api = EmuCuda(0, EmuSettings(capacity=256 << 20))
+    be = backend_on(api, graphs=False)
+    try:
+        ra, rb = load(be, staged["a"]), load(be, staged["b"])
+        assert not ra.state.stage_graphs
+        qa, qb = _requests(ra, 4, seed=1), _requests(rb, 2, 3, seed=2)
+        parts, _, _ = be.infer_staged([(ra, qa), (rb, qb)], ra.io[staged["a"].spec.batch_size_for(9)])
+        assert be.staged_replays == 0
+        np.testing.assert_array_equal(parts[0][0], _want(whole, "a", qa))
+        np.testing.assert_array_equal(parts[1][0], _want(whole, "b", qb))
+    finally:
+        be.close()
+        be.host.close()
+        api.release()
+
+
+def test_parked_stage_graphs_serve_the_next_load_of_the_plan(backend: CudaBackend, plans: Plans) -> None:
+    staged, whole = plans
+    ra, rb = load(backend, staged["a"]), load(backend, staged["b"])
+    backend.unload(rb)
+    rb = load(backend, staged["b"])  # where it was: its whole and stage graphs replayed, none captured
+    assert backend.graph_cache.hits == 1 and rb.state.stage_graphs
+    qa, qb = _requests(ra, 2, seed=4), _requests(rb, 5, seed=5)
+    parts, _, _ = backend.infer_staged([(ra, qa), (rb, qb)], ra.io[staged["a"].spec.batch_size_for(7)])
+    assert backend.staged_replays == 1
+    np.testing.assert_allclose(parts[1][0], _want(whole, "b", qb), rtol=1e-5, atol=1e-5)
 
 
 def test_a_lone_plan_runs_as_one_program_with_its_graphs(
