@@ -120,7 +120,7 @@ def prepare(device: str, plan: Plan, arch: Arch, base: Path) -> dict[str, Any]:
 
 def run_policy(policy: str, work: Path, names: list[str], popularity: np.ndarray, rates: list[float],
                device: str, budget: int, plan: Plan, deadline: float, log_dir: Path,
-               overrides: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+               overrides: dict[str, dict[str, Any]] | None = None, log_name: str = "") -> dict[str, Any]:
     specs = {m.name: m for m in scan(work).models}
     spec_list = [specs[x] for x in names]
     slo = max(s.slo_s for s in spec_list)
@@ -136,7 +136,7 @@ def run_policy(policy: str, work: Path, names: list[str], popularity: np.ndarray
         "controller": {"policy": policy}}
     for sec, kv in (overrides or {}).items():
         sections.setdefault(sec, {}).update(kv)
-    with Escapement(work, log_file=log_dir / f"manymodels-{policy}.log", **sections) as server:
+    with Escapement(work, log_file=log_dir / (log_name or f"manymodels-{policy}.log"), **sections) as server:
         started_s = time.monotonic() - t0
         point(server, loadgen.poisson(rates[0], plan.warmup_s, len(names), popularity, seed=99), names, spec_list,
               plan.warmup_s, slo, policy)

@@ -1,0 +1,235 @@
+"""Pretzel on one GPU: N heads on one ResNet-18 backbone, served shared against black-box.
+
+`python -m bench.gpu.sharing --device cuda:0 --out DIR [--quick] [--budget S]`
+
+N variants declared as plans of stages (docs/models.md): one backbone file (a ResNet-18 without
+its classifier, random weights, 3x224x224 -> 512 features) that every variant lists, and a head
+of its own (a 512 -> 10 linear layer, its own weights). On the stand-in: a small conv backbone
+and 3x32x32. Two real daemons (`bench.servers.Escapement`), one after the other, with the same
+weight budget and the same open-loop Poisson loads with Zipf popularity:
+
+- **shared** (`runtime.share_weights = true`, the default): queued requests of several variants
+  run the backbone once (cross-model batches, replayed as CUDA graphs: runtime/cuda.py);
+- **black-box** (`runtime.share_weights = false`): every variant is batched alone, as a server
+  that sees models as black boxes does.
+
+The budget holds every variant. On a CUDA device the arena holds one extent per model, so a
+backbone that several variants share is not held once there (host memory holds it once). This
+measures the shared work, not shared device memory.
+
+Per mode: SLO attainment, p50/p99 and cold-start rate per load, capacity at SLO (the highest
+offered load with >= 99% within the SLO and p99 within it), cross-model batches. Ratios: capacity
+shared / black-box, p99 black-box / shared at the highest load both ran. Writes DIR/sharing.json
+and DIR/sharing.md (naming the GPU). On `emucuda:N` times are modelled on this CPU: the run only
+shows that the script works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from bench import loadgen
+from bench.gpu.manymodels import device_name, run_policy
+from bench.gpu.profiles import BasicBlock, ResNet
+from daemon.demo import save_model
+from daemon.repository import scan
+
+MODES = {"shared": True, "black-box": False}  # runtime.share_weights
+FEATURES = 512
+
+
+@dataclass(frozen=True)
+class Plan:
+    n: int  # variants
+    image: int
+    max_batch: int
+    levels: tuple[float, ...]  # offered loads, as fractions of min(the backbone's eager batch-1 limit, rate_cap)
+    rate_cap: float
+    seconds: float  # per load level, at most
+    max_requests: int
+    warmup_s: float
+    workspace: int  # runtime.device_workspace
+    budget_s: float
+
+
+def plan_for(kind: str, quick: bool) -> Plan:
+    if kind == "cuda":
+        return Plan(16 if quick else 32, 224, 8, (0.5, 2.0) if quick else (0.5, 1.0, 2.0, 4.0), 5000.0,
+                    4.0 if quick else 6.0, 10_000, 1.5, 2 << 30, 150.0 if quick else 280.0)
+    return Plan(8, 32, 4, (0.3, 1.0), 150.0, 4.0, 1_000, 1.0, 64 << 20, 150.0 if quick else 240.0)
+
+
+class Backbone(nn.Module):
+    """A ResNet-18 up to its pooled features (CUDA), or a small conv net (the stand-in)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        if kind == "cuda":
+            net = ResNet(BasicBlock, (2, 2, 2, 2))
+            self.body: nn.Module = nn.Sequential(net.stem, net.stages, net.pool, nn.Flatten())
+        else:
+            self.body = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1), nn.ReLU(), nn.Conv2d(32, 64, 3, 2, 1), nn.ReLU(),
+                                      nn.Conv2d(64, FEATURES, 3, 2, 1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                                      nn.Flatten())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def build(kind: str, plan: Plan, root: Path) -> list[str]:
+    """The repository: the backbone once under .stages/, and N variants each with its own head."""
+    torch.manual_seed(0)
+    shape = (3, plan.image, plan.image)
+    save_model(Backbone(kind).eval(), "pt2", torch.zeros(2, *shape), plan.max_batch, root / ".stages" / "backbone.pt2")
+    names = []
+    dims = ", ".join(str(d) for d in (-1, *shape))
+    for i in range(plan.n):
+        torch.manual_seed(1 + i)
+        name = f"v{i:03d}"
+        save_model(nn.Linear(FEATURES, 10).eval(), "pt2", torch.zeros(2, FEATURES), plan.max_batch,
+                   root / name / "1" / "head.pt2")
+        (root / name / "config.toml").write_text(
+            f'max_batch_size = {plan.max_batch}\nslo_ms = 100\nstages = ["../../.stages/backbone.pt2", "head.pt2"]\n'
+            f'[[inputs]]\nname = "x"\ndatatype = "FP32"\nshape = [{dims}]\n'
+            '[[outputs]]\nname = "y"\ndatatype = "FP32"\nshape = [-1, 10]\n')
+        names.append(name)
+    return names
+
+
+def backbone_b1_s(device: str, plan: Plan, kind: str) -> float:
+    """The backbone's batch-1 time on the device (median of 20 after 5, graphs off): what the load
+    ladder is scaled by."""
+    dev = torch.device("cuda", int(device.partition(":")[2])) if kind == "cuda" else torch.device("cpu")
+    model = Backbone(kind).eval().to(dev)
+    x = torch.zeros(1, 3, plan.image, plan.image, device=dev)
+    times = []
+    with torch.inference_mode():
+        for i in range(25):
+            t0 = time.perf_counter()
+            model(x)
+            if kind == "cuda":
+                torch.cuda.synchronize(dev)
+            if i >= 5:
+                times.append(time.perf_counter() - t0)
+    del model
+    if kind == "cuda":
+        torch.cuda.empty_cache()
+    return float(np.median(times))
+
+
+def footprint_bytes(root: Path) -> int:
+    """The bytes of one variant's weights (backbone and head), unshared."""
+    return sum(p.stat().st_size for p in (root / ".stages" / "backbone.pt2", root / "v000" / "1" / "head.pt2"))
+
+
+def markdown(result: dict[str, Any]) -> str:
+    f = result["facts"]
+    lines = [f"# Shared backbone against black-box on {result['device']}", "",
+             f"`{result['command']}` (torch {result['torch']}, {result['seconds']:.0f} s)", "",
+             f"{f['variants']} variants of {f['backbone']} with their own heads, Zipf s=1.0, SLO 100 ms; weight budget "
+             f"{f['weight_budget'] / 2**20:.0f} MiB beside a {f['workspace'] / 2**20:.0f} MiB workspace (every "
+             f"variant fits, ~{f['unshared_variant_bytes'] / 1e6:.1f} MB each); backbone batch-1 "
+             f"{f['backbone_b1_ms']:.3f} ms eager.", "",
+             "| mode | capacity at SLO (req/s) | cross-model batches | actions |", "|---|---|---|---|"]
+    for m in result["modes"]:
+        lines.append(f"| {m['mode']} | {m['capacity_at_slo_rps']:.1f} | "
+                     f"{m['counters'].get('cross_model_batches', 0)} | {m['actions_measured']} |")
+    lines += ["", "| mode | offered req/s | SLO attainment | p50 ms | p99 ms | cold-start rate | loads/s | errors |",
+              "|---|---|---|---|---|---|---|---|"]
+    for m in result["modes"]:
+        for r in m["rows"]:
+            lines.append(f"| {m['mode']} | {r['offered_rps']:.1f} | {r['slo_attainment']:.4f} | {r['p50_ms']:.2f} | "
+                         f"{r['p99_ms']:.2f} | {r['cold_start_rate']:.3f} | {r['loads_per_s']:.1f} | "
+                         f"{r['errors'] or ''} |")
+        if m["skipped_rps"]:
+            lines.append(f"| {m['mode']} | skipped (time): {', '.join(f'{x:.1f}' for x in m['skipped_rps'])} "
+                         "| | | | | | |")
+    s = result["summary"]
+    def num(x: float | None) -> str:
+        return "null" if x is None else f"{x:.2f}"
+    lines += ["", f"capacity_ratio (shared / black-box): {num(s['capacity_ratio'])}; p99_ratio (black-box / shared, "
+              f"at {num(s['p99_at_rps'])} req/s): {num(s['p99_ratio'])}.", "",
+              "Capacity at SLO is a lower bound (the ladder is coarse); a ratio is null where a mode passed no rung."]
+    return "\n".join(lines)
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 and np.isfinite(a) and np.isfinite(b) else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu.sharing")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--budget", type=float, help="seconds for the whole run (default: the plan's)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kind = args.device.partition(":")[0]
+    plan = plan_for(kind, args.quick)
+    if args.budget:
+        plan = replace(plan, budget_s=args.budget)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    deadline = t0 + plan.budget_s
+    work = Path(tempfile.mkdtemp(prefix="sharegpu-"))
+    try:
+        names = build(kind, plan, work)
+        assert len(scan(work).models) == plan.n
+        unshared = footprint_bytes(work)
+        # every variant fits (with IO buffers and alignment: a fifth more)
+        budget = plan.workspace + plan.n * unshared * 6 // 5
+        b1 = backbone_b1_s(args.device, plan, kind)
+        rates = [f * min(1.0 / b1, plan.rate_cap) for f in plan.levels]
+        popularity = loadgen.zipf_weights(plan.n, 1.0)
+        print(f"{plan.n} variants built in {time.monotonic() - t0:.1f} s; backbone b1 {b1 * 1e3:.3f} ms", flush=True)
+        modes = []
+        for i, (mode, share) in enumerate(MODES.items()):
+            # each mode gets its share of what is left, so the second runs too
+            left = deadline - time.monotonic()
+            r = run_policy("clockwork", work, names, popularity, rates, args.device, budget, plan,  # type: ignore[arg-type]
+                           time.monotonic() + left / (len(MODES) - i), out,
+                           {"runtime": {"share_weights": share}}, log_name=f"sharing-{mode}.log")
+            r["mode"] = mode
+            modes.append(r)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    shared, black = modes
+    common = [x for x in (r["offered_rps"] for r in shared["rows"])
+              if any(abs(y["offered_rps"] - x) / x < 0.05 for y in black["rows"])]
+    at = max(common) if common else None
+    p99s = {m["mode"]: next((r["p99_ms"] for r in m["rows"] if at and abs(r["offered_rps"] - at) / at < 0.05), None)
+            for m in modes}
+    summary = {"capacity_ratio": _ratio(shared["capacity_at_slo_rps"], black["capacity_at_slo_rps"]),
+               "p99_ratio": _ratio(p99s["black-box"] or float("nan"), p99s["shared"] or float("nan")),
+               "p99_at_rps": at, "capacity_at_slo_rps": {m["mode"]: m["capacity_at_slo_rps"] for m in modes}}
+    cmd = (f"python -m bench.gpu.sharing --device {args.device} --out DIR" + (" --quick" if args.quick else "")
+           + (f" --budget {args.budget:g}" if args.budget else ""))
+    result = {"device": device_name(args.device), "device_kind": kind, "torch": torch.__version__, "command": cmd,
+              "seconds": time.monotonic() - t0, "plan": asdict(plan),
+              "facts": {"variants": plan.n, "backbone": "ResNet-18 features" if kind == "cuda" else "small conv net",
+                        "weight_budget": budget, "workspace": plan.workspace, "unshared_variant_bytes": unshared,
+                        "backbone_b1_ms": b1 * 1e3, "offered_rps": rates},
+              "modes": modes, "summary": summary}
+    (out / "sharing.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    text = markdown(result)
+    (out / "sharing.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
