@@ -233,7 +233,9 @@ class DeviceMemory:
                 continue  # every model of this class is smaller than need (and frees at most its size)
             for k in cls:  # least recently used first: its first fit is the class's answer
                 frees = self._models[k][1] if k not in shared else self._frees_with(k, {}, keep)
-                if frees >= need and evictable(k) and not wanted(k):
+                # (`wanted` first: the cheaper test, and under overload most models are wanted,
+                # while a policy's `evictable` may weigh each one's demand)
+                if frees >= need and not wanted(k) and evictable(k):
                     at = self._used_at[k]
                     if best is None or at < best_at:
                         best, best_at = k, at

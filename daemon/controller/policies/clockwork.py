@@ -779,9 +779,14 @@ class ClockworkPolicy:
         # cold starts, and makes more copy work than it saves.
         mine = self._cold_cost(view, entry, dev_kind := next(iter(view.devices.values())).kind, now)
 
+        demands: dict[str, float] = {}  # (nothing changes during this call: each model's, once)
+
         def demand(k: str) -> float:
-            e = view.models.get(k)
-            return self._cold_cost(view, e, dev_kind, now) if e is not None else 0.0
+            d = demands.get(k)
+            if d is None:
+                e = view.models.get(k)
+                d = demands[k] = self._cold_cost(view, e, dev_kind, now) if e is not None else 0.0
+            return d
 
         options = []
         lane_only = head is None  # (loading for the best-effort lane alone)
