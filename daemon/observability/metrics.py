@@ -33,16 +33,16 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.utils import floatToGoString
 
 from daemon.api.httpserver import Request, Response, Router
-from daemon.controller.scheduler import Scheduler
 from daemon.observability.stats import Buckets, ModelStats
 from daemon.overload import LagTracker
-from daemon.runtime.prefixcache import PrefixCacheStats
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (types only: a frontend worker renders nothing here, and loads no controller or torch)
     from daemon.apps.cache import PredictionCache
     from daemon.apps.personal import Personalizer
     from daemon.apps.router import Applications
+    from daemon.controller.scheduler import Scheduler
     from daemon.gateway import Gateway  # a type only: the gateway renders through this module
+    from daemon.runtime.prefixcache import PrefixCacheStats
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # text/plain; version=0.0.4; charset=utf-8
 
