@@ -480,11 +480,11 @@ class CudaBackend:
     def _pin(self, st: CudaResident, nbytes: int, label: str) -> Buffer:
         buf = self.pinned_pool.take(nbytes)  # pinned and charged already
         if buf is None:
-            if not self.host.charge(nbytes):
-                self._unpin(self.pinned_pool.evict(pages(nbytes)))
-                if not self.host.charge(nbytes):
+            while not self.host.charge(nbytes):  # pooled buffers give way, oldest first
+                if not len(self.pinned_pool):
                     raise NoMemory(f"the host's pinned memory budget (runtime.host_pinned_budget = "
                                    f"{self.host.budget}) has no room for {label}")
+                self._unpin(self.pinned_pool.evict(pages(nbytes)))
             try:
                 buf = self.api.alloc_pinned(nbytes, label)
             except BaseException:
