@@ -5,6 +5,8 @@
         median of RUNS runs in this process
     python -m bench.scale_probe profile TREE [MODELS RATE SECONDS SPEEDUP]
         cProfile of the controller's calls only (the Driver's submit, step, next_wakeup)
+    python -m bench.scale_probe point TREE [MODELS RATE SECONDS SPEEDUP]
+        one point's controller µs per request and SLO attainment (seed 1, as the 35k row)
     python -m bench.scale_probe decisions TREE
         a hash of every action sent and every request answered at three points: two trees whose
         hashes agree made the same decisions in the same order
@@ -101,6 +103,11 @@ def main(argv: list[str]) -> None:
         phases(models, rate, seconds, speedup, int(args[4]) if len(args) > 4 else 3)
     elif mode == "profile":
         profile(models, rate, seconds, speedup)
+    elif mode == "point":
+        from bench.scenarios import scale
+        r = scale.point(models, speedup, rate, seconds, 8, 64.0, 1)
+        print(f"{r['controller_us_per_request']:.1f} us/request, attainment {r['slo_attainment']:.4f}, "
+              f"{r['requests']} requests")
     else:
         decisions()
 
