@@ -123,6 +123,7 @@ class Result:
     parts: tuple[tuple[np.ndarray, ...], ...] | None = None  # a cross-model batch: each member's outputs
     # Stages of a plan run by this INFER: (estimate key, rows, seconds) each (controller/sharing.py)
     stage_runs: tuple[tuple[str, int, float], ...] = ()
+    set_up: bool = False  # LOAD: it also warmed up and captured graphs (Resident.set_up)
 
     @property
     def ok(self) -> bool:

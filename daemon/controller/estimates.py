@@ -99,6 +99,7 @@ class Estimator:
         # LOADs that found part of the model's blocks on the device already (their time is mostly
         # the fixed cost of binding, not copying): kept apart from full LOADs
         self._partial_load: dict[tuple[str, str], SlidingWindow] = {}
+        self._setup_load: dict[tuple[str, str], SlidingWindow] = {}  # LOADs that also captured graphs
         self._seeds: dict[tuple[str, int, str], float] = {}
 
     def version(self, model: str) -> int:
@@ -141,9 +142,11 @@ class Estimator:
         w.add(seconds, self.now)
         self._invalidate(model, key)  # only this window changed
 
-    def observe_load(self, model: str, kind: str, seconds: float, share: float = 1.0) -> None:
-        """A LOAD that copied `share` of the model's bytes (the rest was on the device already)."""
-        windows = self._load if share >= 1.0 else self._partial_load
+    def observe_load(self, model: str, kind: str, seconds: float, share: float = 1.0, set_up: bool = False) -> None:
+        """A LOAD that copied `share` of the model's bytes (the rest was on the device already);
+        `set_up`: it also did one-time work (graph captures) that the next LOAD of the model will
+        most likely skip, so it is kept apart and counts only until a LOAD without it is seen."""
+        windows = self._setup_load if set_up else self._load if share >= 1.0 else self._partial_load
         w = windows.get((model, kind))
         if w is None:
             w = windows[(model, kind)] = SlidingWindow(self.window)
@@ -180,6 +183,8 @@ class Estimator:
         """A LOAD copying `share` of the model's bytes: a full LOAD's time scaled to the share (the
         copy scales with the bytes), but never under what such partial LOADs took (binding)."""
         w = self._load.get((model, kind))
+        if w is None or not len(w):
+            w = self._setup_load.get((model, kind))  # only LOADs that set up so far: their time is all there is
         full = w.percentile(self.percentile) if w is not None and len(w) else None
         if share >= 1.0:
             return full
@@ -195,6 +200,6 @@ class Estimator:
         for d in (self._infer, self._seeds):
             for k in [k for k in d if k[0] == model]:
                 del d[k]
-        for loads in (self._load, self._partial_load):
+        for loads in (self._load, self._partial_load, self._setup_load):
             for lk in [lk for lk in loads if lk[0] == model]:
                 del loads[lk]

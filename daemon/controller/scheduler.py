@@ -957,7 +957,7 @@ class Scheduler:
         entry = self.models.get(key)
         share = self._load_share.pop(action.id, 1.0)
         if result.ok and not dev.failed:
-            self.estimator.observe_load(key, dev.kind, result.end - result.begin, share)
+            self.estimator.observe_load(key, dev.kind, result.end - result.begin, share, result.set_up)
             dev.memory.loaded(key)
             self.ready_on.setdefault(key, set()).add(dev.name)
             dev.load_failures.pop(key, None)

@@ -73,6 +73,9 @@ class Resident:
     io: dict[int, IOBuffers]
     state: Any = None  # the backend's own (device extents, graphs, output rings)
     notes: str = ""  # what the backend could not do for it (e.g. why it runs without CUDA graphs)
+    # Its LOAD did one-time work a later LOAD of its kind may skip (warm-ups, graph captures): its
+    # time is not what the next LOAD takes
+    set_up: bool = False
 
 
 Fill = Callable[[IOBuffers], int]  # writes a batch into the IO buffers' host side; returns its rows

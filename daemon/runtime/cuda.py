@@ -303,7 +303,10 @@ class CudaBackend:
             duration = self._copy_weights(program, st, deadline)
             self._pin_io(program, res, st)
             self._bind(res, st)
+            hits = self.graph_cache.hits
             res.notes = self._make_graphs(program, res, st, deadline)
+            # warm-ups and captures ran, unless parked graphs served (eager models warm up every LOAD)
+            res.set_up = self.graph_cache.hits == hits and bool(st.graphs)
             self.api.record(self._captured, self.capture_s)
             self._captured.wait(deadline)
         except DeviceFault as e:

@@ -330,7 +330,8 @@ class Executor:
         deadline = begin + self.hang_timeout_s + program.weight_bytes / LOAD_FLOOR_BPS + 10 * action.expected_duration
         res, duration = self.backend.load(key, program, deadline)
         self.resident[key] = res
-        return Result(action, ResultStatus.OK, received, begin, self.clock.now(), duration, weight_bytes=res.charged)
+        return Result(action, ResultStatus.OK, received, begin, self.clock.now(), duration, weight_bytes=res.charged,
+                      set_up=res.set_up)
 
     def _unload(self, action: Action, received: float) -> Result:
         begin = self.clock.now()

@@ -32,6 +32,18 @@ def test_estimator_seeds_interpolate_then_observations_win() -> None:
     assert e.infer("m", 4, "cpu") is None
 
 
+def test_a_load_that_captured_graphs_counts_only_until_one_that_did_not() -> None:
+    e = Estimator()
+    e.observe_load("m", "cuda", 0.040, set_up=True)  # warm-ups and captures: the first LOAD
+    assert e.load("m", "cuda") == 0.040  # all there is
+    e.observe_load("m", "cuda", 0.002)  # replayed parked graphs: what LOADs take from now on
+    assert e.load("m", "cuda") == 0.002
+    e.observe_load("m", "cuda", 0.045, set_up=True)  # a rare capture: not the next LOAD's time
+    assert e.load("m", "cuda") == 0.002
+    e.forget("m")
+    assert e.load("m", "cuda") is None
+
+
 def test_memory_accounting_and_lru_victims() -> None:
     m = DeviceMemory(100)
     for k in ("a", "b", "c"):
