@@ -303,10 +303,7 @@ class CudaBackend:
             duration = self._copy_weights(program, st, deadline)
             self._pin_io(program, res, st)
             self._bind(res, st)
-            hits = self.graph_cache.hits
             res.notes = self._make_graphs(program, res, st, deadline)
-            # warm-ups and captures ran, unless parked graphs served (eager models warm up every LOAD)
-            res.set_up = self.graph_cache.hits == hits and bool(st.graphs)
             self.api.record(self._captured, self.capture_s)
             self._captured.wait(deadline)
         except DeviceFault as e:
@@ -561,6 +558,7 @@ class CudaBackend:
                 parked.retarget(st.steps, st.stage_steps)
                 st.graphs, st.graph_timing, st.kernels = parked.graphs, parked.timing, parked.kernels
                 st.stage_graphs, st.stage_kernels = parked.stages, parked.stage_kernels
+                res.set_up = False
                 return ""
         # The first runs read the static inputs (and a plan's rest reads its first stage's outputs):
         # zeros, never what the arena held (an index read from stale bytes can trip a device-side assert).
@@ -612,6 +610,7 @@ class CudaBackend:
                 self._said[program.spec.key] = why
             return f"runs without CUDA graphs: {why}"
         self._capture_parts(program, st, parts)
+        res.set_up = True  # warmed up and captured: one-time work the next LOAD here may skip
         return ""
 
     def _capture_parts(self, program: Program, st: CudaResident, parts: list[StageKey]) -> None:
@@ -769,8 +768,7 @@ class CudaBackend:
         # (the executor gives the whole-program path a deadline from the action's estimate; this
         # path has none, so it allows the hang timeout past ten times the longest INFER seen here)
         deadline = self._deadline() + 10 * self._longest_s
-        cache = self.prefix_cache
-        plan = plan_prefix(cache, lead.program.prefix, [r for _, reqs in members for r in reqs])
+        plan = plan_prefix(self.prefix_cache, lead.program.prefix, [r for _, reqs in members for r in reqs])
         if len(members) == 1 and plan.run:
             # a lone plan whose prefix must run anyway runs as one program, with its graphs
             reqs = members[0][1]
@@ -802,36 +800,11 @@ class CudaBackend:
             api.record(self.ev_in, self.h2d)
             api.wait_event(self.exec, self.ev_in)
             mid: list[tuple[torch.Tensor, ...]] = []  # the first stage's outputs, from one kernel to the next
-            spec = lead.program.spec
-            ins = [r.buffer.view(r.offset, t.datatype.tensor_dtype, (rows, *t.sample_shape))
-                   for r, t in zip(lst.inputs, spec.inputs, strict=True)]
-            chain = lead.runner
-            assert isinstance(chain, Chain)
-
-            def prefix() -> None:
-                with torch.inference_mode():
-                    computed = chain.stages[0](ins)
-                    mid.append(computed)
-                    plan.keep(cache, computed)  # copies, on this stream, after the stage wrote them
-            graphed = self._parts_ready(lead, members, sts, counts, rows)
-            if graphed:
+            if self._parts_ready(lead, members, sts, counts, rows):
                 self.staged_replays += 1
                 self._replay_parts(lead, members, sts, counts, rows, plan, mid, events)
             else:
-                api.record(events[0], self.exec)
-                if rows:
-                    api.launch(self.exec, prefix, [lst.weights, *(r.sub(0, rows * n) for r, n in
-                                                                 zip(lst.inputs, lst.in_row_bytes, strict=True))], [])
-                else:  # every request's prefix output was held
-                    mid.append(())
-                first = 0
-                for i, ((res, reqs), st, n) in enumerate(zip(members, sts, counts, strict=True)):
-                    api.record(events[i + 1], self.exec)
-                    dests = [r.buffer.view(r.offset, t.datatype.tensor_dtype, (n, *t.sample_shape))
-                             for r, t in zip(st.outputs, res.program.spec.outputs, strict=True)]
-                    api.launch(self.exec, self._tail(res, mid, plan, first, len(reqs), dests), [st.weights],
-                               [r.sub(0, n * rb) for r, rb in zip(st.outputs, st.out_row_bytes, strict=True)])
-                    first += len(reqs)
+                self._run_parts(lead, members, sts, counts, rows, plan, mid, events)
             api.record(self.ev_end, self.exec)
             api.wait_event(self.d2h, self.ev_end)
             regions: list[list[Region]] = []
@@ -915,6 +888,37 @@ class CudaBackend:
             api.launch(self.exec, self._gather(res, mid, plan, first, len(reqs), dests), [],
                        [r.sub(0, n * rb) for r, rb in zip(st.mids, st.mid_row_bytes, strict=True)])
             st.stage_graphs[(1, res.program.spec.batch_size_for(n))].replay(self.exec)
+            first += len(reqs)
+
+    def _run_parts(self, lead: Resident, members: Sequence[tuple[Resident, Sequence[InferenceRequest]]],
+                   sts: list[CudaResident], counts: list[int], rows: int, plan: PrefixPlan,
+                   mid: list[tuple[torch.Tensor, ...]], events: list[Event]) -> None:
+        """A cross-model batch as eager kernels (no graphs for its parts): the first stage once over
+        the computed rows in the lead's static inputs, then each member's rest on its own rows."""
+        api, lst, cache = self.api, sts[0], self.prefix_cache
+        ins = [r.buffer.view(r.offset, t.datatype.tensor_dtype, (rows, *t.sample_shape))
+               for r, t in zip(lst.inputs, lead.program.spec.inputs, strict=True)]
+        chain = lead.runner
+        assert isinstance(chain, Chain)
+
+        def prefix() -> None:
+            with torch.inference_mode():
+                computed = chain.stages[0](ins)
+                mid.append(computed)
+                plan.keep(cache, computed)  # copies, on this stream, after the stage wrote them
+        api.record(events[0], self.exec)
+        if rows:
+            api.launch(self.exec, prefix, [lst.weights, *(r.sub(0, rows * n) for r, n in
+                                                         zip(lst.inputs, lst.in_row_bytes, strict=True))], [])
+        else:  # every request's prefix output was held
+            mid.append(())
+        first = 0
+        for i, ((res, reqs), st, n) in enumerate(zip(members, sts, counts, strict=True)):
+            api.record(events[i + 1], self.exec)
+            dests = [r.buffer.view(r.offset, t.datatype.tensor_dtype, (n, *t.sample_shape))
+                     for r, t in zip(st.outputs, res.program.spec.outputs, strict=True)]
+            api.launch(self.exec, self._tail(res, mid, plan, first, len(reqs), dests), [st.weights],
+                       [r.sub(0, n * rb) for r, rb in zip(st.outputs, st.out_row_bytes, strict=True)])
             first += len(reqs)
 
     @staticmethod
