@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import numpy as np
 import pytest
 
 from daemon.actions import Action, ActionKind, ResultStatus
@@ -378,3 +380,63 @@ def test_waiting_never_costs_a_deadline() -> None:
     urgent = h.request(spec, timeout=15 * MS)  # a full batch (10 ms) must start within 5 ms
     h.run_until(urgent)
     assert urgent.ok and urgent.finished_at <= urgent.deadline
+
+
+def test_a_lone_request_on_an_idle_device_is_planned_without_a_pass() -> None:
+    h = cw()
+    a = add(h, "a")
+    h.use(a)
+    req = h.request(a, timeout=50 * MS)
+    policy = h.sched.policy
+    assert isinstance(policy, ClockworkPolicy)
+    (infer,) = h.step()
+    assert infer.requests == [req] and infer.batch_size == 1
+    # as the pass plans it: its latest start is its deadline less its run, from now
+    assert infer.latest == pytest.approx(req.deadline - 1 * MS)
+    assert not policy.work or not any(w.live for w in policy.work.values())  # never indexed
+
+
+def test_a_lone_request_behind_another_models_work_waits_for_the_pass() -> None:
+    h = cw()
+    a, b = add(h, "a"), add(h, "b")
+    h.use(a)
+    h.use(b)
+    h.request(a, timeout=90 * MS)
+    h.request(a, timeout=90 * MS)  # a's queue holds two: indexed for the pass
+    urgent = h.request(b, timeout=30 * MS)  # lone, but the device has a's work: the pass chooses
+    (first, *_) = h.step()
+    assert first.requests == [urgent]
+
+
+@pytest.mark.parametrize("rate", [2000.0, 9000.0])
+def test_planning_lone_requests_without_a_pass_decides_what_the_pass_decides(
+        rate: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    from daemon.controller import driver as dm
+    from daemon.sim import Simulation, clockwork_models
+
+    def decisions(shortcut: bool) -> list[list[str]]:
+        ms = clockwork_models(100)
+        times = np.cumsum(np.random.default_rng(5).exponential(1 / rate, int(rate * 0.5)))
+        targets = np.random.default_rng(6).integers(0, 100, len(times))
+        policy = ClockworkPolicy()
+        if not shortcut:
+            monkeypatch.setattr(policy, "_alone", lambda view, entry: None)
+        sim = Simulation(ms, 4, policy, weight_budget=8 * 2**30, seed=1)
+        steps: list[list[str]] = []
+        step = dm.Driver.step
+
+        def recorded(self: dm.Driver, now: float, results: Any = (), on_error: Any = None) -> Any:
+            d = step(self, now, results, on_error)
+            # (the same decisions in a step; the lone requests' batches come first in it)
+            steps.append(sorted([repr((x.kind.name, x.model.key, x.device, x.earliest, x.latest, x.batch_size,
+                                       x.expected_start, [r.arrival for r in x.requests])) for x in d.actions] +
+                                [repr((r.arrival, r.status.name, r.finished_at)) for r in d.finished]))
+            return d
+        monkeypatch.setattr(dm.Driver, "step", recorded)
+        sim.run(times, targets, [m[0].key for m in ms], drain_s=1.0)
+        monkeypatch.setattr(dm.Driver, "step", step)
+        return steps
+
+    fast, full = decisions(True), decisions(False)
+    assert len(fast) == len(full) and sum(map(len, fast)) > 500
+    assert fast == full

@@ -148,6 +148,7 @@ class ClockworkPolicy:
         self._dirty: set[str] = set()
         self._dev_wake: dict[str, float] = {}
         self._lane_cold: set[str] = set()  # models with best-effort work on no device
+        self._fresh: list[tuple[ModelEntry, InferenceRequest]] = []  # lone arrivals not indexed yet
 
     # ---------------------------------------------------------------- hooks
 
@@ -161,7 +162,79 @@ class ClockworkPolicy:
             meter = self.rates[key] = RateMeter()
         meter.add(req.samples, now)
         entry = view.models[key]
+        if entry.queue.requests == 1 and self._alone(view, entry) is not None:
+            self._fresh.append((entry, req))  # the pass may not be needed for it: see _settle_fresh
+            return
         self.on_queued(view, entry, now, req)
+
+    def _alone(self, view: ControllerView, entry: ModelEntry) -> DeviceState | None:
+        """The one device a model is ready on, where its lone request could be planned without a
+        pass (see `_settle_fresh`); None where the pass must decide: several devices to choose
+        among, ParM groups, a shared prefix to batch with other models."""
+        ready = view.ready_on.get(entry.spec.key)
+        if ready is None or len(ready) != 1 or entry.spec.parity is not None or (entry.prefix and self.cross_model):
+            return None
+        for name in ready:
+            return view.devices[name]
+        return None
+
+    def _settle_fresh(self, view: ControllerView, now: float) -> list[Infer]:
+        """The batches the pass would plan for this step's new lone requests, planned without it.
+
+        A request that arrived to an empty queue of a model ready on one device only, where no
+        other model's work is indexed and no other such request arrived in this step, can only be
+        that device's next batch, alone: planned here, it skips the indexing, the ordering of
+        devices and the generator of a pass (most arrivals at light and moderate load, where they
+        are most of the controller's work). Anything else (another request joined it, the device
+        has other work or is not free within the horizon, the request cannot make its deadline
+        there, a fuller batch is worth waiting for) is indexed as any arrival and left to the pass,
+        which decides exactly as it would have."""
+        fresh, self._fresh = self._fresh, []
+        mine: dict[str, tuple[ModelEntry, InferenceRequest, DeviceState] | None] = {}
+        for entry, req in fresh:
+            dev = self._alone(view, entry)
+            if dev is None or entry.queue.requests != 1 or entry.queue.head() is not req:
+                if entry.queue.requests:
+                    self.on_queued(view, entry, now)
+                continue
+            w = self.work.get(dev.name)
+            if dev.name in mine or (w is not None and w.live):
+                other = mine.get(dev.name)
+                if other is not None:
+                    self.on_queued(view, other[0], now)
+                mine[dev.name] = None  # two of them, or indexed work: the pass chooses
+                self.on_queued(view, entry, now)
+                continue
+            mine[dev.name] = (entry, req, dev)
+        out: list[Infer] = []
+        for chosen in mine.values():
+            if chosen is None:
+                continue
+            entry, req, dev = chosen
+            step = self._plan_alone(view, entry, req, dev, now)
+            if step is None:
+                self.on_queued(view, entry, now)
+            else:
+                out.append(step)
+        return out
+
+    def _plan_alone(self, view: ControllerView, entry: ModelEntry, req: InferenceRequest, dev: DeviceState,
+                    now: float) -> Infer | None:
+        """`_dispatch`'s batch for a lone request on a device with no other work; None where the
+        pass must decide."""
+        key, spec = entry.spec.key, entry.spec
+        if dev.failed or not dev.healthy_for(key, now) or not dev.memory.is_ready(key):
+            return None
+        start = dev.timeline.exec.free_at(now)
+        if start >= now + self.horizon:
+            return None
+        run = self._est_on(view, key, req.samples, dev)
+        if start > req.deadline - run:
+            return None  # it cannot make it here: the pass answers it
+        if self.batch_wait > 0 and self._bind_at(view, entry, dev, start, now) > now:
+            return None  # a fuller batch soon: the pass waits for it
+        return Infer(spec, dev.name, [req], spec.batch_size_for(req.samples),
+                     max(req.deadline - run, start + LATEST_GRACE), run)
 
     def on_queued(self, view: ControllerView, entry: ModelEntry, now: float,
                   req: InferenceRequest | None = None) -> None:
@@ -233,12 +306,23 @@ class ClockworkPolicy:
     # ---------------------------------------------------------------- the step
 
     def schedule(self, view: ControllerView, now: float) -> Steps | tuple[()]:
+        planned = self._settle_fresh(view, now) if self._fresh else None
         if not (self._dirty or self.cold or self._replica_check or self._lane_cold) and \
                 min(self._dev_wake.values(), default=math.inf) > now:
-            return ()  # nothing changed since the last pass, and no device's time has come
-        return self._pass(view, now)
+            # nothing changed since the last pass but lone requests, and no device's time has come
+            return self._just(planned) if planned else ()
+        return self._pass(view, now, planned)
 
-    def _pass(self, view: ControllerView, now: float) -> Steps:
+    @staticmethod
+    def _just(planned: list[Infer]) -> Steps:
+        # (a loop, not `yield from`: the scheduler sends each step's action back, which a list's
+        # iterator cannot take)
+        for step in planned:  # noqa: UP028
+            yield step
+
+    def _pass(self, view: ControllerView, now: float, planned: list[Infer] | None = None) -> Steps:
+        for step in planned or ():  # noqa: UP028 (as _just; each on a device the pass then finds busy)
+            yield step
         # Inference first: a model whose LOAD just finished gets its batch (and is then busy)
         # before any other LOAD may look for room.
         yield from self._plan_inference(view, now)
