@@ -57,7 +57,9 @@ class Escapement:
     """`escapement serve` in a child process on an ephemeral port and a private socket."""
 
     def __init__(self, repo: str | Path, faults: list[dict[str, Any]] | None = None,
-                 log_file: str | Path | None = None, **sections: dict[str, Any]) -> None:
+                 log_file: str | Path | None = None, tree: str | Path | None = None,
+                 **sections: dict[str, Any]) -> None:
+        self.tree = Path(tree) if tree is not None else ROOT  # whose code runs (an older checkout for an A/B)
         self.log_file = Path(log_file) if log_file is not None else None  # every line, where kept
         self.dir = Path(tempfile.mkdtemp(prefix="escb-", dir="/tmp"))
         self.socket = str(self.dir / "d.sock")
@@ -87,7 +89,7 @@ class Escapement:
 
     def start(self, timeout: float = 300) -> None:
         cmd = [sys.executable, "-m", "daemon", "serve", "--config", str(self.dir / "bench.toml")]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=self.tree)
         assert self.proc.stderr is not None
         deadline = time.monotonic() + timeout
         for line in self.proc.stderr:

@@ -24,6 +24,7 @@ SCENARIOS = {
     "classes": "bench.scenarios.classes",
     "routing": "bench.scenarios.routing",
     "ingest": "bench.scenarios.ingest",
+    "loop-cost": "bench.scenarios.loop_cost",
     "sharing": "bench.scenarios.sharing",
     "apps": "bench.scenarios.apps",
     "rayserve": "bench.scenarios.rayserve",

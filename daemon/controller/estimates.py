@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 
 EXACT_ROW_KINDS = frozenset({"cpu", "sim"})  # devices that run exactly the filled rows of a batch
 DEFAULT_WINDOW = 10
 DEFAULT_PERCENTILE = 0.99
 DEFAULT_MAX_AGE = 1.0  # seconds: older samples no longer count (a transient slowdown is forgotten)
+RATE_TAU = 1.0  # seconds: the time constant of the arrival-rate estimate
 
 
 class SlidingWindow:
@@ -203,3 +205,21 @@ class Estimator:
         for loads in (self._load, self._partial_load, self._setup_load):
             for lk in [lk for lk in loads if lk[0] == model]:
                 del loads[lk]
+
+
+@dataclass(slots=True)
+class RateMeter:
+    """An exponentially decaying estimate of samples per second."""
+
+    rate: float = 0.0
+    at: float = 0.0
+
+    def add(self, amount: float, now: float) -> None:
+        rate = self.rate  # (as value(now), inline: once per arrival)
+        if rate:
+            rate *= math.exp(-(now - self.at) / RATE_TAU)
+        self.rate = rate + amount / RATE_TAU
+        self.at = now
+
+    def value(self, now: float) -> float:
+        return self.rate * math.exp(-(now - self.at) / RATE_TAU) if self.rate else 0.0

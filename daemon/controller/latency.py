@@ -11,6 +11,11 @@ time is at most `max_run_s`, the controller runs it on its own thread instead (t
 Everything else keeps the batch engine: the moment a second request is queued or an action is
 running, a step finds them and batches as before. Running on the controller's thread holds the
 loop for the run, so the bound `max_run_s` is also the longest any other connection waits for it.
+And only at light load: where arrivals come fast enough that runs here would take more than
+MAX_LOOP_SHARE of the loop's time (requests/s times the run per request), the batch engine runs
+them. At 4,000 req/s of `mlp_784` the path found the daemon idle between most arrivals, ran
+nearly every request on the loop and doubled the loop's CPU per request (99 against 58 µs with
+a frontend worker: bench/results/loop-cost.md), CPU the loop needs for ingest at that rate.
 
 Pure: reads the scheduler's state and the decision, never changes them; the caller runs it.
 """
@@ -22,6 +27,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from daemon.actions import Action, ActionKind
+from daemon.controller.estimates import RateMeter
 
 if TYPE_CHECKING:
     from daemon.controller.scheduler import Scheduler
@@ -38,6 +44,10 @@ class Why(enum.Enum):
     BUSY = "busy"  # other requests queued or actions running: the batch engine
     SLOW = "slow"  # its estimated run time is over the bound
     REFUSED = "refused"  # the executor could not run it here (its lane busy, a fault injected, a device kind)
+    LOADED = "loaded"  # arrivals fast enough that runs here would take over MAX_LOOP_SHARE of the loop
+
+
+MAX_LOOP_SHARE = 0.05  # of the loop's time, at most, for runs on the latency path (at the arrival rate)
 
 
 class LatencyPath:
@@ -47,6 +57,11 @@ class LatencyPath:
         self.enabled = enabled
         self.max_run_s = max_run_s
         self.counts: Counter[Why] = Counter()
+        self.arrivals = RateMeter()  # requests per second submitted
+
+    def arrived(self, now: float) -> None:
+        """A request was submitted (its rate says whether the load is light)."""
+        self.arrivals.add(1.0, now)
 
     def pick(self, sched: Scheduler, decision: Decision, now: float) -> Action | None:
         """The action of `decision` to run here and now, or None (the batch engine runs it)."""
@@ -75,6 +90,8 @@ class LatencyPath:
             return Why.BUSY
         if a.expected_duration > self.max_run_s:
             return Why.SLOW
+        if self.arrivals.value(now) * a.expected_duration / max(len(a.requests), 1) > MAX_LOOP_SHARE:
+            return Why.LOADED
         return Why.TAKEN
 
     def statistics(self) -> dict[str, int]:

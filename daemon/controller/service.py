@@ -68,7 +68,9 @@ class ControllerService:
         """Admit a request (raises the error to answer with if refused)."""
         if not self.accepting:
             raise Unavailable("the daemon is shutting down")
-        self.driver.submit(req, self.clock.now())
+        now = self.clock.now()
+        self.driver.submit(req, now)
+        self.latency.arrived(now)
         self._idle.clear()
         self._settled.clear()
         self._kick()

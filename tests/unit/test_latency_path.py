@@ -12,7 +12,7 @@ import pytest
 from daemon.actions import Action, ActionKind, Result, ResultStatus
 from daemon.clock import FakeClock
 from daemon.config import ControllerSettings
-from daemon.controller.latency import LatencyPath, Why
+from daemon.controller.latency import MAX_LOOP_SHARE, LatencyPath, Why
 from daemon.controller.policies.dynamic import DynamicBatchingPolicy
 from daemon.controller.scheduler import Scheduler
 from daemon.controller.service import ControllerService
@@ -52,6 +52,26 @@ def test_a_run_estimated_over_the_bound_keeps_the_batch_engine() -> None:
     path = LatencyPath(True, 1 * MS)
     picked, actions = _lone(h, path, b1=2 * MS)
     assert picked is None and actions and path.counts == {Why.SLOW: 1}
+
+
+def test_fast_arrivals_keep_the_batch_engine() -> None:
+    """At a rate where runs here would take over MAX_LOOP_SHARE of the loop, they do not run here."""
+    h = Harness()
+    path = LatencyPath(True, 1 * MS)
+    for i in range(4000):  # 4,000 requests/s for 1 s (the meter reads ~2,500/s): 0.2 ms each, half the loop
+        path.arrived(h.now - 1.0 + i * 0.00025)
+    picked, actions = _lone(h, path)
+    assert picked is None and actions and path.counts == {Why.LOADED: 1}
+
+
+def test_a_light_rate_still_takes_the_path() -> None:
+    h = Harness()
+    path = LatencyPath(True, 1 * MS)
+    for i in range(10):  # 100 requests/s: 0.2 ms each is 2% of the loop
+        path.arrived(h.now - 0.1 + i * 0.01)
+    assert 0.2 * MS * path.arrivals.value(h.now) < MAX_LOOP_SHARE
+    picked, _ = _lone(h, path)
+    assert picked is not None and path.counts == {Why.TAKEN: 1}
 
 
 def test_a_window_opening_later_is_not_run_now() -> None:

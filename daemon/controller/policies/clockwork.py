@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from daemon.actions import ActionKind, Result
 from daemon.controller import sharing
 from daemon.controller.decisions import Drop, Infer, Load, Steps, Unload
-from daemon.controller.estimates import EXACT_ROW_KINDS
+from daemon.controller.estimates import EXACT_ROW_KINDS, RATE_TAU, RateMeter
 from daemon.controller.state import DeviceState, ModelEntry
 from daemon.controller.view import ControllerView
 from daemon.request import InferenceRequest
@@ -48,7 +48,6 @@ COPY_PRESSURE = 0.5  # copy-lane utilisation above which a load must not evict a
 REPLICA_UTILISATION = 0.7  # replicate once demand exceeds this share of the devices' throughput
 REPLICA_COOLDOWN = 0.1  # seconds between replications of one model
 REPLICA_DROPS = 5.0  # requests/s dropped because its devices were too slow or busy: replicate (SMART)
-RATE_TAU = 1.0  # seconds: the time constant of the arrival-rate estimate
 SLOW_DEVICE = 1.5  # a device whose recent runs of a model exceed its profile this much is running slow
 BIND_LEAD = 0.0003  # a batch is chosen this long before it should start (the executor's wake-up)
 MAX_WAIT_OF_SLO = 0.1  # a batch never waits to fill longer than this share of the model's SLO
@@ -57,24 +56,6 @@ COLD_CHECKS = 4  # cold models a pass checks for heads no LOAD can save while ev
 UTIL_REFRESH = 0.05  # seconds a device's utilisation (rates x costs of the models on it) is reused
 LANE_SLICE = 0.005  # a best-effort batch is cut to run at most this long (one row at least): on-time
 # work that arrives meanwhile waits for it, since a device runs one batch at a time
-
-
-@dataclass(slots=True)
-class RateMeter:
-    """An exponentially decaying estimate of samples per second."""
-
-    rate: float = 0.0
-    at: float = 0.0
-
-    def add(self, amount: float, now: float) -> None:
-        rate = self.rate  # (as value(now), inline: once per arrival)
-        if rate:
-            rate *= math.exp(-(now - self.at) / RATE_TAU)
-        self.rate = rate + amount / RATE_TAU
-        self.at = now
-
-    def value(self, now: float) -> float:
-        return self.rate * math.exp(-(now - self.at) / RATE_TAU) if self.rate else 0.0
 
 
 _seq = itertools.count()
