@@ -143,8 +143,11 @@ class ClockworkPolicy:
             meter = self.rates[key] = RateMeter()
         meter.add(req.samples, now)
         entry = view.models[key]
-        if entry.queue.requests == 1 and self._alone(view, entry) is not None:
-            self._fresh.append((entry, req))  # the pass may not be needed for it: see _settle_fresh
+        if entry.queue.requests == 1:
+            if self._alone(view, entry) is not None:
+                self._fresh.append((entry, req))  # the pass may not be needed for it: see _settle_fresh
+                return
+        elif self.batch_wait > 0 and self._still_filling(view, entry, req, now):
             return
         self.on_queued(view, entry, now, req)
 
@@ -158,6 +161,50 @@ class ClockworkPolicy:
         for name in ready:
             return view.devices[name]
         return None
+
+    def _still_filling(self, view: ControllerView, entry: ModelEntry, req: InferenceRequest, now: float) -> bool:
+        """An arrival behind the head of a model whose batch is filling on its one device, where
+        nothing else is indexed and a wake-up is planned: what a pass would do for it, done here
+        (True), or False where the pass must look.
+
+        A pass would pop the model, find its head still able to start in time, ask `_bind_at` when
+        to choose the batch, and, that being later, index the model again as it was and keep the
+        earlier of the two wake-ups. Under a fast arrival rate that is most passes (measured on one
+        model at 4,000 req/s with batch_wait: 25,000 of 29,000 passes decided nothing, a quarter of
+        the controller's time). Here the same: the arrival changes nothing indexed (the model's
+        entries in both indexes are at least as urgent as it), and the wake-up moves to the new
+        bind time if that is earlier; a batch due now, or anything else changed, goes to the pass."""
+        dev = self._alone(view, entry)
+        if dev is None:
+            return False
+        key, name = entry.spec.key, dev.name
+        w = self.work.get(name)
+        if name in self._dirty or name not in self._dev_wake or w is None or len(w.live) != 1:
+            return False
+        live = w.live.get(key)
+        head = entry.queue.head()
+        if live is None or head is None or head is req:
+            return False
+        latest_start = head.deadline - self._est_on(view, key, head.samples, dev)
+        if live != (head.rank, latest_start):
+            return False  # its estimate moved: the pass re-keys it
+        mine = (req.rank, req.deadline - self._est_on(view, key, req.samples, dev))
+        late = self.late.get(name)
+        held = late.live.get(key) if late is not None else None
+        if mine < live or held is None or held > (0, mine[1]):
+            return False  # the arrival would change an index entry
+        if dev.failed or not dev.healthy_for(key, now):
+            return False
+        start = dev.timeline.exec.free_at(now)
+        if start >= now + self.horizon or start > latest_start:
+            return False
+        bind = self._bind_at(view, entry, dev, start, now)
+        if bind <= now:
+            return False  # its batch is due: the pass chooses it
+        wake = self._dev_wake[name]
+        if bind < wake:
+            self._dev_wake[name] = bind
+        return True
 
     def _settle_fresh(self, view: ControllerView, now: float) -> list[Infer]:
         """The batches the pass would plan for this step's new lone requests, planned without it.
