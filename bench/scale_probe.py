@@ -8,6 +8,10 @@
     python -m bench.scale_probe point TREE [MODELS RATE SECONDS SPEEDUP]
         one point's controller µs per request and SLO attainment (seed 1, as the 35k row)
     python -m bench.scale_probe decisions TREE
+    python -m bench.scale_probe hot TREE [RATE SECONDS RUNS]
+        one hot model on one device with batch_wait 4 ms (the real daemon's default), Poisson at
+        RATE (default 4,000 req/s): the regime of `bench run loop-cost`, simulated; controller µs per
+        request (median of RUNS, seeds 0..), batches and a hash of the decisions
         a hash of every action sent and every request answered at three points: two trees whose
         hashes agree made the same decisions in the same order
 
@@ -93,10 +97,45 @@ def decisions() -> None:
         print(models, rate, n[0], r["slo_attainment"], h.hexdigest()[:16])
 
 
+def hot(rate: float, seconds: float, runs: int) -> None:
+    from bench import loadgen
+    from daemon.config import ControllerSettings
+    from daemon.controller import driver as dm
+    from daemon.controller.policies.clockwork import ClockworkPolicy
+    from daemon.runtime.simdevice import SimProfile
+    from daemon.sim import Simulation, sim_spec
+
+    h = hashlib.sha256()
+    step = dm.Driver.step
+
+    def recorded(self: Any, now: float, results: Any = (), on_error: Any = None) -> Any:
+        d = step(self, now, results, on_error)
+        for a in sorted(repr((a.kind.name, a.earliest, a.latest, a.batch_size, a.samples)) for a in d.actions):
+            h.update(a.encode())
+        return d
+    dm.Driver.step = recorded  # type: ignore[method-assign]
+    costs, batches = [], []
+    for seed in range(runs):
+        # an mlp-sized model: ~60 µs at batch 1, 350 µs at 32
+        ms = [(sim_spec("hot", 32, 0.1), SimProfile(2**20, 1e-3, {1: 60e-6, 8: 130e-6, 32: 350e-6}))]
+        sim = Simulation(ms, 1, ClockworkPolicy(batch_wait=0.004), ControllerSettings(), weight_budget=2**30,
+                         seed=seed)
+        sim.place(ms[0][0].key, ["sim:0"])
+        sched = loadgen.poisson(rate, seconds, 1, [1.0], seed=seed)
+        res = sim.run(sched.times, sched.targets, [ms[0][0].key], drain_s=0.5)
+        costs.append(res.controller_s / len(sched.times) * 1e6)
+        batches.append(sim.scheduler.counters["infer_actions"])
+    print(f"{statistics.median(costs):.1f} us/request (runs: {', '.join(f'{c:.1f}' for c in costs)}), batches "
+          f"{batches}, decisions {h.hexdigest()[:16]}")
+
+
 def main(argv: list[str]) -> None:
     mode, tree, *rest = argv
     sys.path.insert(0, tree)
     args = [float(x) for x in rest]
+    if mode == "hot":
+        hot(args[0] if args else 4000.0, args[1] if len(args) > 1 else 5.0, int(args[2]) if len(args) > 2 else 3)
+        return
     models, rate, seconds, speedup = (int(args[0]) if args else 1000, args[1] if len(args) > 1 else 20000.0,
                                       args[2] if len(args) > 2 else 0.5, args[3] if len(args) > 3 else 20.0)
     if mode == "phases":

@@ -225,6 +225,7 @@ class Scheduler:
                 f"model {req.model.name} has {entry.queue.requests + entry.late.requests} requests queued, its "
                 f"limit ({key})"), now)
         soft = req.klass != RequestClass.HARD
+        nbytes = 0
         if soft:
             nbytes = req.nbytes
             if self.soft_bytes + nbytes > self.settings.best_effort_bytes:
@@ -235,7 +236,7 @@ class Scheduler:
         best = self.best_case(req)
         if soft and (req.klass == RequestClass.BEST_EFFORT or now + best > req.deadline):
             # late from the start: no deadline to refuse it for, only the lane's bounds
-            self._admit(req, entry, now)
+            self._admit(req, nbytes)
             self._to_lane(req, entry, now)
             return
         if now + best > req.deadline:
@@ -266,21 +267,23 @@ class Scheduler:
                     f"model {req.model.name} is overloaded: with the {q.samples} sample(s) queued before it, this "
                     f"request cannot finish in under {done * 1e3:.1f} ms, and its deadline is "
                     f"{(req.deadline - now) * 1e3:.1f} ms away; retry later", retry_after_s=max(1.0, done)), now)
-        self._admit(req, entry, now)
+        self._admit(req, nbytes)
         entry.queue.push(req)
         self._active.add(req.model.key)
         heapq.heappush(self._expiry, (req.deadline - best, req.id, req))
         self.policy.on_submit(self, req, now)
 
-    def _admit(self, req: InferenceRequest, entry: ModelEntry, now: float) -> None:
+    def _admit(self, req: InferenceRequest, nbytes: int) -> None:
+        """`nbytes`: a request that is not hard holds its inputs' bytes of the best-effort lane's budget."""
         req.cold_start = req.model.key not in self.ready_on
-        self.counters["admitted"] += 1
-        self.counters["cold_starts"] += req.cold_start
+        counters = self.counters
+        counters["admitted"] += 1
+        counters["cold_starts"] += req.cold_start
         req.status = RequestStatus.QUEUED
         self.pending += 1
-        if req.klass != RequestClass.HARD:
-            req.lane_bytes = req.nbytes
-            self.soft_bytes += req.lane_bytes
+        if nbytes:
+            req.lane_bytes = nbytes
+            self.soft_bytes += nbytes
 
     def _to_lane(self, req: InferenceRequest, entry: ModelEntry, now: float) -> None:
         """`req` cannot make its target (or never had one): it waits in its model's best-effort lane,
