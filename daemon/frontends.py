@@ -44,7 +44,22 @@ from daemon.api.codec import tensor_bytes
 from daemon.api.grpc_v2 import InferenceService, answer_forwarded
 from daemon.api.http import HttpFrontend
 from daemon.api.httpserver import Request
-from daemon.api.link import ABORT, CALL, CANCEL, DONE, DRAIN, HELLO, MODELS, READY, REPLY, STATE, STOP, SUBMIT, Link
+from daemon.api.link import (
+    ABORT,
+    CALL,
+    CANCEL,
+    DONE,
+    DRAIN,
+    HELLO,
+    MODELS,
+    READY,
+    REGIONS,
+    REPLY,
+    STATE,
+    STOP,
+    SUBMIT,
+    Link,
+)
 from daemon.api.slots import pool_bytes, pool_classes
 from daemon.api.uds import ASYNC_OPS, SocketFrontend, async_answer, control_answer, infer_answer
 from daemon.api.worker import CALL_GRPC, CALL_HTTP
@@ -122,7 +137,9 @@ class FrontendWorkers:
         self._tick: asyncio.TimerHandle | None = None
         self._sent: tuple[Any, ...] = ()
         self._generation = -1
+        self._regions_generation = 0  # (a worker starts with the registry as it is: _start_worker)
         self.restarts = 0
+        self.forwarded = 0  # calls workers forwarded here (management, statistics, users' inferences...)
 
     # ---------------------------------------------------------------- start-up
 
@@ -179,6 +196,7 @@ class FrontendWorkers:
         w.link.send([HELLO, pickle.dumps(self.settings, protocol=pickle.HIGHEST_PROTOCOL), index, self.count,
                      self.http_host, self.http_port, self.grpc_host, self.grpc_port])
         w.link.send([MODELS, catalog_snapshot(self.gateway)])
+        w.link.send([REGIONS, self.gateway.shared_memory.snapshot()])
         w.link.send(self._state())
         log.info("frontend worker %d started (pid %d)", index, proc.pid)
 
@@ -254,6 +272,7 @@ class FrontendWorkers:
     def _call(self, w: WorkerHandle, cid: int, kind: int, payload: Any) -> None:
         assert w.link is not None
         link = w.link
+        self.forwarded += 1
         if kind == CALL_GRPC:
             method, blob, metadata, deadline = payload
             service = self._grpc_shadow
@@ -336,14 +355,21 @@ class FrontendWorkers:
         self._push_registry()
 
     def _push_registry(self) -> None:
+        """The catalog and the shared-memory registry, to every worker, each if it changed."""
+        regions = self.gateway.shared_memory
+        if regions.generation != self._regions_generation:
+            self._regions_generation = regions.generation
+            self._send_all([REGIONS, regions.snapshot()])
         gen = self.gateway.catalog.generation
         if gen == self._generation:
             return
         self._generation = gen
-        snapshot = catalog_snapshot(self.gateway)
+        self._send_all([MODELS, catalog_snapshot(self.gateway)])
+
+    def _send_all(self, record: list[Any]) -> None:
         for w in self.workers:
             if w is not None and w.link is not None:
-                w.link.send([MODELS, snapshot])
+                w.link.send(record)
 
     def _schedule_tick(self) -> None:
         self._tick = asyncio.get_running_loop().call_later(STATE_TICK_S, self._on_tick)

@@ -390,15 +390,24 @@ FORWARDED: dict[str, tuple[type[Any], type[Any]]] = {
 }
 
 
-def needs_controller(request: pb.ModelInferRequest) -> bool:
-    """Whether a worker forwards an inference whole: it names a shared-memory region or a user (the
-    controller process owns both), or carries BYTES (slots hold fixed-size elements only)."""
+def needs_controller(request: pb.ModelInferRequest, regions: SharedMemoryRegions) -> bool:
+    """Whether a worker forwards an inference whole: it names a user (the controller process owns
+    them) or a shared-memory region the worker does not serve itself (`regions`, its replica), or
+    carries BYTES (slots hold fixed-size elements only)."""
     if "user" in request.parameters:
         return True
+    names: list[Any] = []
     for t in request.inputs:
-        if t.datatype == "BYTES" or any(k in t.parameters for k in SHM_PARAMS):
+        if t.datatype == "BYTES":
             return True
-    return any(any(k in o.parameters for k in SHM_PARAMS) for o in request.outputs)
+        if any(k in t.parameters for k in SHM_PARAMS):
+            names.append(_param(t.parameters["shared_memory_region"]) if "shared_memory_region" in t.parameters
+                         else None)
+    for o in request.outputs:
+        if any(k in o.parameters for k in SHM_PARAMS):
+            names.append(_param(o.parameters["shared_memory_region"]) if "shared_memory_region" in o.parameters
+                         else None)
+    return bool(names) and not regions.serves(names)
 
 
 class WorkerInferenceService(InferenceService):
@@ -421,7 +430,7 @@ class WorkerInferenceService(InferenceService):
 
     @rpc
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Ctx) -> pb.ModelInferResponse:
-        if needs_controller(request):
+        if needs_controller(request, self.gateway.shared_memory):
             return cast(pb.ModelInferResponse, await self._forwarded("ModelInfer", request, context))
         return await super().ModelInfer(request, context)
 

@@ -30,7 +30,7 @@ from daemon.api.codec import (
 )
 from daemon.api.httpserver import HttpServer, Request, Response, Router, error_response
 from daemon.api.metadata import model_config_json, model_metadata_json
-from daemon.api.sharedmem import OutputTargets, SharedMemoryRegions, ShmRef, names_region, shm_ref
+from daemon.api.sharedmem import OutputTargets, SharedMemoryRegions, ShmRef, region_names, shm_ref
 from daemon.apps.personal import check_user
 from daemon.datatypes import BY_NAME
 from daemon.errors import (
@@ -51,7 +51,6 @@ log = logging.getLogger("escapement.http")
 
 HEADER_LEN = "Inference-Header-Content-Length"
 _HEADER_LEN_KEY = HEADER_LEN.lower()  # request headers are looked up lower-case
-_SHM_KEY = b"shared_memory_region"  # in a body: the request names a region (a frontend worker forwards it)
 EXTENSIONS = ["binary_tensor_data", "model_repository", "schedule_policy", "model_configuration", "parameters",
               "statistics", "system_shared_memory"]
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
@@ -138,8 +137,8 @@ class HttpFrontend:
         r.add("POST", "/v2/repository/{repo}/index", self.named_repository)
         r.add("POST", "/v2/repository/{repo}/models/{model}/{op:load|unload}", self.named_repository)
         self.server: HttpServer | None = None
-        # In a frontend worker: requests naming a shared-memory region go to the controller process,
-        # which owns the regions (their bodies are small: the tensors are in the regions).
+        # In a frontend worker: requests naming a user, or a shared-memory region the worker's replica
+        # does not serve, go to the controller process (their bodies are small).
         self.forward_shm: Callable[[Request], Awaitable[Response]] | None = None
         self._hosts: frozenset[str] = frozenset()  # Host values that name this listener (loopback only)
 
@@ -466,20 +465,18 @@ class HttpFrontend:
             view = memoryview(body)
             if n == 0:
                 return await self._raw_binary(request, spec, view)
-            if self.forward_shm is not None and body.find(_SHM_KEY, 0, n) >= 0:
-                return await self.forward_shm(request)  # parsed where the regions are, not here too
             obj, binary = _parse_json(view[:n], "the inference header", max_json), view[n:]
         else:
-            if self.forward_shm is not None and _SHM_KEY in body:
-                return await self.forward_shm(request)  # parsed where the regions are, not here too
             obj, binary = _parse_json(body, "the request body", max_json), memoryview(b"")
         if not isinstance(obj, dict):
             raise BadRequest("the inference request must be a JSON object")
-        # (a region key spelled with JSON escapes gets past the byte search above: caught here)
-        if self.forward_shm is not None and (names_region(obj.get("inputs")) or names_region(obj.get("outputs"))
-                                             or (spec.personalization is not None and _names_user(obj))):
-            return await self.forward_shm(request)  # the controller process owns the regions and the users
         regions = gw.shared_memory
+        # in a frontend worker: the controller process owns the users, and the regions this worker
+        # could not open itself (RegionReplica)
+        if self.forward_shm is not None and (
+                (spec.personalization is not None and _names_user(obj))
+                or not regions.serves(region_names(obj.get("inputs")) + region_names(obj.get("outputs")))):
+            return await self.forward_shm(request)
         tensors = self._wire_inputs(obj.get("inputs"), binary, regions)
         arrays, samples = assemble_inputs(spec, tensors)
         if request.lease is not None:  # tensors decoded from JSON or read from shared memory are new memory

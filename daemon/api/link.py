@@ -15,6 +15,8 @@ Records (arrays; "->" controller to worker, "<-" worker to controller):
   -> HELLO    [HELLO, settings (pickle), worker index, workers, http host, http port, grpc host, grpc port]
   -> MODELS   [MODELS, catalog snapshot (pickle)]            the served models changed
   -> STATE    [STATE, overloaded, lag_s, ready, lost_devices]  health or overload changed
+  -> REGIONS  [REGIONS, [[name, key, offset, byte_size, st_dev, st_ino], ...]]  the shared-memory
+              registry changed (the worker serves those regions itself: daemon/api/sharedmem.py)
   <- SUBMIT   [SUBMIT, rid, name, version, samples, arrival, deadline, priority, rank, klass,
                give_up_at, client_id, [[offset, shape], ...] (model input order)]
   <- CANCEL   [CANCEL, rid]
@@ -43,7 +45,7 @@ import msgpack
 
 log = logging.getLogger("escapement.workers")
 
-HELLO, MODELS, STATE, SUBMIT, CANCEL, DONE, CALL, REPLY, DRAIN, STOP, READY, ABORT = range(12)
+HELLO, MODELS, STATE, SUBMIT, CANCEL, DONE, CALL, REPLY, DRAIN, STOP, READY, ABORT, REGIONS = range(13)
 
 MAX_BUFFER = 256 << 20  # unsent bytes to one peer before it counts as wedged
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from daemon.api.budget import RequestMemory
 from daemon.api.link import ABORT, CALL, CANCEL, SUBMIT, Link
+from daemon.api.sharedmem import RegionReplica
 from daemon.api.slots import ALIGN, SlotPool, packed_size
 from daemon.apps.cache import PredictionCache
 from daemon.catalog import ModelCatalog, ModelState
@@ -199,6 +200,9 @@ class RemoteGateway(Gateway):
                          # counters, and retired versions dropped where they are retired
                          cache=PredictionCache(0, 0, 0))
         self.remote = controller
+        # the regions this worker serves itself, as the controller process pushes its registry
+        self.regions = RegionReplica(settings.shared_memory)
+        self.shared_memory = self.regions
         self.background: set[asyncio.Task[None]] = set()  # forwarded socket ops being answered
         self.health_state = Health(False)
         self.controller_overloaded = False

@@ -4,9 +4,13 @@ A client creates a POSIX shared-memory object (`shm_open`, a file in /dev/shm), 
 range of it under a name, then names the region in requests instead of sending tensor bytes:
 inputs are read from it, and outputs asked for that way are written into it (the answer carries
 the region's parameters, not the bytes). Every frontend uses this one registry, which lives in
-the controller process; with frontend workers on, a worker forwards requests that name a region
-to the controller process (their bodies are small: no tensor bytes), so there is one owner of
-the regions and of the counts that say which are in use.
+the controller process, which answers register, unregister and status. With frontend workers
+on, each worker holds a replica (`RegionReplica`): the controller pushes the registry over the
+link whenever it changes, the worker opens each region's object itself (checked to be the very
+object the controller registered) and reads inputs from it and writes outputs into it as the
+controller process would, so that a request naming a region reaches the controller as an
+ordinary SUBMIT. A request naming a region the worker cannot serve (not pushed yet, or its object
+replaced or unlinked since it was registered) is forwarded whole to the controller process.
 
 The registry holds a file descriptor per region, never a mapping. Inputs are read with
 `preadv` into the request's own buffer and outputs written with `pwrite`: a client that
@@ -17,7 +21,8 @@ overwrites the region while its request waits from changing a batch already form
 Unregistering a region that requests are using (an output still to be written) is deferred, not
 refused: the name goes at once (new requests naming it get a 404, and it may be registered
 again), and the descriptor is closed when the last of those requests is answered. A client's
-clean-up (unregister all) thus never fails because a request it gave up on still runs.
+clean-up (unregister all) thus never fails because a request it gave up on still runs. A worker's
+replica does the same with its own descriptor when the push without the name arrives.
 
 Pure bookkeeping and blocking-free syscalls on /dev/shm (memory): the loop's thread calls it.
 """
@@ -36,7 +41,16 @@ import numpy as np
 
 from daemon.api.codec import tensor_bytes
 from daemon.config import SharedMemorySettings
-from daemon.errors import BadRequest, Conflict, Forbidden, NotFound, NotImplementedByServer, PayloadTooLarge
+from daemon.errors import (
+    BadRequest,
+    Conflict,
+    EscapementError,
+    Forbidden,
+    NotFound,
+    NotImplementedByServer,
+    PayloadTooLarge,
+    Unavailable,
+)
 
 SHM_DIR = Path("/dev/shm")
 # shm_open(3): one path component, "/" first or not; we also refuse names that are not plain
@@ -55,16 +69,22 @@ class ShmRef:
 
 
 class Region:
-    __slots__ = ("byte_size", "fd", "key", "name", "offset", "pins", "retired")
+    __slots__ = ("byte_size", "fd", "ident", "key", "name", "offset", "pins", "retired")
 
-    def __init__(self, name: str, key: str, offset: int, byte_size: int, fd: int) -> None:
+    def __init__(self, name: str, key: str, offset: int, byte_size: int, fd: int,
+                 ident: tuple[int, int] = (0, 0)) -> None:
         self.name = name
         self.key = key
         self.offset = offset  # within the object
         self.byte_size = byte_size
         self.fd = fd
+        self.ident = ident  # the object's (st_dev, st_ino): a replica opens the very same object
         self.pins = 0  # requests that will still write into it
         self.retired = False  # unregistered: closed when the last pin goes
+
+    def entry(self) -> list[Any]:
+        """What a replica needs to open and check it (`SharedMemoryRegions.snapshot`)."""
+        return [self.name, self.key, self.offset, self.byte_size, *self.ident]
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
@@ -111,6 +131,16 @@ class SharedMemoryRegions:
         self.regions: dict[str, Region] = {}
         self.retired: list[Region] = []  # unregistered while in use, not yet closed
         self.bytes = 0
+        self.generation = 0  # changes with every register and unregister: when to push a snapshot
+
+    def snapshot(self) -> list[list[Any]]:
+        """The registry as frontend workers' replicas take it (RegionReplica.apply)."""
+        return [r.entry() for r in self.regions.values()]
+
+    def serves(self, names: list[Any]) -> bool:
+        """Whether requests naming these regions are answered here: always where the registry lives
+        (an unknown name gets its 404 here); a replica says (RegionReplica)."""
+        return True
 
     # ---------------------------------------------------------------- the extension's calls
 
@@ -145,8 +175,9 @@ class SharedMemoryRegions:
         except BaseException:
             os.close(fd)
             raise
-        self.regions[name] = Region(name, key, offset, byte_size, fd)
+        self.regions[name] = Region(name, key, offset, byte_size, fd, (st.st_dev, st.st_ino))
         self.bytes += byte_size
+        self.generation += 1
 
     def unregister(self, name: str | None) -> None:
         """Unregister one region (NotFound if unknown) or, with None or "", all of them."""
@@ -160,11 +191,15 @@ class SharedMemoryRegions:
         for n in names:
             r = self.regions.pop(n)
             self.bytes -= r.byte_size
-            r.retired = True
-            if r.pins:
-                self.retired.append(r)  # closed by the last unpin
-            else:
-                os.close(r.fd)
+            self._retire(r)
+        self.generation += 1
+
+    def _retire(self, r: Region) -> None:
+        r.retired = True
+        if r.pins:
+            self.retired.append(r)  # closed by the last unpin
+        else:
+            os.close(r.fd)
 
     def status(self, name: str | None) -> list[dict[str, Any]]:
         self._enabled()
@@ -258,6 +293,74 @@ class SharedMemoryRegions:
             raise Forbidden(f"register {name}: the daemon may not read and write the object {key!r}") from None
         except OSError as e:
             raise BadRequest(f"register {name}: cannot open the object {key!r}: {e.strerror}") from None
+
+
+class RegionReplica(SharedMemoryRegions):
+    """A frontend worker's copy of the controller's registry: the regions it serves itself.
+
+    It never registers or unregisters (those calls are forwarded); `apply` takes each snapshot the
+    controller pushes. A region's object is opened here by its key when a request first names it,
+    and kept only if it is the object the controller registered (same device and inode: the
+    controller checked its owner and size). One that cannot be (unlinked or replaced since, not
+    readable here) is left to the controller process, which holds the descriptor it registered
+    with: `serves` says False and the worker forwards the request."""
+
+    def __init__(self, settings: SharedMemorySettings, directory: Path = SHM_DIR) -> None:
+        super().__init__(settings, directory)
+        self.entries: dict[str, list[Any]] = {}  # name -> [name, key, offset, byte_size, st_dev, st_ino]
+        self.elsewhere: set[str] = set()  # names whose object this worker could not open as registered
+
+    def apply(self, snapshot: list[list[Any]]) -> None:
+        wanted = {e[0]: e for e in snapshot}
+        for name, r in list(self.regions.items()):
+            if wanted.get(name) != r.entry():
+                del self.regions[name]  # unregistered (or registered again, perhaps as another object)
+                self._retire(r)
+        self.elsewhere = {n for n in self.elsewhere if wanted.get(n) == self.entries.get(n)}
+        self.entries = wanted
+        self.generation += 1
+
+    def serves(self, names: list[Any]) -> bool:
+        regions = self.regions  # (a name that is not a string: the controller process answers its 400)
+        return all(isinstance(n, str) and (n in regions or self._open_here(n)) for n in names)
+
+    def _open_here(self, name: str) -> bool:
+        e = self.entries.get(name)
+        if e is None or name in self.elsewhere:
+            return False
+        _, key, offset, byte_size, dev, ino = e
+        try:
+            fd = self._open(name, key)
+        except EscapementError:
+            self.elsewhere.add(name)
+            return False
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (dev, ino) or offset + byte_size > st.st_size:
+            os.close(fd)
+            self.elsewhere.add(name)
+            return False
+        self.regions[name] = Region(name, key, offset, byte_size, fd, (dev, ino))
+        return True
+
+    def register(self, name: Any, key: Any, offset: Any, byte_size: Any) -> None:
+        raise Unavailable("shared-memory regions are registered in the controller process")
+
+    def unregister(self, name: str | None) -> None:
+        raise Unavailable("shared-memory regions are unregistered in the controller process")
+
+    def status(self, name: str | None) -> list[dict[str, Any]]:
+        raise Unavailable("the shared-memory registry is the controller process's")
+
+
+def region_names(items: Any) -> list[Any]:
+    """The regions the inputs or outputs of a decoded request (JSON or msgpack) name."""
+    out: list[Any] = []
+    if isinstance(items, list):
+        for t in items:
+            p = t.get("parameters") if isinstance(t, dict) else None
+            if isinstance(p, dict) and "shared_memory_region" in p:
+                out.append(p["shared_memory_region"])
+    return out
 
 
 def names_region(items: Any) -> bool:

@@ -7,11 +7,13 @@ process (-1: none) and the largest record the link takes. It parses HTTP and msg
 inflates, decodes JSON, validates against the model's metadata and encodes answers; the
 controller process only sees small SUBMIT records whose tensors lie in the region.
 
-What a worker answers itself: inference (HTTP, gRPC and the socket), liveness, and the socket's
-and gRPC's model calls from its catalog replica. Everything else over HTTP (readiness, metadata,
+What a worker answers itself: inference (HTTP, gRPC and the socket; with inputs and outputs in
+shared-memory regions too, from its replica of the registry), liveness, and the socket's and
+gRPC's model calls from its catalog replica. Everything else over HTTP (readiness, metadata,
 statistics, metrics, management), the socket's `stats` and gRPC's statistics, repository and
 shared-memory calls are forwarded whole to the controller process, which answers them with its
-own handlers: one implementation, and nothing there is hot.
+own handlers: one implementation, and nothing there is hot. So are inferences naming a user (the
+controller process owns the users) or a region this worker cannot open itself.
 
 The worker exits when the link closes (the controller process is gone: it never outlives it),
 on STOP, or on SIGTERM (the controller restarts it); SIGINT is ignored: the controller process
@@ -38,9 +40,9 @@ from daemon.api.budget import Lease
 from daemon.api.grpc_v2 import GrpcFrontend
 from daemon.api.http import HttpFrontend
 from daemon.api.httpserver import Request, Response, Router
-from daemon.api.link import DONE, DRAIN, HELLO, MODELS, READY, REPLY, STATE, STOP, Link
+from daemon.api.link import DONE, DRAIN, HELLO, MODELS, READY, REGIONS, REPLY, STATE, STOP, Link
 from daemon.api.remote import RemoteController, RemoteGateway, catalog_from, error_from
-from daemon.api.sharedmem import names_region
+from daemon.api.sharedmem import region_names
 from daemon.api.slots import SlotPool, pool_bytes, pool_classes
 from daemon.api.uds import SocketConnection, SocketFrontend, error_frame
 from daemon.catalog import ModelCatalog
@@ -59,9 +61,10 @@ FORWARDED_OPS = ("stats", "forecast", "shm_register", "shm_unregister", "shm_sta
 
 
 class WorkerSocketConnection(SocketConnection):
-    """The socket's `stats` and shared-memory ops, and infer frames naming a region, are the
-    controller process's to answer (it owns the regions): forwarded, answered when they return. A
-    forwarded infer is cancelled there when its client disconnects, as one answered here would be."""
+    """The socket's `stats` and shared-memory ops, and infer frames naming a user or a region this
+    worker does not serve, are the controller process's to answer: forwarded, answered when they
+    return. A forwarded infer is cancelled there when its client disconnects, as one answered here
+    would be."""
 
     def __init__(self, frontend: SocketFrontend) -> None:
         super().__init__(frontend)
@@ -86,7 +89,9 @@ class WorkerSocketConnection(SocketConnection):
 
     def _infer(self, req_id: Any, msg: dict[str, Any], lease: Lease) -> None:
         # a user's request: the controller process owns the users (their weights, the queries)
-        if not (names_region(msg.get("inputs")) or names_region(msg.get("outputs")) or msg.get("user") is not None):
+        regions = self.gateway.shared_memory
+        if msg.get("user") is None and regions.serves(region_names(msg.get("inputs")) +
+                                                       region_names(msg.get("outputs"))):
             super()._infer(req_id, msg, lease)
             return
         lease.release()  # the frame is small (the tensors are in the regions) and is passed on whole
@@ -160,7 +165,7 @@ class Worker:
         if host:
             self.http = HttpFrontend(gw)
             self.http.router = worker_router(self.http, self._forward_http)
-            self.http.forward_shm = self._forward_http  # the controller process owns the regions
+            self.http.forward_shm = self._forward_http  # users, and regions this worker cannot open
             await self.http.start(host, port, reuse_port=True)
         if self.socket_fd >= 0:
             self.socket = SocketFrontend(gw, WorkerSocketConnection)
@@ -213,6 +218,8 @@ class Worker:
             self._early.append(record)
         elif op == MODELS:
             self.gateway.catalog = catalog_from(record[1])
+        elif op == REGIONS:
+            self.gateway.regions.apply(record[1])
         elif op == STATE:
             _, overloaded, lag_s, ready, lost = record
             self.gateway.controller_overloaded, self.gateway.controller_lag_s = overloaded, lag_s
@@ -253,6 +260,8 @@ class Worker:
                 await fe.close()
         if self.link is not None:
             self.link.close()
+        if self.gateway is not None:
+            self.gateway.regions.close()
 
 
 def worker_router(fe: HttpFrontend, forward: Any) -> Router:

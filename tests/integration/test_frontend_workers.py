@@ -22,9 +22,10 @@ import numpy as np
 import orjson
 import pytest
 import tritonclient.http as th
+import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from daemon.client import AsyncSocketClient, InferenceServerError, SocketClient
+from daemon.client import AsyncSocketClient, InferenceServerError, ShmInput, ShmOutput, SocketClient
 from tests.integration.test_http import (  # noqa: F401 - run again here, through frontend workers
     error_of,
     raw,
@@ -39,7 +40,8 @@ from tests.integration.test_http import (  # noqa: F401 - run again here, throug
     test_tritonclient_errors,
     test_tritonclient_sync_binary_and_json_both_ways,
 )
-from tests.integration.test_shared_memory import (  # noqa: F401 - the controller process answers these
+from tests.integration.test_shared_memory import (  # noqa: F401 - the workers' region replicas serve these
+    _key,
     regions,
     test_every_region_check_has_a_clear_error,
     test_socket_client_shared_memory,
@@ -169,6 +171,46 @@ def test_workers_own_the_listeners_and_forward_the_rest(test_daemon: DaemonThrea
     status, _, body = raw(test_daemon, "GET", "/metrics")
     assert status == 200 and b"escapement_" in body
     assert orjson.loads(raw(test_daemon, "GET", "/v2/controller/stats")[2])["counters"]["succeeded"] >= 1
+
+
+def test_workers_serve_shared_memory_requests_themselves(test_daemon: DaemonThread,
+                                                        regions: list[shm.SharedMemoryRegion]) -> None:  # noqa: F811
+    """A request naming regions is read and written by the worker (its replica of the registry): the
+    controller process sees an ordinary SUBMIT, no forwarded call; an unregistered region is gone
+    for the next request."""
+    fw = test_daemon.daemon.frontends
+    assert fw is not None
+    key_in, key_out = _key("w_in"), _key("w_out")
+    hin = shm.create_shared_memory_region("w_in", key_in, 16)
+    regions.append(hin)
+    hout = shm.create_shared_memory_region("w_out", key_out, 16)
+    regions.append(hout)
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    shm.set_shared_memory_region(hin, [x])
+    hc = th.InferenceServerClient(test_daemon.http)
+    with SocketClient(test_daemon.socket) as c:
+        c.register_shared_memory("w_in", key_in, 16)
+        c.register_shared_memory("w_out", key_out, 16)
+        try:
+            want = c.infer("tiny_pt2", {"INPUT__0": x}).outputs["OUTPUT__0"]
+            before = test_daemon.call(lambda: fw.forwarded)
+            for _ in range(3):
+                r = c.infer("tiny_pt2", {"INPUT__0": ShmInput("w_in", 16, "FP32", [1, 4])},
+                            outputs=[ShmOutput("OUTPUT__0", "w_out", 16)])
+                assert r.outputs == {} and r.in_regions["OUTPUT__0"]["shape"] == list(want.shape)
+                got = shm.get_contents_as_numpy(hout, np.float32, list(want.shape))
+                np.testing.assert_array_equal(got, want)
+            inp = th.InferInput("INPUT__0", [1, 4], "FP32")
+            inp.set_shared_memory("w_in", 16)
+            np.testing.assert_array_equal(hc.infer("tiny_pt2", [inp]).as_numpy("OUTPUT__0"), want)
+            assert test_daemon.call(lambda: fw.forwarded) == before  # none of them went to the controller whole
+            c.unregister_shared_memory("w_in")
+            with pytest.raises(InferenceServerError, match="no shared-memory region named 'w_in'") as e:
+                c.infer("tiny_pt2", {"INPUT__0": ShmInput("w_in", 16, "FP32", [1, 4])})
+            assert e.value.status == 404
+        finally:
+            c.unregister_shared_memory()
+            hc.close()
 
 
 @pytest.mark.expect_errors(r"frontend worker \d \(pid \d+\) exited")

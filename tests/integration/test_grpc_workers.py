@@ -2,8 +2,8 @@
 tests of test_grpc.py and test_shared_memory.py run unchanged through workers (the unmodified
 tritonclient[grpc], sync and aio); cancellation and deadlines reach the controller process; a
 worker killed under gRPC load is restarted and its RPCs fail cleanly; a shutdown answers the RPCs
-it accepted; a forwarded request (one naming a shared-memory region) is cancelled in the
-controller process when its client goes away (socket and gRPC).
+it accepted; a forwarded request (one naming a shared-memory region its worker cannot open) is
+cancelled in the controller process when its client goes away (socket and gRPC).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tg
 import tritonclient.grpc.aio as tga
-import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from daemon.client import AsyncSocketClient, ShmInput, SocketClient
@@ -34,7 +33,7 @@ from tests.integration.test_grpc import (  # noqa: F401 - run again here, throug
     test_tritonclient_sync_health_metadata_config_and_infer,
 )
 from tests.integration.test_http import reference
-from tests.integration.test_shared_memory import (  # noqa: F401 - forwarded to the controller process
+from tests.integration.test_shared_memory import (  # noqa: F401 - served by the workers' region replicas
     _key,
     regions,
     test_regions_mix_with_bytes_on_many_inputs,
@@ -140,18 +139,22 @@ def test_cancelled_rpcs_and_deadlines_reach_the_controller(test_grpc: DaemonThre
 
 
 @pytest.mark.expect_errors(BROKEN_MODELS)
-def test_forwarded_requests_are_cancelled_when_their_client_leaves(test_grpc: DaemonThread,
-                                                                  regions: list[shm.SharedMemoryRegion]) -> None:  # noqa: F811
-    """A request naming a region is answered in the controller process; a socket client that
-    disconnects, or a gRPC client that cancels, cancels it there (an ABORT record)."""
+def test_forwarded_requests_are_cancelled_when_their_client_leaves(test_grpc: DaemonThread) -> None:
+    """A request naming a region its worker cannot open (the object was unlinked after it was
+    registered: only the controller process's descriptor reaches it) is forwarded and answered in
+    the controller process; a socket client that disconnects, or a gRPC client that cancels,
+    cancels it there (an ABORT record)."""
     d = test_grpc
     key = _key("fwd")
-    h = shm.create_shared_memory_region("fwd", key, 16)
-    regions.append(h)
-    x = np.ones((1, 4), np.float32)
-    shm.set_shared_memory_region(h, [x])
-    with SocketClient(d.socket) as sc:
-        sc.register_shared_memory("fwd", key, 16)
+    path = Path("/dev/shm") / key.lstrip("/")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.write(fd, np.ones((1, 4), np.float32).tobytes())
+        with SocketClient(d.socket) as sc:
+            sc.register_shared_memory("fwd", key, 16)
+    finally:
+        os.close(fd)
+        path.unlink()  # registered, then gone from /dev/shm: no worker can open it by its key now
     _fault(d, add_ms=400.0)
     try:
         async def socket_client_leaves() -> None:

@@ -15,11 +15,19 @@ import pytest
 
 from daemon.api.http import HttpFrontend
 from daemon.api.httpserver import Request
-from daemon.api.sharedmem import OutputTargets, SharedMemoryRegions, ShmRef
+from daemon.api.sharedmem import OutputTargets, RegionReplica, SharedMemoryRegions, ShmRef
 from daemon.catalog import ModelCatalog, ModelState
 from daemon.config import SharedMemorySettings, settings_from_dict
 from daemon.datatypes import BY_NAME
-from daemon.errors import BadRequest, Conflict, Forbidden, NotFound, NotImplementedByServer, PayloadTooLarge
+from daemon.errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    NotFound,
+    NotImplementedByServer,
+    PayloadTooLarge,
+    Unavailable,
+)
 from daemon.gateway import Gateway
 from daemon.model import ModelSpec, TensorSpec
 from daemon.request import RequestStatus
@@ -186,3 +194,57 @@ async def test_http_bytes_in_and_out_and_a_deferred_unregister(objects: Path) ->
     assert np.frombuffer(written[16:48], np.float32).reshape(2, 4).tolist() == x.tolist()
     assert fe.gateway.shared_memory.retired == []  # the deferred close happened with the answer
     fe.gateway.shared_memory.close()
+
+
+# ------------------------------------------------------------------ a frontend worker's replica
+
+
+def test_a_replica_serves_the_objects_the_controller_registered(objects: Path) -> None:
+    owner = SharedMemoryRegions(SharedMemorySettings(), objects)
+    key = _object(objects, 32, bytes(range(32)))
+    owner.register("r", key, 8, 16)
+    replica = RegionReplica(SharedMemorySettings(), objects)
+    assert not replica.serves(["r"])  # nothing pushed yet: the controller process answers
+    replica.apply(owner.snapshot())
+    assert replica.serves(["r"]) and replica.serves([]) and not replica.serves(["r", "other"])
+    assert not replica.serves([{"not": "a name"}])  # the controller process answers its 400
+    assert bytes(replica.read(ShmRef("r", 4, 4), "input x")) == bytes(range(12, 16))
+    with pytest.raises(BadRequest, match="runs past the end of region 'r'"):
+        replica.read(ShmRef("r", 8, 16), "input x")  # the same checks, the same words
+    with pytest.raises(Unavailable):
+        replica.register("s", key, 0, 8)  # the registry is the controller's
+
+
+def test_a_replica_leaves_an_object_it_cannot_open_as_registered_to_the_controller(objects: Path) -> None:
+    owner = SharedMemoryRegions(SharedMemorySettings(), objects)
+    gone, swapped = _object(objects, 16), _object(objects, 16)
+    owner.register("gone", gone, 0, 16)
+    owner.register("swapped", swapped, 0, 16)
+    replica = RegionReplica(SharedMemorySettings(), objects)
+    replica.apply(owner.snapshot())
+    (objects / gone.lstrip("/")).unlink()  # unlinked after it was registered
+    (objects / swapped.lstrip("/")).unlink()
+    (objects / swapped.lstrip("/")).write_bytes(b"\0" * 16)  # another object under the same key
+    assert not replica.serves(["gone"]) and not replica.serves(["swapped"])
+    assert replica.elsewhere == {"gone", "swapped"} and not replica.regions
+    assert bytes(owner.read(ShmRef("gone", 0, 4), "input x")) == b"\0" * 4  # the owner still reads it
+
+
+def test_a_replica_retires_an_unregistered_region_when_its_last_pin_goes(objects: Path) -> None:
+    owner = SharedMemoryRegions(SharedMemorySettings(), objects)
+    key = _object(objects, 16)
+    owner.register("out", key, 0, 16)
+    replica = RegionReplica(SharedMemorySettings(), objects)
+    replica.apply(owner.snapshot())
+    assert replica.serves(["out"])
+    targets = OutputTargets(replica)
+    targets.add(0, ShmRef("out", 0, 16), "output y")  # a request that will write into it
+    fd = replica.regions["out"].fd
+    owner.unregister("out")
+    replica.apply(owner.snapshot())
+    assert not replica.serves(["out"])  # gone for new requests at once
+    assert _fd_open(fd)  # the one in flight still writes
+    targets.write(0, np.ones(4, np.float32), "output y")
+    targets.release()
+    assert not _fd_open(fd) and not replica.retired
+    assert (objects / key.lstrip("/")).read_bytes() == np.ones(4, np.float32).tobytes()
