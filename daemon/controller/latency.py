@@ -11,11 +11,14 @@ time is at most `max_run_s`, the controller runs it on its own thread instead (t
 Everything else keeps the batch engine: the moment a second request is queued or an action is
 running, a step finds them and batches as before. Running on the controller's thread holds the
 loop for the run, so the bound `max_run_s` is also the longest any other connection waits for it.
-And only at light load: where arrivals come fast enough that runs here would take more than
-MAX_LOOP_SHARE of the loop's time (requests/s times the run per request), the batch engine runs
-them. At 4,000 req/s of `mlp_784` the path found the daemon idle between most arrivals, ran
-nearly every request on the loop and doubled the loop's CPU per request (99 against 58 µs with
-a frontend worker: bench/results/loop-cost.md), CPU the loop needs for ingest at that rate.
+And never for most of the loop's time: where arrivals come fast enough that runs here would take
+more than MAX_LOOP_SHARE of it (requests/s times the run per request), the batch engine runs them
+and the loop keeps its time for ingest and decisions (a fast GPU node's loop is its bottleneck).
+Below that the path pays even at moderate load: at 4,000 req/s of `mlp_784` it finds the daemon
+idle between most arrivals, and while it doubles the loop's CPU per request (99 against 58 µs
+with a frontend worker), it saves the hand-offs, ~9% of the whole daemon's CPU per request at
+1,000 and 2,500 req/s on 2 cores (bench/results/latency-gate-ab.md), which is what bounds
+capacity there.
 
 Pure: reads the scheduler's state and the decision, never changes them; the caller runs it.
 """
@@ -47,7 +50,7 @@ class Why(enum.Enum):
     LOADED = "loaded"  # arrivals fast enough that runs here would take over MAX_LOOP_SHARE of the loop
 
 
-MAX_LOOP_SHARE = 0.05  # of the loop's time, at most, for runs on the latency path (at the arrival rate)
+MAX_LOOP_SHARE = 0.5  # of the loop's time, at most, for runs on the latency path (at the arrival rate)
 
 
 class LatencyPath:

@@ -58,17 +58,17 @@ def test_fast_arrivals_keep_the_batch_engine() -> None:
     """At a rate where runs here would take over MAX_LOOP_SHARE of the loop, they do not run here."""
     h = Harness()
     path = LatencyPath(True, 1 * MS)
-    for i in range(4000):  # 4,000 requests/s for 1 s (the meter reads ~2,500/s): 0.2 ms each, half the loop
-        path.arrived(h.now - 1.0 + i * 0.00025)
+    for i in range(10000):  # 10,000 requests/s for 1 s (the meter reads ~6,300/s): 0.2 ms each, over the loop
+        path.arrived(h.now - 1.0 + i * 0.0001)
     picked, actions = _lone(h, path)
     assert picked is None and actions and path.counts == {Why.LOADED: 1}
 
 
-def test_a_light_rate_still_takes_the_path() -> None:
+def test_a_moderate_rate_still_takes_the_path() -> None:
     h = Harness()
     path = LatencyPath(True, 1 * MS)
-    for i in range(10):  # 100 requests/s: 0.2 ms each is 2% of the loop
-        path.arrived(h.now - 0.1 + i * 0.01)
+    for i in range(1000):  # 1,000 requests/s for 1 s: 0.2 ms each is ~13% of the loop
+        path.arrived(h.now - 1.0 + i * 0.001)
     assert 0.2 * MS * path.arrivals.value(h.now) < MAX_LOOP_SHARE
     picked, _ = _lone(h, path)
     assert picked is not None and path.counts == {Why.TAKEN: 1}
