@@ -8,6 +8,11 @@
     python -m bench.scale_probe point TREE [MODELS RATE SECONDS SPEEDUP]
         one point's controller µs per request and SLO attainment (seed 1, as the 35k row)
     python -m bench.scale_probe decisions TREE
+    python -m bench.scale_probe without TREE PART [RUNS]
+        the 20x, 20,000 req/s point's controller µs per request (median of RUNS seeds) with one part
+        made a no-op: `telemetry` (Telemetry.request and .action), `observe` (Estimator.observe_infer:
+        estimates never change, so their memos never miss either), `best_case`, or `none`: what
+        each part costs where it runs, caches and all (a profiler's own cost hides that)
     python -m bench.scale_probe hot TREE [RATE SECONDS RUNS]
         one hot model on one device with batch_wait 4 ms (the real daemon's default), Poisson at
         RATE (default 4,000 req/s): the regime of `bench run loop-cost`, simulated; controller µs per
@@ -129,10 +134,32 @@ def hot(rate: float, seconds: float, runs: int) -> None:
           f"{batches}, decisions {h.hexdigest()[:16]}")
 
 
+def without(part: str, runs: int) -> None:
+    from bench.scenarios import scale
+    from daemon.controller import estimates, scheduler
+    from daemon.observability import telemetry
+
+    if part == "telemetry":
+        telemetry.Telemetry.request = lambda self, req: None  # type: ignore[method-assign]
+        telemetry.Telemetry.action = lambda self, result: None  # type: ignore[method-assign]
+    elif part == "observe":
+        estimates.Estimator.observe_infer = lambda self, *a, **k: None  # type: ignore[method-assign]
+    elif part == "best_case":
+        scheduler.Scheduler.best_case = lambda self, req: 0.0  # type: ignore[method-assign]
+    elif part != "none":
+        raise SystemExit(f"unknown part {part!r}: telemetry, observe, best_case or none")
+    costs = [scale.point(1000, 20.0, 20000, 0.5, 8, 64.0, seed)["controller_us_per_request"]
+             for seed in range(1, runs + 1)]
+    print(f"without {part}: {statistics.median(costs):.1f} us/request ({', '.join(f'{c:.1f}' for c in costs)})")
+
+
 def main(argv: list[str]) -> None:
     mode, tree, *rest = argv
     sys.path.insert(0, tree)
-    args = [float(x) for x in rest]
+    args = [float(x) for x in rest] if mode != "without" else []
+    if mode == "without":
+        without(rest[0], int(rest[1]) if len(rest) > 1 else 5)
+        return
     if mode == "hot":
         hot(args[0] if args else 4000.0, args[1] if len(args) > 1 else 5.0, int(args[2]) if len(args) > 2 else 3)
         return
