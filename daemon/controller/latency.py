@@ -13,7 +13,7 @@ running, a step finds them and batches as before. Running on the controller's th
 loop for the run, so the bound `max_run_s` is also the longest any other connection waits for it.
 And never for most of the loop's time: where arrivals come fast enough that runs here would take
 more than MAX_LOOP_SHARE of it (requests/s times the run per request), the batch engine runs them
-and the loop keeps its time for ingest and decisions (a fast GPU node's loop is its bottleneck).
+and the loop keeps its time for ingest and decisions (on a many-core node the loop is the bottleneck).
 Below that the path pays even at moderate load: at 4,000 req/s of `mlp_784` it finds the daemon
 idle between most arrivals, and while it doubles the loop's CPU per request (99 against 58 µs
 with a frontend worker), it saves the hand-offs, ~9% of the whole daemon's CPU per request at
