@@ -907,15 +907,15 @@ class ClockworkPolicy:
             if dev.memory.state(key) is not None or dev.memory.budget < nbytes or not dev.can_load(key, now):
                 continue
             tl = dev.timeline
-            if tl.copy.free_at(now) >= now + self.horizon:
+            copy_free = tl.copy.free_at(now)
+            if copy_free >= now + self.horizon:
                 continue  # its copy lane is busy: plan the load later
             meter = self.copy_busy.get(dev.name)
             # Under copy pressure a load evicts no model in more demand, unless its head request
             # must load now or never: waiting for pressure to ease would starve it to its deadline.
             load_s = self._load_est(view, entry, dev.kind, dev)
-            urgent = head is not None and head.deadline - (
-                tl.copy.free_at(now) + load_s + self._est(view, key, b1, dev)
-            ) <= self.horizon
+            run_s = self._est(view, key, b1, dev)
+            urgent = head is not None and head.deadline - (copy_free + load_s + run_s) <= self.horizon
             pressed = meter is not None and meter.value(now) > COPY_PRESSURE and not urgent
 
             def evictable(k: str, d: DeviceState = dev, p: bool = pressed) -> bool:
@@ -930,8 +930,8 @@ class ClockworkPolicy:
                                          wanted=wanted, keep=dev.memory.present(entry.blocks))
             if victims is None:
                 continue
-            ready = max(tl.copy.free_at(now) + load_s, tl.exec.free_at(now))
-            finish = ready + self._est(view, key, b1, dev)
+            ready = max(copy_free + load_s, tl.exec.free_at(now))
+            finish = ready + run_s
             # Spread demand: the device with the least work per second already on it (in steps of
             # 10% of a device), then the one that can serve this model soonest.
             load = round(self._utilisation(view, dev, victims, now) * 10)
