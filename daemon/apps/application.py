@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-import secrets
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from daemon.apps.queryid import new_query_id
 from daemon.apps.selection import Combine, PolicyName
 from daemon.clock import Clock
 from daemon.errors import BadRequest, Unavailable
@@ -210,7 +210,7 @@ class AppQueries:
         return len(self._queries)
 
     def add(self, q: AppQuery) -> str:
-        qid = secrets.token_urlsafe(12)  # not guessable: feedback moves the application's weights
+        qid = new_query_id()  # not guessable: feedback moves weights
         self._queries[qid] = q
         self.bytes += q.nbytes
         self._expire(q.at)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from daemon.apps.queryid import new_query_id
 from daemon.apps.userdb import StoredUser, UserDB
 from daemon.clock import Clock, MonotonicClock
 from daemon.errors import BadRequest, EscapementError, InternalError, NotFound
@@ -183,7 +183,7 @@ class QueryMemory:
         return len(self._queries)
 
     def add(self, q: Query) -> str:
-        qid = secrets.token_urlsafe(12)  # not guessable: feedback moves another user's weights
+        qid = new_query_id()  # not guessable: feedback moves weights
         self._queries[qid] = q
         self.bytes += q.nbytes
         self._expire(q.at)

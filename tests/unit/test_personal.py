@@ -342,3 +342,21 @@ def test_personalization_config(tmp_path: Path, section: str, head: np.ndarray |
         assert [o.name for o in spec.outputs] == ["OUTPUT__0", "features"]  # what the model itself answers
     else:
         assert "pm" in result.broken and needle in result.broken["pm"], result.broken
+
+
+def test_query_ids_are_letters_and_digits_so_a_cli_takes_them_as_arguments() -> None:
+    """token_urlsafe ids started with "-" one time in 64: `escapement feedback --app APP ID` then
+    read the id as an option (docs/applications.md's shell example failed that way in CI)."""
+    import contextlib
+    import io
+
+    from daemon.apps.queryid import LENGTH, new_query_id
+    from daemon.cli import parser
+
+    ids = {new_query_id() for _ in range(5000)}
+    assert len(ids) == 5000 and all(len(q) == LENGTH and q.isalnum() for q in ids)
+    cli = parser()
+    for q in list(ids)[:50]:
+        assert cli.parse_args(["feedback", "--app", "digits", q, "--reward", "1"]).query_id == q
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):  # what an id starting with "-" did
+        cli.parse_args(["feedback", "--app", "digits", "-x7Gq", "--reward", "1"])
