@@ -396,17 +396,11 @@ def needs_controller(request: pb.ModelInferRequest, regions: SharedMemoryRegions
     carries BYTES (slots hold fixed-size elements only)."""
     if "user" in request.parameters:
         return True
-    names: list[Any] = []
-    for t in request.inputs:
-        if t.datatype == "BYTES":
-            return True
-        if any(k in t.parameters for k in SHM_PARAMS):
-            names.append(_param(t.parameters["shared_memory_region"]) if "shared_memory_region" in t.parameters
-                         else None)
-    for o in request.outputs:
-        if any(k in o.parameters for k in SHM_PARAMS):
-            names.append(_param(o.parameters["shared_memory_region"]) if "shared_memory_region" in o.parameters
-                         else None)
+    if any(t.datatype == "BYTES" for t in request.inputs):
+        return True
+    # (a region's parameters without its name: None, which no replica serves; the controller says why)
+    names = [_param(t.parameters["shared_memory_region"]) if "shared_memory_region" in t.parameters else None
+             for t in (*request.inputs, *request.outputs) if any(k in t.parameters for k in SHM_PARAMS)]
     return bool(names) and not regions.serves(names)
 
 

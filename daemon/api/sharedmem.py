@@ -363,17 +363,6 @@ def region_names(items: Any) -> list[Any]:
     return out
 
 
-def names_region(items: Any) -> bool:
-    """Whether any input or output of a decoded request (JSON or msgpack) names a region."""
-    if not isinstance(items, list):
-        return False
-    for t in items:
-        p = t.get("parameters") if isinstance(t, dict) else None
-        if isinstance(p, dict) and "shared_memory_region" in p:
-            return True
-    return False
-
-
 class OutputTargets:
     """The outputs one request writes into regions: pinned when the request is read (so the regions
     stay open until it is answered), released once, whatever the outcome."""
