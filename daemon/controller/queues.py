@@ -120,4 +120,4 @@ class ModelQueue:
         return out
 
     def __iter__(self) -> Iterator[InferenceRequest]:
-        return (e[3] for e in sorted(self._heap) if self._live(e))
+        return iter([e[3] for e in sorted(self._heap) if self._live(e)])

@@ -45,7 +45,7 @@ def cost(view: ControllerView, dev: DeviceState, prefix: str, rows: int, tails: 
 def joined(members: Members, samples: int, deadline: float) -> tuple[int, float]:
     """A batch's samples and earliest deadline once the members' requests join its own."""
     reqs = [r for _, rs in members for r in rs]
-    return samples + sum(r.samples for r in reqs), min(deadline, *(r.deadline for r in reqs))
+    return samples + sum(r.samples for r in reqs), min([deadline] + [r.deadline for r in reqs])
 
 
 def own_limit(spec: ModelSpec) -> int:

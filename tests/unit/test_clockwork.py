@@ -408,11 +408,30 @@ def test_a_lone_request_behind_another_models_work_waits_for_the_pass() -> None:
     assert first.requests == [urgent]
 
 
-def _decisions_per_step(monkeypatch: pytest.MonkeyPatch, policy: ClockworkPolicy, ms: list[Any], devices: int,
-                        rate: float, seconds: float) -> list[list[str]]:
-    """Every step's decisions on a simulation (each step's sorted: lone requests planned without a
-    pass come first in their step), to compare two ways of deciding."""
-    from daemon.controller import driver as dm
+class _Recording:
+    """A simulation's driver, every step's decisions recorded (each step's sorted: lone requests
+    planned without a pass come first in their step), to compare two ways of deciding."""
+
+    def __init__(self, driver: Any) -> None:
+        self.driver = driver
+        self.steps: list[list[str]] = []
+
+    def submit(self, req: Any, now: float) -> None:
+        self.driver.submit(req, now)
+
+    def next_wakeup(self, now: float) -> float | None:
+        return self.driver.next_wakeup(now)
+
+    def step(self, now: float, results: Any = (), on_error: Any = None) -> Any:
+        d = self.driver.step(now, results, on_error)
+        self.steps.append(sorted([repr((x.kind.name, x.model.key, x.device, x.earliest, x.latest, x.batch_size,
+                                        x.expected_start, [r.arrival for r in x.requests])) for x in d.actions] +
+                                 [repr((r.arrival, r.status.name, r.finished_at)) for r in d.finished]))
+        return d
+
+
+def _decisions_per_step(policy: ClockworkPolicy, ms: list[Any], devices: int, rate: float,
+                        seconds: float) -> list[list[str]]:
     from daemon.sim import Simulation
 
     times = np.cumsum(np.random.default_rng(5).exponential(1 / rate, int(rate * seconds)))
@@ -420,30 +439,19 @@ def _decisions_per_step(monkeypatch: pytest.MonkeyPatch, policy: ClockworkPolicy
     sim = Simulation(ms, devices, policy, weight_budget=8 * 2**30, seed=1)
     if len(ms) == 1:
         sim.place(ms[0][0].key, ["sim:0"])
-    steps: list[list[str]] = []
-    step = dm.Driver.step
-
-    def recorded(self: dm.Driver, now: float, results: Any = (), on_error: Any = None) -> Any:
-        d = step(self, now, results, on_error)
-        steps.append(sorted([repr((x.kind.name, x.model.key, x.device, x.earliest, x.latest, x.batch_size,
-                                   x.expected_start, [r.arrival for r in x.requests])) for x in d.actions] +
-                            [repr((r.arrival, r.status.name, r.finished_at)) for r in d.finished]))
-        return d
-    monkeypatch.setattr(dm.Driver, "step", recorded)
+    rec = sim.driver = _Recording(sim.driver)  # type: ignore[assignment]
     sim.run(times, targets, [m[0].key for m in ms], drain_s=1.0)
-    monkeypatch.setattr(dm.Driver, "step", step)
-    return steps
+    return rec.steps
 
 
 @pytest.mark.parametrize("rate", [2000.0, 9000.0])
-def test_planning_lone_requests_without_a_pass_decides_what_the_pass_decides(
-        rate: float, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_planning_lone_requests_without_a_pass_decides_what_the_pass_decides(rate: float) -> None:
     from daemon.sim import clockwork_models
 
-    fast = _decisions_per_step(monkeypatch, ClockworkPolicy(), clockwork_models(100), 4, rate, 0.5)
-    full_policy = ClockworkPolicy()
-    monkeypatch.setattr(full_policy, "_alone", lambda view, entry: None)
-    full = _decisions_per_step(monkeypatch, full_policy, clockwork_models(100), 4, rate, 0.5)
+    policy = ClockworkPolicy()
+    fast = _decisions_per_step(policy, clockwork_models(100), 4, rate, 0.5)
+    full = _decisions_per_step(ClockworkPolicy(shortcuts=False), clockwork_models(100), 4, rate, 0.5)
+    assert policy.planned_alone > 0  # the path under test was taken
     assert len(fast) == len(full) and sum(map(len, fast)) > 500
     assert fast == full
 
@@ -454,22 +462,10 @@ def test_arrivals_to_a_filling_batch_are_handled_as_the_pass_would() -> None:
     from daemon.runtime.simdevice import SimProfile
     from daemon.sim import sim_spec
 
-    mp = pytest.MonkeyPatch()
     ms = [(sim_spec("hot", 32, 0.1), SimProfile(2**20, 1e-3, {1: 60e-6, 8: 130e-6, 32: 350e-6}))]
     policy = ClockworkPolicy(batch_wait=0.004)
-    calls = [0, 0]
-    still = policy._still_filling  # noqa: SLF001 (counted: the path under test must be taken)
-
-    def counted(*a: Any) -> bool:
-        took = still(*a)
-        calls[took] += 1
-        return took
-    mp.setattr(policy, "_still_filling", counted)
-    fast = _decisions_per_step(mp, policy, ms, 1, 4000.0, 1.5)
-    full_policy = ClockworkPolicy(batch_wait=0.004)
-    mp.setattr(full_policy, "_still_filling", lambda *a: False)
-    full = _decisions_per_step(mp, full_policy, ms, 1, 4000.0, 1.5)
-    mp.undo()
-    assert calls[1] > 1000  # it took most arrivals behind a head
+    fast = _decisions_per_step(policy, ms, 1, 4000.0, 1.5)
+    full = _decisions_per_step(ClockworkPolicy(batch_wait=0.004, shortcuts=False), ms, 1, 4000.0, 1.5)
+    assert policy.filling_kept > 1000  # it took most arrivals behind a head
     assert sum(1 for s in full for x in s if x.startswith("('INFER'")) > 300
     assert fast == full
