@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -147,7 +148,14 @@ class ControllerService:
         batch engine's delivery if the executor cannot run it here."""
         sink = self.executors[action.device]
         run_here = getattr(sink, "run_here", None)
+        t0 = time.thread_time_ns()
         result = run_here(action) if run_here is not None else None
+        if result is not None:
+            # the loop's CPU spent running models, not deciding (benchmarks of the loop's own cost
+            # subtract it; an operator sees how much of the loop the path takes)
+            counters = self.scheduler.counters
+            counters["latency_path_runs"] += 1
+            counters["latency_path_cpu_ns"] += time.thread_time_ns() - t0
         if result is None:
             self.latency.refused()
             self._deliver(decision)

@@ -40,13 +40,19 @@ def _counts(dt: DaemonThread) -> dict[Why, int]:
 
 def test_lone_requests_take_the_path_and_answer_the_same(test_daemon: DaemonThread) -> None:
     before = _counts(test_daemon).get(Why.TAKEN, 0)
+    counters = test_daemon.daemon.controller.scheduler.counters
+    runs, cpu = counters["latency_path_runs"], counters["latency_path_cpu_ns"]
     xs = [np.full((1, 4), i, np.float32) for i in range(20)] + [np.arange(12, dtype=np.float32).reshape(3, 4)]
     with SocketClient(test_daemon.socket) as c:
         for x in xs:  # one at a time: each is alone in the daemon
             r = c.infer("tiny_pt2", {"INPUT__0": x})
             np.testing.assert_allclose(r.outputs["OUTPUT__0"], reference(x), rtol=1e-5)
     # (the first request of a model may find a LOAD or a warm-up still in flight)
-    assert _counts(test_daemon).get(Why.TAKEN, 0) - before >= len(xs) - 2
+    taken = _counts(test_daemon).get(Why.TAKEN, 0) - before
+    assert taken >= len(xs) - 2
+    # every run on the path is counted, with the loop's CPU it took (what loop-cost subtracts)
+    assert counters["latency_path_runs"] - runs == taken
+    assert counters["latency_path_cpu_ns"] > cpu
 
 
 def test_a_crowd_answers_right_whichever_engine_runs_it(test_daemon: DaemonThread) -> None:
