@@ -5,6 +5,9 @@
 #                                        (bench/gpu/fetch-wheels.sh makes them), its own torch
 #   bench/gpu/check.sh --standin OUTDIR  the same flow on the CUDA stand-in (emucuda:0), on any
 #                                        machine: proves the script before a GPU is lent
+#   bench/gpu/check.sh --no-manymodels OUTDIR   every step but the many-models daemons (about 4 of
+#                                        its 8 minutes), for a lease split into two calls; the
+#                                        other call is `python -m bench.gpu.manymodels`
 #
 # Steps: the environment; the demo models built with the local torch; the device-seam and CUDA
 # backend tests (tests/device: the stand-in in every mode, and CUDA when present); the gpu-marked
@@ -13,8 +16,16 @@
 set -uo pipefail
 
 standin=0
-if [[ "${1:-}" == "--standin" ]]; then standin=1; shift; fi
-out=${1:?usage: bench/gpu/check.sh [--standin] OUTDIR}
+manymodels=1
+while [[ "${1:-}" == --* ]]; do
+    case $1 in
+        --standin) standin=1 ;;
+        --no-manymodels) manymodels=0 ;;
+        *) echo "unknown option $1" >&2; exit 2 ;;
+    esac
+    shift
+done
+out=${1:?usage: bench/gpu/check.sh [--standin] [--no-manymodels] OUTDIR}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -104,7 +115,7 @@ if [[ -f bench/gpu/profiles.py ]]; then
         --out "$out" $([[ $standin == 1 ]] && echo --quick)
 fi
 # (each policy's daemon reads 40 ResNet-18s before READY: 240 s lets both policies run their ladder)
-step "many models: clockwork against dynamic on a real daemon" manymodels.log \
+[[ $manymodels == 1 ]] && step "many models: clockwork against dynamic on a real daemon" manymodels.log \
     timeout 270 "$py" -m bench.gpu.manymodels --device "$device" --out "$out" \
     $([[ $standin == 1 ]] && echo --quick || echo --budget 240)
 

@@ -4,8 +4,10 @@
 
 - LOAD bandwidth: the backend's chunked LOAD of a model's weights against one plain pinned
   host-to-device copy of the same bytes, in the same run (device time from events; median).
-- INFER spread: device time per INFER at a few batch sizes, eager against CUDA graphs:
-  p50, p99, p99.99 and p99.99 / p50 (Clockwork measured 1.0003 on a V100).
+- INFER spread: device time per INFER over 10,000 counted runs per model, mode and batch size
+  (after 200 not counted): the demo's mlp_784 eager against CUDA graphs at batch 1, 8 and 32, and
+  ResNet-18 (graphs at 1 and 8, eager at 1) and ResNet-50 (graphs at 1) on 3x224x224: p50, p99,
+  p99.9, p99.99 and p99.99 / p50 (Clockwork measured 1.0003 on a V100).
 
 On the stand-in every time is modelled (copies at its configured bandwidth, kernels at their
 CPU time): the figures only show that the script works.
@@ -19,12 +21,14 @@ import logging
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from bench.gpu.profiles import architectures, export
 from daemon.demo import save_model
 from daemon.repository import scan
 from daemon.request import InferenceRequest
@@ -78,30 +82,52 @@ def load_bandwidth(be: CudaBackend, program: Program, reps: int) -> dict[str, An
             "reps": reps}
 
 
-def infer_spread(be: CudaBackend, program: Program, batches: list[int], runs: int) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class SpreadCell:
+    program: Program
+    batches: tuple[int, ...]
+    modes: tuple[bool, ...]  # graphs off / on
+
+
+def infer_spread(be: CudaBackend, cells: list[SpreadCell], runs: int, warmup: int, cell_s: float
+                 ) -> list[dict[str, Any]]:
+    """Device time per INFER: `warmup` runs not counted, then `runs` counted (fewer only if a cell
+    passes `cell_s` wall seconds; each row says how many ran)."""
     rows = []
-    spec = program.spec
-    for graphs in (False, True):
-        be.graphs_enabled = graphs
-        res, _ = be.load(f"spread-{graphs}", program, time.monotonic() + 60)
-        if graphs and res.notes:
-            print(f"{spec.key}: {res.notes}", flush=True)
-        for b in batches:
-            xs = tuple(np.random.default_rng(b).random((b, *t.sample_shape)).astype(t.datatype.numpy)
-                       for t in spec.inputs)
-            req = InferenceRequest(spec, xs, b, 0.0, 0.0)
-            d = []
-            for _ in range(runs):
-                outs, seconds = be.infer(res, res.io[b], lambda io, r=req: io.fill([r]), time.monotonic() + 10)
-                d.append(seconds)
-                del outs
-            a = np.array(d[min(100, runs // 10):])  # past the first runs
-            p50, p99, p9999 = (float(np.percentile(a, q)) for q in (50, 99, 99.99))
-            rows.append({"model": spec.name, "mode": "graph" if graphs and res.state.graphs else "eager",
-                         "batch": b, "runs": len(a), "p50_us": p50 * 1e6, "p99_us": p99 * 1e6,
-                         "p9999_us": p9999 * 1e6, "max_us": float(a.max()) * 1e6,
-                         "p9999_over_p50": p9999 / p50 if p50 > 0 else float("nan"), "notes": res.notes})
-        be.unload(res)
+    for cell in cells:
+        spec = cell.program.spec
+        for graphs in cell.modes:
+            be.graphs_enabled = graphs
+            res, _ = be.load(f"spread-{spec.name}-{graphs}", cell.program, time.monotonic() + 120)
+            if graphs and res.notes:
+                print(f"{spec.key}: {res.notes}", flush=True)
+            for b in cell.batches:
+                xs = tuple(np.random.default_rng(b).random((b, *t.sample_shape)).astype(t.datatype.numpy)
+                           for t in spec.inputs)
+                req = InferenceRequest(spec, xs, b, 0.0, 0.0)
+                d = []
+                stop = None
+                for i in range(warmup + runs):
+                    if i == warmup:
+                        stop = time.monotonic() + cell_s
+                    outs, seconds = be.infer(res, res.io[b], lambda io, r=req: io.fill([r]), time.monotonic() + 10)
+                    del outs
+                    if stop is not None:
+                        d.append(seconds)
+                        if time.monotonic() > stop:
+                            break
+                a = np.array(d)
+                p50, p99, p999, p9999 = (float(np.percentile(a, q)) for q in (50, 99, 99.9, 99.99))
+                rows.append({"model": spec.name, "mode": "graph" if graphs and res.state.graphs else "eager",
+                             "batch": b, "runs": len(a), "p50_us": p50 * 1e6, "p99_us": p99 * 1e6,
+                             "p999_us": p999 * 1e6, "p9999_us": p9999 * 1e6, "max_us": float(a.max()) * 1e6,
+                             "p99_over_p50": p99 / p50 if p50 > 0 else float("nan"),
+                             "p9999_over_p50": p9999 / p50 if p50 > 0 else float("nan"), "notes": res.notes})
+                print(f"spread {spec.name} {rows[-1]['mode']} b{b}: {len(a)} runs, p50 {p50 * 1e6:.1f} us, "
+                      f"p99.99/p50 {rows[-1]['p9999_over_p50']:.4f}", flush=True)
+            be.unload(res)
+            if be.device.kind == "cuda":
+                torch.cuda.empty_cache()  # eager activations must not count against the next captures
     be.graphs_enabled = True
     return rows
 
@@ -112,26 +138,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", required=True, help="a demo repository (escapement demo --out DIR)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--runs", type=int, default=10_000, help="counted INFERs per model, mode and batch")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kind, _, idx = args.device.partition(":")
-    budget = (2 << 30) if kind == "cuda" else (768 << 20)
-    dev = Device(args.device, kind, int(idx), budget, 256 << 20)  # type: ignore[arg-type]
+    # cuda: a roomy workspace (ResNet-50's graphs beside eager activations, cuBLAS's per-stream
+    # workspaces on Hopper); the arena (budget less workspace) holds the 256 MiB LOAD model
+    budget, workspace = ((6 << 30), (4 << 30)) if kind == "cuda" else ((768 << 20), (256 << 20))
+    dev = Device(args.device, kind, int(idx), budget, workspace)  # type: ignore[arg-type]
     be = make_backend(dev, 1)
     assert isinstance(be, CudaBackend)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    runs = 300 if args.quick or kind != "cuda" else 10_000
+    quick = args.quick or kind != "cuda"
+    runs, warmup, cell_s = (300, 30, 5.0) if quick else (args.runs, 200, 20.0)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         bandwidth = [load_bandwidth(be, weights_model(mib, Path(tmp)), 5) for mib in
                      ((16,) if kind != "cuda" else (64, 256))]
-    mlp = load_program(next(m for m in scan(args.models).models if m.name == "mlp_784"))
-    spread = infer_spread(be, mlp, [1, 8, 32], runs)
+        mlp = load_program(next(m for m in scan(args.models).models if m.name == "mlp_784"))
+        cells = [SpreadCell(mlp, (1, 8, 32), (False, True))]
+        if not quick:  # ResNet-sized work: graphs at batch 1 and 8, eager at batch 1
+            r18, r50 = (export(a, 8, Path(tmp)) for a in architectures(224, 64)[:2])
+            cells += [SpreadCell(r18, (1,), (False,)), SpreadCell(r18, (1, 8), (True,)),
+                      SpreadCell(r50, (1,), (True,))]
+        spread = infer_spread(be, cells, runs, warmup, cell_s)
     be.close()
     result = {"device": device_name(dev), "torch": torch.__version__,
               "command": f"python -m bench.gpu.figures --device {args.device} --models DIR --out DIR"
-                         + (" --quick" if args.quick else ""),
+                         + (" --quick" if args.quick else "")
+                         + (f" --runs {args.runs}" if args.runs != 10_000 else ""),
               "seconds": time.monotonic() - t0, "load_bandwidth": bandwidth, "infer_spread": spread}
     (out / "figures.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# GPU figures on {result['device']}", "", f"`{result['command']}` (torch {torch.__version__})", "",
@@ -139,10 +175,12 @@ def main(argv: list[str] | None = None) -> int:
              "| MiB | LOAD GB/s | plain GB/s | fraction |", "|---|---|---|---|"]
     lines += [f"| {r['weight_bytes'] / 2**20:.0f} | {r['load_gbps']:.2f} | {r['plain_copy_gbps']:.2f} | "
               f"{r['fraction_of_plain']:.3f} |" for r in bandwidth]
-    lines += ["", "## INFER device time spread (mlp_784)", "",
-              "| mode | batch | runs | p50 µs | p99 µs | p99.99 µs | p99.99 / p50 |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['mode']} | {r['batch']} | {r['runs']} | {r['p50_us']:.1f} | {r['p99_us']:.1f} | "
-              f"{r['p9999_us']:.1f} | {r['p9999_over_p50']:.4f} |" for r in spread]
+    lines += ["", "## INFER device time spread (events inside a graph; around the launches eager)", "",
+              "| model | mode | batch | runs | p50 µs | p99 µs | p99.9 µs | p99.99 µs | max µs | p99 / p50 "
+              "| p99.99 / p50 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['mode']} | {r['batch']} | {r['runs']} | {r['p50_us']:.1f} | {r['p99_us']:.1f} | "
+              f"{r['p999_us']:.1f} | {r['p9999_us']:.1f} | {r['max_us']:.1f} | {r['p99_over_p50']:.4f} | "
+              f"{r['p9999_over_p50']:.4f} |" for r in spread]
     (out / "figures.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
