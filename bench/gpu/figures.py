@@ -82,6 +82,45 @@ def load_bandwidth(be: CudaBackend, program: Program, reps: int) -> dict[str, An
             "reps": reps}
 
 
+def copy_overlap(be: CudaBackend, load_mib: int, input_kib: int, reps: int) -> dict[str, Any]:
+    """Does an INFER's input copy (the h2d stream) wait behind a LOAD's copy (the load stream)?
+    A LOAD is one copy from pinned memory; where one engine served both streams in order, an input
+    copy issued during it would wait for the rest of it. Device time of a small pinned copy on h2d,
+    alone and issued while a `load_mib` copy runs on the load stream (median of `reps`)."""
+    api = be.api
+    big, small = load_mib << 20, input_kib << 10
+    src = api.alloc_pinned(big + small, "overlap source")
+    dst = be.arena_buf
+    a, b, la, lb = api.event(), api.event(), api.event(), api.event()
+
+    def small_copy(during_load: bool) -> tuple[float, float]:
+        if during_load:
+            api.record(la, be.load_s)
+            api.copy(dst.region(0, big), src.region(0, big), be.load_s)
+            api.record(lb, be.load_s)
+            time.sleep(0.0005)  # the load copy is under way before the input copy is issued
+        api.record(a, be.h2d)
+        api.copy(dst.region(big, small), src.region(big, small), be.h2d)
+        api.record(b, be.h2d)
+        b.wait(time.monotonic() + 60)
+        load_s = 0.0
+        if during_load:
+            lb.wait(time.monotonic() + 60)
+            load_s = la.elapsed_s(lb)
+        return a.elapsed_s(b), load_s
+
+    alone = [small_copy(False)[0] for _ in range(reps)]
+    during = [small_copy(True) for _ in range(reps)]
+    api.synchronize(time.monotonic() + 60)
+    api.unpin(src)
+    alone_s = statistics.median(alone)
+    during_s = statistics.median(d for d, _ in during)
+    load_s = statistics.median(x for _, x in during)
+    return {"load_mib": load_mib, "input_kib": input_kib, "reps": reps, "input_alone_us": alone_s * 1e6,
+            "input_during_load_us": during_s * 1e6, "load_copy_ms": load_s * 1e3,
+            "waited_behind_load": during_s > alone_s + 0.25 * load_s}
+
+
 @dataclass(frozen=True)
 class SpreadCell:
     program: Program
@@ -156,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         bandwidth = [load_bandwidth(be, weights_model(mib, Path(tmp)), 5) for mib in
                      ((16,) if kind != "cuda" else (64, 256))]
+        overlap = copy_overlap(be, 16 if quick else 256, 588, 5 if quick else 20)  # 588 KiB: one 3x224x224
         mlp = load_program(next(m for m in scan(args.models).models if m.name == "mlp_784"))
         cells = [SpreadCell(mlp, (1, 8, 32), (False, True))]
         if not quick:  # ResNet-sized work: graphs at batch 1 and 8, eager at batch 1
@@ -168,13 +208,20 @@ def main(argv: list[str] | None = None) -> int:
               "command": f"python -m bench.gpu.figures --device {args.device} --models DIR --out DIR"
                          + (" --quick" if args.quick else "")
                          + (f" --runs {args.runs}" if args.runs != 10_000 else ""),
-              "seconds": time.monotonic() - t0, "load_bandwidth": bandwidth, "infer_spread": spread}
+              "seconds": time.monotonic() - t0, "load_bandwidth": bandwidth, "copy_overlap": overlap,
+              "infer_spread": spread}
     (out / "figures.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# GPU figures on {result['device']}", "", f"`{result['command']}` (torch {torch.__version__})", "",
              "## LOAD bandwidth (chunked LOAD vs one plain pinned copy of the same bytes)", "",
              "| MiB | LOAD GB/s | plain GB/s | fraction |", "|---|---|---|---|"]
     lines += [f"| {r['weight_bytes'] / 2**20:.0f} | {r['load_gbps']:.2f} | {r['plain_copy_gbps']:.2f} | "
               f"{r['fraction_of_plain']:.3f} |" for r in bandwidth]
+    lines += ["", "## An input copy issued during a LOAD's copy (h2d stream against the load stream)", "",
+              "| LOAD copy MiB | LOAD copy ms | input KiB | input copy alone µs | input copy during the LOAD µs | "
+              "waited behind the LOAD |", "|---|---|---|---|---|---|",
+              f"| {overlap['load_mib']} | {overlap['load_copy_ms']:.2f} | {overlap['input_kib']} | "
+              f"{overlap['input_alone_us']:.1f} | {overlap['input_during_load_us']:.1f} | "
+              f"{'yes' if overlap['waited_behind_load'] else 'no'} |"]
     lines += ["", "## INFER device time spread (events inside a graph; around the launches eager)", "",
               "| model | mode | batch | runs | p50 µs | p99 µs | p99.9 µs | p99.99 µs | max µs | p99 / p50 "
               "| p99.99 / p50 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
