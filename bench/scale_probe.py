@@ -7,6 +7,11 @@
         cProfile of the controller's calls only (the Driver's submit, step, next_wakeup)
     python -m bench.scale_probe point TREE [MODELS RATE SECONDS SPEEDUP]
         one point's controller µs per request and SLO attainment (seed 1, as the 35k row)
+    python -m bench.scale_probe models TREE [RUNS]
+        whether the cost per request grows with the number of models: 1,000 and 10,000 models at
+        the 20x, 20,000 req/s point, with the scale scenario's budget (64 GiB a device: ~11% of
+        requests at 10,000 models need a LOAD) and with one that holds every model (no LOAD), RUNS
+        interleaved rounds (seeds 1..): median µs per request and per INFER action, and the ratios
     python -m bench.scale_probe decisions TREE
     python -m bench.scale_probe without TREE PART [RUNS]
         the 20x, 20,000 req/s point's controller µs per request (median of RUNS seeds) with one part
@@ -153,12 +158,52 @@ def without(part: str, runs: int) -> None:
     print(f"without {part}: {statistics.median(costs):.1f} us/request ({', '.join(f'{c:.1f}' for c in costs)})")
 
 
+def by_models(runs: int) -> None:
+    from bench.scenarios import scale
+    from daemon import sim as simmod
+
+    counters: dict[str, int] = {}
+    run = simmod.Simulation.run
+
+    def counted(self: Any, *a: Any, **k: Any) -> Any:
+        r = run(self, *a, **k)
+        counters.clear()
+        counters.update(self.scheduler.counters)
+        return r
+    simmod.Simulation.run = counted  # type: ignore[method-assign]
+    cells = [(m, gib) for gib in (64.0, 1024.0) for m in (1000, 10000)]
+    per_req: dict[tuple[int, float], list[float]] = {c: [] for c in cells}
+    per_act: dict[tuple[int, float], list[float]] = {c: [] for c in cells}
+    cold: dict[tuple[int, float], float] = {}
+    for seed in range(1, runs + 1):
+        for m, gib in cells:  # interleaved: a noisy stretch of the machine hits every cell alike
+            r = scale.point(m, 20.0, 20000, 0.5, 8, gib, seed)
+            per_req[(m, gib)].append(r["controller_us_per_request"])
+            actions = counters.get("infer_actions", 0) + counters.get("loads", 0) + counters.get("unloads", 0)
+            per_act[(m, gib)].append(r["controller_us_per_request"] * r["requests"] / max(actions, 1))
+            cold[(m, gib)] = r["cold_start_rate"]
+    print("| budget per device | models | cold-start rate | µs/request | µs/action | 10,000 / 1,000 (per request) |")
+    print("|---|---|---|---|---|---|")
+    for m, gib in cells:
+        med = statistics.median(per_req[(m, gib)])
+        base = statistics.median(per_req[(1000, gib)])
+        act = statistics.median(per_act[(m, gib)])
+        print(f"| {gib:g} GiB | {m:,} | {cold[(m, gib)]:.3f} | {med:.1f} | {act:.1f} | {med / base:.2f} |")
+    for gib in (64.0, 1024.0):
+        ratios = [a / b for a, b in zip(per_req[(10000, gib)], per_req[(1000, gib)], strict=True)]
+        print(f"{gib:g} GiB: paired ratios 10,000 / 1,000 models per round: {', '.join(f'{x:.2f}' for x in ratios)}"
+              f" (median {statistics.median(ratios):.2f})")
+
+
 def main(argv: list[str]) -> None:
     mode, tree, *rest = argv
     sys.path.insert(0, tree)
     args = [float(x) for x in rest] if mode != "without" else []
     if mode == "without":
         without(rest[0], int(rest[1]) if len(rest) > 1 else 5)
+        return
+    if mode == "models":
+        by_models(int(args[0]) if args else 5)
         return
     if mode == "hot":
         hot(args[0] if args else 4000.0, args[1] if len(args) > 1 else 5.0, int(args[2]) if len(args) > 2 else 3)
