@@ -160,7 +160,7 @@ def run_policy(policy: str, work: Path, names: list[str], popularity: np.ndarray
             "cold_start_rate_by_rps": {f"{r['offered_rps']:.1f}": r["cold_start_rate"] for r in rows},
             "models_resident_at_end": resident, **predictability(tel),
             "telemetry": {k: tel[k] for k in ("executor_lateness_ms", "start_error_ms", "duration_error",
-                                              "prediction_error_ms", "load_time_ms") if k in tel},
+                                              "prediction_error_ms", "load_time_ms", "load_copy_ms") if k in tel},
             "counters": st.get("counters", {})}
 
 
@@ -178,13 +178,16 @@ def markdown(result: dict[str, Any]) -> str:
              f"{f['models_that_fit']}; SLO {f['slo_ms']:.0f} ms; profiled batch-1 INFER {f['b1_ms']:.3f} ms, "
              f"LOAD {f['load_ms']:.2f} ms; raw batch-1 limit {f['raw_b1_limit_rps']:.0f} req/s.", "",
              "| policy | capacity at SLO (req/s) | prediction error p99 INFER (ms) | prediction error p99 LOAD "
-             "(ms) | start lateness p99 (ms, actual - planned) | executor lateness p99 (ms) | actions |",
-             "|---|---|---|---|---|---|---|"]
+             "(ms) | start lateness p99 (ms, actual - planned) | executor lateness p99 (ms) | LOAD p50 / p99 (ms) "
+             "| its weight copy p50 / p99 (ms) | actions |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for p in result["policies"]:
+        load, copy = (p["telemetry"].get(k, {}) for k in ("load_time_ms", "load_copy_ms"))
         lines.append(f"| {p['policy']} | {p['capacity_at_slo_rps']:.1f} | "
                      f"{_f(p.get('prediction_error_infer_p99_ms'), '.3f')} | "
                      f"{_f(p.get('prediction_error_load_p99_ms'), '.3f')} | {_f(p['start_error_p99_ms'], '.3f')} | "
-                     f"{_f(p['executor_lateness_p99_ms'], '.3f')} | {p['actions_measured']} |")
+                     f"{_f(p['executor_lateness_p99_ms'], '.3f')} | {_f(load.get('p50'))} / {_f(load.get('p99'))} | "
+                     f"{_f(copy.get('p50'))} / {_f(copy.get('p99'))} | {p['actions_measured']} |")
     messages: dict[str, str] = {}
     lines += ["", "| policy | offered req/s | SLO attainment | p50 ms | p99 ms | cold-start rate | loads/s | "
               "evictions/s | errors |", "|---|---|---|---|---|---|---|---|---|"]

@@ -65,6 +65,7 @@ class Telemetry:
         # deadline feels (a ratio hides that 10% of a LOAD is many INFERs)
         self._prediction_error: dict[str, Histogram] = {"INFER": Histogram(), "LOAD": Histogram()}
         self._load_time = Histogram()
+        self._load_copy = Histogram()
         self.decode_time = Histogram()  # ParM reconstructions
         self._models: dict[str, ModelStats] = {}  # model key -> its statistics, kept after it is removed
         self._devices: dict[str, DeviceStats] = {}
@@ -278,6 +279,8 @@ class Telemetry:
                     if a.expected_duration > 0:
                         prediction["LOAD"].append(abs(end - begin - a.expected_duration))
                     self._load_time.add(end - begin)
+                    if duration > 0:  # the weight copy's own device time (CUDA events), within the LOAD
+                        self._load_copy.add(duration)
                     dev.load_time.add(end - begin)
                     self.model(a.model).loads[a.device] += 1
                 else:
@@ -322,6 +325,7 @@ class Telemetry:
             "duration_error": self.duration_error.summary(1.0, (1, 50, 99)),
             "prediction_error_ms": {k: h.summary(ms, (50, 99)) for k, h in self.prediction_error.items()},
             "load_time_ms": self.load_time.summary(ms),
+            "load_copy_ms": self._load_copy.summary(ms),
             "decode_time_ms": self.decode_time.summary(ms),
             "trace_dropped": self.trace.dropped if self.trace else 0,
         }

@@ -35,6 +35,7 @@ import logging
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -60,6 +61,7 @@ LOAD_INFLIGHT = 2  # staged weight chunks queued on the copy engine at once
 # Unloaded models' graph sets kept for reuse (graph_cache.py): each holds a graph exec per batch
 # size (host memory, and device memory only inside the shared graph pool), so dozens cost little.
 PARKED_GRAPH_SETS = 64
+VIEW_SETS = 128  # weight views kept by (structure, extent offset): tensor objects over the arena only
 PINNED_POOL_BUFFERS = 1024  # pooled IO buffers at most (besides the pinned budget, which evicts them)
 OUTPUT_RING = 4  # pinned output slots per model (responses not yet written hold theirs)
 
@@ -257,6 +259,7 @@ class CudaBackend:
         self._staging = [api.alloc_pinned(LOAD_CHUNK, f"{device.name} staging") for _ in range(LOAD_INFLIGHT)]
         self._said: dict[str, str] = {}  # model -> why it runs eagerly, as logged
         self._residents: dict[int, Resident] = {}  # extent id -> the model in it
+        self._views: OrderedDict[tuple[str, int], list[torch.Tensor]] = OrderedDict()
         self.compactions = 0  # arena compactions done (models moved to make a LOAD fit)
         self.staged_replays = 0  # cross-model batches run as graphs (the rest ran eagerly)
         limit = getattr(api, "limit", None)
@@ -349,10 +352,10 @@ class CudaBackend:
 
     def _copy_weights(self, program: Program, st: CudaResident, deadline: float) -> float:
         """The weights into the extent, after every fence of earlier UNLOADs. From a pinned block,
-        one copy queued whole: the host takes no part until it ends (on the H200, chunks paced by
-        host waits made the daemon's LOADs 5x the isolated copy at p50 and 50x at p99: each wait
-        needs the GIL back before the next chunk goes). From a pageable block, chunks through the
-        staging ring, at most LOAD_INFLIGHT queued (a slot is refilled once its copy is done)."""
+        one copy queued whole: the host takes no part until it ends (chunks paced by host waits
+        idle the engine whenever the LOAD thread waits for the GIL; on the H200 the daemon's LOADs
+        took 5 ms at p50 against a 1 ms copy). From a pageable block, chunks through the staging
+        ring, at most LOAD_INFLIGHT queued (a slot is refilled once its copy is done)."""
         api = self.api
         src = self.host.block(program.host_block, api, f"{program.spec.key} weights")
         n = program.weight_bytes
@@ -392,12 +395,12 @@ class CudaBackend:
         for b in spec.batch_sizes:
             size = sum(aligned(b * rb) for rb in st.in_row_bytes)
             stage = self._pin(st, size, f"{spec.key} inputs b{b}")
-            self.api.host_write(stage.region())
-            stage.tensor.zero_()  # padding rows of a batch are zeros, never what the memory held
             st.staging[b] = stage
             host = [stage.view(o, t.datatype.tensor_dtype, (b, *t.sample_shape)).numpy()
                     for o, t in zip(in_offsets, spec.inputs, strict=True)]
-            res.io[b] = IOBuffers(b, host, [])
+            # Every row counts as stale, so the first batch zeroes its padding rows (never what the
+            # memory held): zeroing whole buffers here cost a ResNet-18 LOAD ~9 MB of memset.
+            res.io[b] = IOBuffers(b, host, [], filled=b)
         out_offsets, off = [], 0
         for rb in st.out_row_bytes:
             out_offsets.append(off)
@@ -410,7 +413,7 @@ class CudaBackend:
     def _bind(self, res: Resident, st: CudaResident) -> None:
         """Point the model at its extent: weights, static inputs and outputs, one kernel per batch size."""
         program, spec, ext = res.program, res.program.spec, st.extent
-        views = program.layout.views(self.arena_buf.tensor[ext.offset : ext.offset + program.weight_bytes])
+        views = self._weight_views(program, ext)
         # one instance per resident (a program may be held twice here: served, and warming up)
         res.runner = program.bind(views, native=False, owner=f"{self.device.name}/{res.key}",
                                   device=self.api.torch_device)
@@ -428,6 +431,25 @@ class CudaBackend:
             for b in spec.batch_sizes:
                 st.stage_steps[(0, b)] = self._part(res, 0, [v[:b] for v in in_views], [v[:b] for v in mid_views], b)
                 st.stage_steps[(1, b)] = self._part(res, 1, [v[:b] for v in mid_views], [v[:b] for v in out_views], b)
+
+    def _weight_views(self, program: Program, ext: Extent) -> list[torch.Tensor]:
+        """The program's weights as tensors over its extent. The same structure (weight layout
+        included) at the same offset gives the same tensors, so they are kept for the next LOAD
+        there (making ~120 views took a ResNet-18 LOAD ~1 ms of host time)."""
+        key = (program.structure, ext.offset)
+        if key[0]:
+            with self._lock:
+                views = self._views.get(key)
+                if views is not None:
+                    self._views.move_to_end(key)
+                    return views
+        views = program.layout.views(self.arena_buf.tensor[ext.offset : ext.offset + program.weight_bytes])
+        if key[0]:
+            with self._lock:
+                self._views[key] = views
+                while len(self._views) > VIEW_SETS:
+                    self._views.popitem(last=False)
+        return views
 
     # ---------------------------------------------------------------- compaction
 
@@ -992,6 +1014,8 @@ class CudaBackend:
                 log.warning("%s: unpinning its staging ring failed: %s", self.device.name, e)
             self.host.release(buf.nbytes)
         self._staging = []
+        with self._lock:
+            self._views.clear()  # (tensors over the arena: none may outlive it)
         if not self.arena_buf.freed:
             self.api.free(self.arena_buf)
         limit = getattr(self.api, "limit", None)

@@ -211,9 +211,9 @@ def test_defect6_input_copies_do_not_wait_behind_a_whole_staged_load(programs: d
 
 def test_a_pinned_load_is_one_copy_with_no_host_wait_inside_it(programs: dict[str, Program]) -> None:
     """A pinned block goes in one copy, queued whole: its measured duration is the copy's, whatever
-    the host does meanwhile (on the H200, chunks paced by host waits took 5 ms at p50 in the daemon
-    against 1 ms alone). An input copy issued meanwhile may wait behind it where one engine serves
-    both streams, as the stand-in models; bench.gpu.figures measures whether the GPU does."""
+    the host does meanwhile (chunks paced by host waits idle the engine while the LOAD thread waits
+    for the GIL). An input copy issued meanwhile may wait behind it where one engine serves both
+    streams, as the stand-in models; bench.gpu.figures measures whether the GPU does."""
     api = EmuCuda(0, EmuSettings(capacity=256 << 20, timed=True, h2d_gbps=0.25, d2h_gbps=50.0))
     api.trace = []
     be = backend_on(api, budget=128 << 20, workspace=16 << 20)

@@ -51,6 +51,36 @@ def test_a_twin_load_pins_nothing_and_every_pooled_byte_is_charged(twins: dict[s
     api.release()
 
 
+def test_reused_staging_pads_a_short_batch_with_zeros_not_the_last_model_inputs(
+        twins: dict[str, Program]) -> None:
+    """A LOAD does not zero its staging buffers (a pooled one holds an earlier model's inputs): the
+    first batch at each size zeroes its padding rows, so what the device reads past a short
+    batch's rows is zeros, on the host and in the static inputs."""
+    api = EmuCuda(0, EmuSettings(capacity=256 << 20))
+    be = backend_on(api)
+    try:
+        ra = load(be, twins["wide:1"])
+        b = ra.program.spec.max_batch_size
+        infer(be, ra, tuple(x + 7.0 for x in sample(ra.program.spec, b)))  # every row non-zero
+        be.unload(ra)
+        rb = load(be, twins["wide_other:1"])
+        assert be.pinned_pool.reused > 0  # its staging is the one ra filled
+        n = b - 3
+        infer(be, rb, sample(rb.program.spec, n))
+        io = rb.io[b]
+        assert io.filled == n
+        for host in io.host:
+            assert np.all(host[n:] == 0)
+        api.synchronize(None)
+        for dev in io.device:
+            assert torch.all(dev[n:] == 0)
+        be.unload(rb)
+    finally:
+        be.close()
+        be.host.close()
+    api.release()
+
+
 def test_an_output_slot_a_response_still_reads_is_never_handed_on(twins: dict[str, Program]) -> None:
     api = EmuCuda(0, EmuSettings(capacity=256 << 20))
     be = backend_on(api)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from daemon.errors import DeadlineExceeded
 from daemon.observability import telemetry as tm
@@ -145,3 +146,19 @@ def test_bulk_counting_equals_counting_one_request_at_a_time_over_many_models() 
         reasons = Counter("CANCELED" if r.status == RequestStatus.CANCELLED else failure_reason(r.error)
                           for r in failed)
         assert m.failures == reasons
+
+
+def test_a_load_reports_its_whole_time_and_its_weight_copy_apart() -> None:
+    """A LOAD's time is the action's (what the controller's copy lane is charged); its weight copy,
+    timed by the device, is reported beside it, so that the host's part of a LOAD shows."""
+    from daemon.actions import Action, ActionKind, Result, ResultStatus
+
+    spec = sim_spec("m")
+    tel = Telemetry()
+    for i, (wall, copy) in enumerate(((0.005, 0.001), (0.004, 0.001), (0.006, 0.0))):  # 0: no device time
+        a = Action(ActionKind.LOAD, spec, "cuda:0", float(i), float(i) + 1.0, expected_duration=0.003)
+        tel.action(Result(a, ResultStatus.OK, float(i), float(i), float(i) + wall, copy))
+    s = tel.summary()
+    assert s["load_time_ms"]["count"] == 3
+    assert s["load_copy_ms"]["count"] == 2
+    assert s["load_copy_ms"]["max"] == pytest.approx(1.0) and s["load_time_ms"]["max"] == pytest.approx(6.0)
