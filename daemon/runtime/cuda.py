@@ -10,9 +10,10 @@ so the pool holds only temporaries and its size is the largest model's, not the 
 caching allocator is never on the data path.
 
 Streams. `load` copies weights, `h2d` copies inputs, `exec` runs models, `d2h` copies
-outputs, `capture` warms up and captures graphs. A LOAD copies in chunks with at most two in
-flight, so an INFER's input copy waits for at most two chunks on the copy engine, not for a
-whole model. An UNLOAD records fences on every stream that touched the extent; the load
+outputs, `capture` warms up and captures graphs. A LOAD copies a pinned weight block in one
+copy, queued whole (a pageable one through a pinned staging ring, in chunks with at most two in
+flight); where one copy engine serves the load and h2d streams in order, an INFER's input copy
+issued meanwhile waits for the rest of it. An UNLOAD records fences on every stream that touched the extent; the load
 stream waits for them before any later copy, so an extent is reused only after the device
 finished with it (without a host wait).
 
@@ -159,7 +160,7 @@ class CudaResident:
     in_row_bytes: list[int]
     out_row_bytes: list[int]
     staging: dict[int, Buffer] = field(default_factory=dict)  # batch size -> pinned inputs
-    staging_offsets: list[int] = field(default_factory=list)
+    staging_offsets: dict[int, list[int]] = field(default_factory=dict)  # batch size -> each input's offset
     ring: OutputRing | None = None
     steps: dict[int, Callable[[], None]] = field(default_factory=dict)  # batch size -> the eager kernel
     graphs: dict[int, Graph] = field(default_factory=dict)
@@ -387,14 +388,14 @@ class CudaBackend:
     def _pin_io(self, program: Program, res: Resident, st: CudaResident) -> None:
         """Pinned host memory for the model's IO: input staging per batch size, the output ring."""
         spec = program.spec
-        in_offsets, off = [], 0
-        for rb in st.in_row_bytes:
-            in_offsets.append(off)
-            off += aligned(spec.max_batch_size * rb)
-        st.staging_offsets = in_offsets
         for b in spec.batch_sizes:
-            size = sum(aligned(b * rb) for rb in st.in_row_bytes)
-            stage = self._pin(st, size, f"{spec.key} inputs b{b}")
+            # each input's place in this batch size's buffer: after the others' b rows
+            in_offsets, off = [], 0
+            for rb in st.in_row_bytes:
+                in_offsets.append(off)
+                off += aligned(b * rb)
+            st.staging_offsets[b] = in_offsets
+            stage = self._pin(st, off, f"{spec.key} inputs b{b}")
             st.staging[b] = stage
             host = [stage.view(o, t.datatype.tensor_dtype, (b, *t.sample_shape)).numpy()
                     for o, t in zip(in_offsets, spec.inputs, strict=True)]
@@ -581,6 +582,12 @@ class CudaBackend:
         why the model runs eagerly, if it does."""
         api = self.api
         api.wait_event(self.capture_s, self._loaded)
+        # The first runs read the static inputs (and a plan's rest reads its first stage's outputs),
+        # and so do a cross-model batch's padding rows, which no copy fills: zeros, never what the
+        # arena held (an index read from stale bytes can trip a device-side assert).
+        zero_mids = [r.buffer.view(r.offset, torch.uint8, (r.nbytes,)) for r in st.mids]
+        api.launch(self.capture_s, _zero([*res.io[program.spec.max_batch_size].device, *zero_mids]), [],
+                   [*st.inputs, *st.mids])
         if self.graphs_enabled and not program.capture_problem:
             parked = self.graph_cache.take(program.structure, st.extent.offset, st.extent.nbytes)
             if parked is not None:  # captured for this structure at this offset: the copy was the LOAD
@@ -589,11 +596,6 @@ class CudaBackend:
                 st.stage_graphs, st.stage_kernels = parked.stages, parked.stage_kernels
                 res.set_up = False
                 return ""
-        # The first runs read the static inputs (and a plan's rest reads its first stage's outputs):
-        # zeros, never what the arena held (an index read from stale bytes can trip a device-side assert).
-        zero_mids = [r.buffer.view(r.offset, torch.uint8, (r.nbytes,)) for r in st.mids]
-        api.launch(self.capture_s, _zero([*res.io[program.spec.max_batch_size].device, *zero_mids]), [],
-                   [*st.inputs, *st.mids])
         why = ""
         if not self.graphs_enabled:
             why = "CUDA graphs are off (runtime.cuda_graphs)"
@@ -744,7 +746,7 @@ class CudaBackend:
             rows = fill(io)
             for k, (dst, n) in enumerate(zip(st.inputs, st.in_row_bytes, strict=True)):
                 if n:
-                    api.copy(dst.sub(0, b * n), stage.region(st.staging_offsets[k], b * n), self.h2d)
+                    api.copy(dst.sub(0, b * n), stage.region(st.staging_offsets[b][k], b * n), self.h2d)
             api.record(self.ev_in, self.h2d)
             api.wait_event(self.exec, self.ev_in)
             graph = st.graphs.get(b)
@@ -825,7 +827,7 @@ class CudaBackend:
             rows = io.fill(plan.run) if plan.run else 0
             for k, (dst, n) in enumerate(zip(lst.inputs, lst.in_row_bytes, strict=True)):
                 if n and rows:
-                    api.copy(dst.sub(0, rows * n), stage.region(lst.staging_offsets[k], rows * n), self.h2d)
+                    api.copy(dst.sub(0, rows * n), stage.region(lst.staging_offsets[b][k], rows * n), self.h2d)
             api.record(self.ev_in, self.h2d)
             api.wait_event(self.exec, self.ev_in)
             mid: list[tuple[torch.Tensor, ...]] = []  # the first stage's outputs, from one kernel to the next

@@ -94,7 +94,7 @@ def specs(device_repo: Path, test_repo: Path) -> dict[str, ModelSpec]:
 
 @pytest.fixture(scope="session")
 def programs(specs: dict[str, ModelSpec]) -> dict[str, Program]:
-    keys = ["tiny_pt2:1", "tiny_ts:1", "all_types:1", "converts:1", "branchy:1", "wide:1"]
+    keys = ["tiny_pt2:1", "tiny_ts:1", "all_types:1", "converts:1", "branchy:1", "wide:1", "two_inputs:1"]
     return {k: load_program(specs[k]) for k in keys}
 
 

@@ -52,6 +52,46 @@ class Wide(nn.Module):
         return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
 
 
+class TwoInputs(nn.Module):
+    """Two inputs of 1,000 floats: at a batch size below the largest, the second input's place in
+    the staging buffer differs from its place at the largest (rows of 4,000 bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(2)
+        self.a = nn.Linear(1000, 4)
+        self.b = nn.Linear(1000, 4)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.a(x) - 2 * self.b(y)
+
+
+def save_two_inputs(path: Path, max_batch: int = 8) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    batch = torch.export.Dim("batch", min=1, max=max_batch)
+    ep = torch.export.export(TwoInputs().eval(), (torch.zeros(2, 1000), torch.zeros(2, 1000)),
+                             dynamic_shapes=({0: batch}, {0: batch}))
+    torch.export.save(ep, str(path))
+    (path.parent.parent / "config.toml").write_text(f"""max_batch_size = {max_batch}
+slo_ms = 1000
+[[inputs]]
+name = "X"
+datatype = "FP32"
+shape = [-1, 1000]
+[[inputs]]
+name = "Y"
+datatype = "FP32"
+shape = [-1, 1000]
+[[outputs]]
+name = "OUTPUT__0"
+datatype = "FP32"
+shape = [-1, 4]
+""")
+
+
 def config(inp: int, out: int, in_type: str = "FP32", max_batch: int = 8) -> str:
     return f"""max_batch_size = {max_batch}
 slo_ms = 1000
@@ -78,4 +118,5 @@ def build_device_repo(root: Path) -> Path:
     # the same structure over other weights: LOADs that may replay wide's parked graphs
     save_model(Wide(seed=1).eval(), "pt2", torch.zeros(2, 16), 8, root / "wide_other" / "1" / "model.pt2")
     (root / "wide_other" / "config.toml").write_text(config(16, 4))
+    save_two_inputs(root / "two_inputs" / "1" / "model.pt2")
     return root

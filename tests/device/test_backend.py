@@ -73,7 +73,7 @@ def emu(be: CudaBackend) -> EmuCuda | None:
 # ------------------------------------------------------------------ the defects
 
 
-@pytest.mark.parametrize("key", ["tiny_pt2:1", "tiny_ts:1", "all_types:1"])
+@pytest.mark.parametrize("key", ["tiny_pt2:1", "tiny_ts:1", "all_types:1", "two_inputs:1"])
 def test_defect1_a_load_makes_io_buffers_and_serves(backend: CudaBackend, programs: dict[str, Program],
                                                     key: str) -> None:
     res = load(backend, programs[key])
