@@ -313,7 +313,9 @@ def test_shutdown_with_workers_answers_what_was_accepted_and_is_bounded(test_rep
 
         t = threading.Thread(target=lambda: asyncio.run(main()))
         t.start()
-        _until(lambda: d.call(lambda: d.daemon.controller.scheduler.pending) >= 1)
+        # all four accepted before the stop (one pending was not enough: on a loaded machine the
+        # others were still in a worker, and were rightly refused as the daemon shut down)
+        _until(lambda: d.call(lambda: d.daemon.controller.scheduler.counters["admitted"]) >= 4)
         begun = time.monotonic()
         d.stop()
         took = time.monotonic() - begun
