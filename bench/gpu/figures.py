@@ -128,11 +128,67 @@ class SpreadCell:
     modes: tuple[bool, ...]  # graphs off / on
 
 
+class SmClock:
+    """The GPU's SM clock through NVML (nvidia-ml-py's pynvml, where installed), as Clockwork reads
+    it around each INFER: are the slow replays the ones at a lower clock? 0 where it cannot be read."""
+
+    def __init__(self, dev: Device) -> None:
+        self.why = ""
+        self._read: Any = None
+        if dev.kind != "cuda":
+            self.why = "not a CUDA device"
+            return
+        try:
+            import pynvml  # type: ignore[import-not-found]
+
+            pynvml.nvmlInit()
+            # NVML numbers devices its own way (CUDA_VISIBLE_DEVICES renumbers CUDA's): match by UUID
+            want = str(getattr(torch.cuda.get_device_properties(dev.index), "uuid", "")).lower()
+            h = pynvml.nvmlDeviceGetHandleByIndex(dev.index)
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                cand = pynvml.nvmlDeviceGetHandleByIndex(i)
+                uuid = pynvml.nvmlDeviceGetUUID(cand)
+                uuid = (uuid.decode() if isinstance(uuid, bytes) else uuid).lower().removeprefix("gpu-")
+                if want and uuid == want:
+                    h = cand
+                    break
+            self._read = lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
+            self._read()
+        except Exception as e:  # no NVML: the spread is reported without clocks
+            self._read, self.why = None, f"{type(e).__name__}: {e}"
+
+    def read(self) -> int:
+        if self._read is None:
+            return 0
+        try:
+            return int(self._read())
+        except Exception as e:  # a figure without clocks rather than no figure
+            self._read, self.why = None, f"{type(e).__name__}: {e}"
+            return 0
+
+
+def clock_facts(d: np.ndarray, mhz: np.ndarray) -> dict[str, Any]:
+    """How the clock went during a cell, and the spread among the runs at its most common clock."""
+    if not mhz.size or not mhz.any():
+        return {}
+    values, counts = np.unique(mhz, return_counts=True)
+    mode = int(values[counts.argmax()])
+    at_mode = d[mhz == mode]
+    slow = d >= np.percentile(d, 99.9)
+    p50 = float(np.percentile(at_mode, 50))
+    return {"clock_mhz_min": int(mhz.min()), "clock_mhz_max": int(mhz.max()), "clock_mhz_mode": mode,
+            "runs_at_mode": int(at_mode.size), "slowest_0_1pct_clock_mhz_mean": float(mhz[slow].mean()),
+            "p9999_over_p50_at_mode": float(np.percentile(at_mode, 99.99)) / p50 if p50 > 0 else float("nan")}
+
+
 def infer_spread(be: CudaBackend, cells: list[SpreadCell], runs: int, warmup: int, cell_s: float
                  ) -> list[dict[str, Any]]:
     """Device time per INFER: `warmup` runs not counted, then `runs` counted (fewer only if a cell
-    passes `cell_s` wall seconds; each row says how many ran)."""
+    passes `cell_s` wall seconds; each row says how many ran), with the SM clock read after each."""
     rows = []
+    clock = SmClock(be.device)
+    if clock.why:
+        print(f"SM clock not read: {clock.why}", flush=True)
     for cell in cells:
         spec = cell.program.spec
         for graphs in cell.modes:
@@ -144,7 +200,7 @@ def infer_spread(be: CudaBackend, cells: list[SpreadCell], runs: int, warmup: in
                 xs = tuple(np.random.default_rng(b).random((b, *t.sample_shape)).astype(t.datatype.numpy)
                            for t in spec.inputs)
                 req = InferenceRequest(spec, xs, b, 0.0, 0.0)
-                d = []
+                d, mhz = [], []
                 stop = None
                 for i in range(warmup + runs):
                     if i == warmup:
@@ -153,6 +209,7 @@ def infer_spread(be: CudaBackend, cells: list[SpreadCell], runs: int, warmup: in
                     del outs
                     if stop is not None:
                         d.append(seconds)
+                        mhz.append(clock.read())  # (after the INFER's timed part: it adds nothing to it)
                         if time.monotonic() > stop:
                             break
                 a = np.array(d)
@@ -161,7 +218,8 @@ def infer_spread(be: CudaBackend, cells: list[SpreadCell], runs: int, warmup: in
                              "batch": b, "runs": len(a), "p50_us": p50 * 1e6, "p99_us": p99 * 1e6,
                              "p999_us": p999 * 1e6, "p9999_us": p9999 * 1e6, "max_us": float(a.max()) * 1e6,
                              "p99_over_p50": p99 / p50 if p50 > 0 else float("nan"),
-                             "p9999_over_p50": p9999 / p50 if p50 > 0 else float("nan"), "notes": res.notes})
+                             "p9999_over_p50": p9999 / p50 if p50 > 0 else float("nan"), "notes": res.notes,
+                             **clock_facts(a, np.array(mhz))})
                 print(f"spread {spec.name} {rows[-1]['mode']} b{b}: {len(a)} runs, p50 {p50 * 1e6:.1f} us, "
                       f"p99.99/p50 {rows[-1]['p9999_over_p50']:.4f}", flush=True)
             be.unload(res)
@@ -228,6 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {r['model']} | {r['mode']} | {r['batch']} | {r['runs']} | {r['p50_us']:.1f} | {r['p99_us']:.1f} | "
               f"{r['p999_us']:.1f} | {r['p9999_us']:.1f} | {r['max_us']:.1f} | {r['p99_over_p50']:.4f} | "
               f"{r['p9999_over_p50']:.4f} |" for r in spread]
+    clocked = [r for r in spread if "clock_mhz_mode" in r]
+    if clocked:
+        lines += ["", "## SM clock during the spread runs (NVML, read after each INFER)", "",
+                  "| model | mode | batch | clock MHz min / mode / max | runs at the mode | mean clock of the slowest "
+                  "0.1% | p99.99 / p50 at the mode |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['mode']} | {r['batch']} | {r['clock_mhz_min']} / {r['clock_mhz_mode']} / "
+                  f"{r['clock_mhz_max']} | {r['runs_at_mode']} | {r['slowest_0_1pct_clock_mhz_mean']:.0f} | "
+                  f"{r['p9999_over_p50_at_mode']:.4f} |" for r in clocked]
     (out / "figures.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
