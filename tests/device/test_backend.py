@@ -395,3 +395,19 @@ def test_compaction_moves_idle_models_and_they_still_serve(kind: tuple[str, str,
         be.unload(res)
     be.arena.check()
     be.close()
+
+
+def test_an_infer_sleeps_through_a_low_estimate_of_its_device_time() -> None:
+    """The estimate an INFER sleeps through (SLEEP_THROUGH of it) before polling for its end: a
+    faster run lowers it at once, a slower one raises it by 10% a run, an outlier never sets it."""
+    from daemon.runtime.cuda import low_estimate
+
+    est = low_estimate(0.0, 500e-6)
+    assert est == 500e-6
+    est = low_estimate(est, 0.2)  # one INFER of 200 ms (a stall): the next sleep stays short
+    assert est == pytest.approx(550e-6)
+    est = low_estimate(est, 400e-6)  # faster: followed at once
+    assert est == 400e-6
+    for _ in range(3):  # slower for good: followed 10% a run
+        est = low_estimate(est, 1e-3)
+    assert est == pytest.approx(400e-6 * 1.1**3)
