@@ -3,17 +3,34 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 import struct
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import msgpack
 import numpy as np
+import pytest
 import torch
 import tritonclient.http as th
 
 from daemon.client import AsyncHttpClient, AsyncSocketClient, SocketClient
-from tests.support import DaemonThread, TinyLinear
+from tests.support import DaemonThread, TinyLinear, settings, short_tmpdir
+
+
+@pytest.fixture(scope="module")
+def test_daemon(test_repo: Path) -> Iterator[DaemonThread]:
+    """The daemon in this process, beside a dozen client threads that share its GIL: they, not the
+    daemon, hold its loop back now and then, so load shedding (a 503 at 25 ms of loop lag) is off
+    here; what is tested is that every answer is the right one."""
+    d = short_tmpdir()
+    try:
+        with DaemonThread(settings(test_repo, d, server={"max_body_bytes": 256 * 1024, "shed_lag_ms": 0})) as dt:
+            yield dt
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _frame(obj: object) -> bytes:
