@@ -13,9 +13,9 @@ Streams. `load` copies weights, `h2d` copies inputs, `exec` runs models, `d2h` c
 outputs, `capture` warms up and captures graphs. A LOAD copies a pinned weight block in one
 copy, queued whole (a pageable one through a pinned staging ring, in chunks with at most two in
 flight); where one copy engine serves the load and h2d streams in order, an INFER's input copy
-issued meanwhile waits for the rest of it. An UNLOAD records fences on every stream that touched the extent; the load
-stream waits for them before any later copy, so an extent is reused only after the device
-finished with it (without a host wait).
+issued meanwhile waits for the rest of it. An UNLOAD records fences on every stream that
+touched the extent; the load stream waits for them before any later copy, so an extent is
+reused only after the device finished with it (without a host wait).
 
 INFER. The host writes the batch into pinned staging memory, one copy moves it into the
 static inputs, the exec stream replays the batch size's graph (or runs the model eagerly and
@@ -185,6 +185,11 @@ class CudaResident:
     lock: threading.Lock = field(default_factory=threading.Lock)  # held by an INFER, or by a compaction moving it
     last_s: dict[int, float] = field(default_factory=dict)  # batch size -> a low estimate of its device time
 
+
+def low_estimate(prev: float, seconds: float) -> float:
+    """What an INFER may sleep through next time: it follows a faster device at once and a slower
+    one by 10% an INFER, so one slow INFER never makes the next sleep long."""
+    return seconds if prev <= 0 else min(seconds, prev * 1.1)
 
 def _zero(tensors: list[torch.Tensor]) -> Callable[[], None]:
     def zero() -> None:
@@ -1036,11 +1041,3 @@ class CudaBackend:
         if limit is not None:
             limit(None)
         self.api.close()
-
-
-def low_estimate(prev: float, seconds: float) -> float:
-    """What an INFER may sleep through next time: it follows a faster device at once and a slower
-    one by 10% an INFER, so one slow INFER never makes the next sleep long."""
-    return seconds if prev <= 0 else min(seconds, prev * 1.1)
-
-
