@@ -153,8 +153,12 @@ def run_policy(policy: str, work: Path, names: list[str], popularity: np.ndarray
         st = stats(server.port)
     tel = st["telemetry"]
     good = [r["offered_rps"] for r in rows if passes(r)]
-    resident = max((len(d.get("models", ())) for d in st.get("devices", {}).values()), default=0)
+    devices = st.get("devices", {}).values()
+    resident = max((len(d.get("models", ())) for d in devices), default=0)
+    # device memory the resident models are charged, less the workspace reserve
+    held = sum(d.get("used", 0) - d.get("workspace", 0) for d in devices)
     return {"policy": policy, "daemon_start_s": started_s, "rows": rows, "skipped_rps": skipped,
+            "device_bytes_at_end": held,
             "capacity_at_slo_rps": max(good) if good else 0.0,
             "slo_attainment_by_rps": {f"{r['offered_rps']:.1f}": r["slo_attainment"] for r in rows},
             "cold_start_rate_by_rps": {f"{r['offered_rps']:.1f}": r["cold_start_rate"] for r in rows},

@@ -13,9 +13,11 @@ weight budget and the same open-loop Poisson loads with Zipf popularity:
 - **black-box** (`runtime.share_weights = false`): every variant is batched alone, as a server
   that sees models as black boxes does.
 
-The budget holds every variant. On a CUDA device the arena holds one extent per model, so a
-backbone that several variants share is not held once there (host memory holds it once). This
-measures the shared work, not shared device memory.
+The budget holds every variant. With sharing on, a CUDA device holds the backbone once (the
+plans' shared leading stage has an extent of its own, runtime/cuda.py), and every variant's head
+and IO buffers in its own extent; black-box, each variant holds a copy of the backbone. Each mode
+records the device bytes its resident variants are charged at the end, and `memory_ratio` compares
+them per resident variant (black-box / shared).
 
 Per mode: SLO attainment, p50/p99 and cold-start rate per load, capacity at SLO (the highest
 offered load with >= 99% within the SLO and p99 within it), cross-model batches. Ratios: capacity
@@ -142,10 +144,12 @@ def markdown(result: dict[str, Any]) -> str:
              f"{f['weight_budget'] / 2**20:.0f} MiB beside a {f['workspace'] / 2**20:.0f} MiB workspace (every "
              f"variant fits, ~{f['unshared_variant_bytes'] / 1e6:.1f} MB each); backbone batch-1 "
              f"{f['backbone_b1_ms']:.3f} ms eager.", "",
-             "| mode | capacity at SLO (req/s) | cross-model batches | actions |", "|---|---|---|---|"]
+             "| mode | capacity at SLO (req/s) | cross-model batches | actions | variants resident at the end "
+             "| device MB charged for them |", "|---|---|---|---|---|---|"]
     for m in result["modes"]:
         lines.append(f"| {m['mode']} | {m['capacity_at_slo_rps']:.1f} | "
-                     f"{m['counters'].get('cross_model_batches', 0)} | {m['actions_measured']} |")
+                     f"{m['counters'].get('cross_model_batches', 0)} | {m['actions_measured']} | "
+                     f"{m['models_resident_at_end']} | {m['device_bytes_at_end'] / 1e6:.1f} |")
     lines += ["", "| mode | offered req/s | SLO attainment | p50 ms | p99 ms | cold-start rate | loads/s | errors |",
               "|---|---|---|---|---|---|---|---|"]
     for m in result["modes"]:
@@ -160,7 +164,8 @@ def markdown(result: dict[str, Any]) -> str:
     def num(x: float | None) -> str:
         return "null" if x is None else f"{x:.2f}"
     lines += ["", f"capacity_ratio (shared / black-box): {num(s['capacity_ratio'])}; p99_ratio (black-box / shared, "
-              f"at {num(s['p99_at_rps'])} req/s): {num(s['p99_ratio'])}.", "",
+              f"at {num(s['p99_at_rps'])} req/s): {num(s['p99_ratio'])}; memory_ratio (device bytes per resident "
+              f"variant, black-box / shared): {num(s['memory_ratio'])}.", "",
               "Capacity at SLO is a lower bound (the ladder is coarse); a ratio is null where a mode passed no rung."]
     return "\n".join(lines)
 
@@ -215,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
             for m in modes}
     summary = {"capacity_ratio": _ratio(shared["capacity_at_slo_rps"], black["capacity_at_slo_rps"]),
                "p99_ratio": _ratio(p99s["black-box"] or float("nan"), p99s["shared"] or float("nan")),
-               "p99_at_rps": at, "capacity_at_slo_rps": {m["mode"]: m["capacity_at_slo_rps"] for m in modes}}
+               "p99_at_rps": at, "capacity_at_slo_rps": {m["mode"]: m["capacity_at_slo_rps"] for m in modes},
+               "memory_ratio": _ratio(black["device_bytes_at_end"] / max(black["models_resident_at_end"], 1),
+                                      shared["device_bytes_at_end"] / max(shared["models_resident_at_end"], 1))}
     cmd = (f"python -m bench.gpu.sharing --device {args.device} --out DIR" + (" --quick" if args.quick else "")
            + (f" --budget {args.budget:g}" if args.budget else ""))
     result = {"device": device_name(args.device), "device_kind": kind, "torch": torch.__version__, "command": cmd,

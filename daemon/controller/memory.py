@@ -30,7 +30,8 @@ class DeviceMemory:
         self.budget = budget
         self.used = 0
         # Whether this device's backend keeps a block shared by several models once (the CPU
-        # backend does; the CUDA arena holds one extent per model, so there blocks are ignored).
+        # backend keeps each tensor's once; the CUDA arena a plan's shared leading stage, the one
+        # block its models name there: ModelEntry.blocks_on).
         self.shares = shares
         self._blocks_of: dict[str, Blocks] = {}  # placed models that have shared blocks
         self._private: dict[str, int] = {}  # their bytes outside blocks

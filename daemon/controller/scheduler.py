@@ -113,10 +113,12 @@ class Scheduler:
     # ---------------------------------------------------------------- models
 
     def add_model(self, spec: ModelSpec, weight_bytes: int, seeds: dict[int, float] | None = None,
-                  seed_kind: str = "cpu", blocks: Blocks = (), prefix: str = "") -> None:
+                  seed_kind: str = "cpu", blocks: Blocks = (), prefix: str = "", stage_blocks: Blocks = ()) -> None:
         """`blocks`: the model's weights by content; devices that share blocks hold each once.
-        `prefix`: a plan of stages' leading stage (models with one prefix may batch it together)."""
-        entry = self.models[spec.key] = ModelEntry(spec, weight_bytes, blocks, prefix=prefix)
+        `prefix`: a plan of stages' leading stage (models with one prefix may batch it together).
+        `stage_blocks`: that stage's weights as one block, as devices that hold weights by extent
+        (CUDA) share them."""
+        entry = self.models[spec.key] = ModelEntry(spec, weight_bytes, blocks, stage_blocks, prefix=prefix)
         entry.max_queued = max_queue(spec, self.settings)[0]
         self.telemetry.model(spec)  # its statistics, made now rather than at its first answer (on the loop)
         if seeds:
@@ -141,7 +143,7 @@ class Scheduler:
             if len(chosen) >= replicas:
                 break
             if dev.memory.state(key) is not None or dev.failed or \
-                    dev.memory.free < dev.memory.missing(entry.weight_bytes, entry.blocks):
+                    dev.memory.free < dev.memory.missing(entry.weight_bytes, entry.blocks_on(dev.kind)):
                 continue
             self.issue_load(entry.spec, dev, now)
             chosen.append(dev.name)
@@ -747,7 +749,7 @@ class Scheduler:
 
     def issue_load(self, spec: ModelSpec, dev: DeviceState, now: float, expected: float | None = None) -> Action:
         entry = self.models[spec.key]
-        charged = dev.memory.reserve(spec.key, entry.weight_bytes, entry.blocks)
+        charged = dev.memory.reserve(spec.key, entry.weight_bytes, entry.blocks_on(dev.kind))
         share = charged / entry.weight_bytes if entry.weight_bytes else 1.0
         self.placed_on.setdefault(spec.key, set()).add(dev.name)
         self.counters["loads"] += 1

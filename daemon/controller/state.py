@@ -23,6 +23,9 @@ LOAD_BACKOFF = (1.0, 30.0)  # a model whose LOAD failed keeps off that device 1,
 NO_MEMORY_RETRIES = 3  # LOADs refused for memory in a row before the device is backed off like a failure
 MAX_FAILURES = 2  # a request whose INFER failed this often is answered with the error
 OVERDUE_GRACE = 0.005  # an INFER not back this long after its requests' deadline: answer them 504
+# Device kinds whose backend holds weights by extent (runtime/cuda.py): a plan's shared leading
+# stage is one block there, held once, and the rest of a model is its own
+EXTENT_KINDS = frozenset({"cuda", "emucuda"})
 
 
 @dataclass(slots=True, eq=False)
@@ -72,6 +75,7 @@ class ModelEntry:
     spec: ModelSpec
     weight_bytes: int  # device bytes of a LOAD onto a device holding none of its blocks
     blocks: Blocks = ()  # its weights by content (shared with other models on devices that share)
+    stage_blocks: Blocks = ()  # on EXTENT_KINDS devices: its shared leading stage's extent, if any
     queue: ModelQueue = field(default_factory=ModelQueue)
     # Requests answered late rather than lost: they could not make their target, or never had one;
     # served in device time no on-time work needs, oldest first.
@@ -86,6 +90,10 @@ class ModelEntry:
     running: int = 0  # samples of its INFERs in flight (they run before anything queued)
     prefix: str = ""  # a plan of stages: its leading stage's identity (shared with other models), else ""
     max_queued: int = 0  # the most requests it may hold queued, on time and in its lane (classes.max_queue)
+
+    def blocks_on(self, kind: str) -> Blocks:
+        """Its blocks as a device of `kind` holds them (by content, or by shared stage)."""
+        return self.stage_blocks if kind in EXTENT_KINDS else self.blocks
 
     def backlog_ended(self) -> None:
         """Its queue ran dry: what was measured while it kept its devices saturated no longer holds."""

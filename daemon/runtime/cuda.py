@@ -3,7 +3,10 @@
 
 Memory. At start-up the backend allocates its weight arena once: the device's budget less
 the workspace reserve. Each resident model is one extent of it (arena.py) holding its weights
-and its static IO buffers (inputs and outputs at the largest batch size). CUDA graphs of every
+and its static IO buffers (inputs and outputs at the largest batch size). A plan of stages whose
+leading stage other plans share (Pretzel: variants of one backbone) holds that stage's weights
+in an extent of their own, one per device for every resident plan that has the stage, freed with
+the last of them; its extent holds the rest (`prefix_bytes`). CUDA graphs of every
 model share one graph pool, charged to the workspace reserve: only one inference runs on a
 device at a time, and a graph's outputs are copied into the model's static output buffers,
 so the pool holds only temporaries and its size is the largest model's, not the sum. torch's
@@ -158,7 +161,7 @@ class CudaResident:
     """What a model holds on a CUDA device (Resident.state)."""
 
     extent: Extent
-    weights: Region
+    weights: Region  # its own weights (a plan's after its shared leading stage's)
     inputs: list[Region]  # static inputs at the largest batch size
     outputs: list[Region]  # static outputs at the largest batch size
     in_row_bytes: list[int]
@@ -184,6 +187,23 @@ class CudaResident:
     pinned_bytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)  # held by an INFER, or by a compaction moving it
     last_s: dict[int, float] = field(default_factory=dict)  # batch size -> a low estimate of its device time
+    # A plan whose leading stage's weights are held apart, shared (SharedStage): the stage's identity
+    # and those weights' region ("" and None for other models)
+    shared_sid: str = ""
+    shared: Region | None = None
+
+    @property
+    def weight_regions(self) -> list[Region]:
+        """Every region its weights are in (what its kernels read)."""
+        return [self.weights] if self.shared is None else [self.shared, self.weights]
+
+
+@dataclass(slots=True, eq=False)
+class SharedStage:
+    """A leading stage's weights on a device, held once for every resident plan that has it."""
+
+    extent: Extent
+    holders: int
 
 
 def low_estimate(prev: float, seconds: float) -> float:
@@ -212,12 +232,31 @@ def mid_specs(program: Program) -> tuple[TensorSpec, ...]:
     return program.stages[0].program.spec.outputs if program.prefix else ()
 
 
-def extent_layout(program: Program) -> tuple[int, list[int], list[int], int, list[int]]:
+def prefix_bytes(program: Program) -> int:
+    """Bytes of a plan's leading stage's weights, the start of its packed block (packed as the
+    stage alone packs them: every plan with this stage holds the same bytes there); 0 for a
+    program that is not a plan of several stages, or whose leading stage has no weights."""
+    if not program.prefix:
+        return 0
+    n, entries = program.stages[0].count, program.layout.entries
+    if not any(e.nbytes for e in entries[:n]):
+        return 0
+    return entries[n].offset if n < len(entries) else program.layout.nbytes
+
+
+def shared_block(program: Program) -> tuple[str, int] | None:
+    """The block a CUDA device holds once for every plan with this leading stage, as the
+    controller's memory map counts it (controller/memory.py): (its id, its bytes in the arena)."""
+    n = prefix_bytes(program)
+    return (f"stage:{program.prefix}", aligned(n)) if n else None
+
+
+def extent_layout(program: Program, skip: int = 0) -> tuple[int, list[int], list[int], int, list[int]]:
     """(weights bytes, input offsets, output offsets, total, first-stage output offsets) of a
-    model's extent."""
+    model's extent; its weights less the first `skip` bytes (held apart: prefix_bytes)."""
     spec = program.spec
     b = spec.max_batch_size
-    off = aligned(program.weight_bytes)
+    off = aligned(program.weight_bytes - skip)
     ins: list[int] = []
     outs: list[int] = []
     mids: list[int] = []
@@ -225,14 +264,18 @@ def extent_layout(program: Program) -> tuple[int, list[int], list[int], int, lis
         for t in tensors:
             group.append(off)
             off += aligned(b * _sample_bytes(t.sample_shape, t.datatype.tensor_dtype))
-    return program.weight_bytes, ins, outs, max(off, 256), mids
+    return program.weight_bytes - skip, ins, outs, max(off, 256), mids
 
 
 class CudaBackend:
     def __init__(self, device: Device, api: DeviceApi, host: HostPins, graphs: bool = True,
                  hang_timeout_s: float = 2.0, graph_cache: int = PARKED_GRAPH_SETS,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, shares: bool = True) -> None:
         self.device = device
+        # Plans' shared leading stages held once (runtime.share_weights); off: every model holds
+        # all of its weights in its own extent, as black-box serving does
+        self.shares = shares
+        self._stages: dict[str, SharedStage] = {}  # leading stage's identity -> its weights here
         self.api = api
         self.host = host
         self.graphs_enabled = graphs
@@ -270,7 +313,7 @@ class CudaBackend:
         self._staging = [api.alloc_pinned(LOAD_CHUNK, f"{device.name} staging") for _ in range(LOAD_INFLIGHT)]
         self._said: dict[str, str] = {}  # model -> why it runs eagerly, as logged
         self._residents: dict[int, Resident] = {}  # extent id -> the model in it
-        self._views: OrderedDict[tuple[str, int], list[torch.Tensor]] = OrderedDict()
+        self._views: OrderedDict[tuple[str, int, int], list[torch.Tensor]] = OrderedDict()
         self.compactions = 0  # arena compactions done (models moved to make a LOAD fit)
         self.staged_replays = 0  # cross-model batches run as graphs (the rest ran eagerly)
         limit = getattr(api, "limit", None)
@@ -288,7 +331,14 @@ class CudaBackend:
         return self._failed
 
     def footprint(self, program: Program) -> int:
-        return aligned(extent_layout(program)[3], self.arena.align)
+        """Bytes a LOAD of `program` charges here when the device holds none of its shared stage."""
+        skip = self._skip(program)
+        own = aligned(extent_layout(program, skip)[3], self.arena.align)
+        return own + (aligned(skip, self.arena.align) if skip else 0)
+
+    def _skip(self, program: Program) -> int:
+        """Bytes of its weights held apart, in a shared stage's extent (0: none)."""
+        return prefix_bytes(program) if self.shares else 0
 
     def thread_setup(self, role: str) -> None:
         setup = getattr(self.api, "thread_setup", None)
@@ -309,12 +359,22 @@ class CudaBackend:
     def load(self, key: str, program: Program, deadline: float) -> tuple[Resident, float]:
         self._usable()
         program.check_device(self.check_target, program.spec.max_batch_size)
-        need = self.footprint(program)
-        ext = self._place(key, need, deadline)
-        st = self._layout(program, ext)
-        res = Resident(key, program, need, _unbound, {}, st)
+        skip = self._skip(program)
+        need = aligned(extent_layout(program, skip)[3], self.arena.align)
+        stage, fresh = self._hold_stage(key, program, skip, deadline) if skip else (None, False)
         try:
-            duration = self._copy_weights(program, st, deadline)
+            ext = self._place(key, need, deadline)
+        except BaseException:
+            if stage is not None:
+                self._drop_stage(program.prefix)
+            raise
+        st = self._layout(program, ext, self.arena_buf.region(stage.extent.offset, skip) if stage else None)
+        st.shared_sid = program.prefix if stage is not None else ""
+        # (what this LOAD took of the budget: a stage another resident plan holds costs nothing)
+        res = Resident(key, program, need + (stage.extent.nbytes if stage is not None and fresh else 0),
+                       _unbound, {}, st)
+        try:
+            duration = self._copy_weights(program, st, deadline, fresh)
             self._pin_io(program, res, st)
             self._bind(res, st)
             res.notes = self._make_graphs(program, res, st, deadline)
@@ -330,6 +390,43 @@ class CudaBackend:
         with self._lock:
             self._residents[ext.id] = res
         return res, duration
+
+    def _hold_stage(self, key: str, program: Program, nbytes: int, deadline: float) -> tuple[SharedStage, bool]:
+        """The extent of `program`'s shared leading stage here, held once more; (it, whether this
+        LOAD made it: then its weights must be copied in)."""
+        with self._lock:
+            held = self._stages.get(program.prefix)
+            if held is not None:
+                held.holders += 1
+                return held, False
+        # (LOADs on a device run one at a time, on its load lane: no other makes this stage meanwhile)
+        held = SharedStage(self._place(f"{key}'s shared stage", nbytes, deadline), 1)
+        with self._lock:
+            self._stages[program.prefix] = held
+        return held, True
+
+    def _drop_stage(self, sid: str, discard: bool = False) -> int:
+        """A resident plan lets go of its shared stage; the last one frees its extent (after the
+        fences `_release` recorded, when `discard`). Returns the bytes freed."""
+        with self._lock:
+            held = self._stages[sid]
+            held.holders -= 1
+            if held.holders:
+                return 0
+            del self._stages[sid]
+        if discard:
+            try:
+                self.api.discard(self.arena_buf.region(held.extent.offset, held.extent.nbytes), self.load_s)
+            except DeviceFault as e:
+                self._fault(e)
+        with self._lock:
+            self.arena.free(held.extent)
+        return held.extent.nbytes
+
+    def shared_stages(self) -> dict[str, tuple[int, int]]:
+        """Shared stages held here: identity -> (bytes, resident plans holding it)."""
+        with self._lock:
+            return {sid: (h.extent.nbytes, h.holders) for sid, h in self._stages.items()}
 
     def _place(self, key: str, need: int, deadline: float) -> Extent:
         """An extent of `need` bytes: first fit, else after compacting idle extents; NoMemory if the
@@ -347,8 +444,10 @@ class CudaBackend:
                            "moving its idle models would not make one")
         return ext
 
-    def _layout(self, program: Program, ext: Extent) -> CudaResident:
-        wbytes, ins, outs, _, mids = extent_layout(program)
+    def _layout(self, program: Program, ext: Extent, shared: Region | None = None) -> CudaResident:
+        """Where a model's weights and static buffers are: in its extent, and (`shared`) its leading
+        stage's weights in their shared extent."""
+        wbytes, ins, outs, _, mids = extent_layout(program, shared.nbytes if shared is not None else 0)
         spec = program.spec
         b = spec.max_batch_size
         base = self.arena_buf.region(ext.offset, ext.nbytes)
@@ -359,32 +458,37 @@ class CudaBackend:
                             [base.sub(o, b * n) for o, n in zip(ins, in_rb, strict=True)],
                             [base.sub(o, b * n) for o, n in zip(outs, out_rb, strict=True)], in_rb, out_rb,
                             mids=[base.sub(o, b * n) for o, n in zip(mids, mid_rb, strict=True)],
-                            mid_row_bytes=mid_rb)
+                            mid_row_bytes=mid_rb, shared=shared)
 
-    def _copy_weights(self, program: Program, st: CudaResident, deadline: float) -> float:
-        """The weights into the extent, after every fence of earlier UNLOADs. From a pinned block,
-        one copy queued whole: the host takes no part until it ends (chunks paced by host waits
-        idle the engine whenever the LOAD thread waits for the GIL; on the H200 the daemon's LOADs
-        took 5 ms at p50 against a 1 ms copy). From a pageable block, chunks through the staging
-        ring, at most LOAD_INFLIGHT queued (a slot is refilled once its copy is done)."""
+    def _copy_weights(self, program: Program, st: CudaResident, deadline: float, stage: bool = False) -> float:
+        """The weights into the extent (and, with `stage`, the shared stage's into theirs), after
+        every fence of earlier UNLOADs. From a pinned block, one copy per extent queued whole: the
+        host takes no part until it ends (chunks paced by host waits idle the engine whenever the
+        LOAD thread waits for the GIL; on the H200 the daemon's LOADs took 5 ms at p50 against a
+        1 ms copy). From a pageable block, chunks through the staging ring, at most LOAD_INFLIGHT
+        queued (a slot is refilled once its copy is done)."""
         api = self.api
         src = self.host.block(program.host_block, api, f"{program.spec.key} weights")
-        n = program.weight_bytes
+        skip = st.shared.nbytes if st.shared is not None else 0
+        # (destination, where in the packed block it starts): a held stage is not copied again
+        pieces = ([(st.shared, 0)] if stage and st.shared is not None else []) + [(st.weights, skip)]
+        pieces = [(dst, off) for dst, off in pieces if dst.nbytes]
         api.record(self._copy_begin, self.load_s)
         if src.where == Where.PINNED:
-            api.copy(st.weights.sub(0, n), src.region(0, n), self.load_s)
+            for dst, off in pieces:
+                api.copy(dst, src.region(off, dst.nbytes), self.load_s)
         else:
-            self._copy_staged(program, st, deadline)
+            self._copy_staged(program, pieces, deadline)
         api.record(self._copy_end, self.load_s)
         api.record(self._loaded, self.load_s)
         self._copy_end.wait(deadline)
         return self._copy_begin.elapsed_s(self._copy_end)
 
-    def _copy_staged(self, program: Program, st: CudaResident, deadline: float) -> None:
+    def _copy_staged(self, program: Program, pieces: list[tuple[Region, int]], deadline: float) -> None:
         api = self.api
-        n = program.weight_bytes
-        for i, off in enumerate(range(0, n, self.load_chunk)):
-            size = min(self.load_chunk, n - off)
+        chunks = [(dst, at, src + at, min(self.load_chunk, dst.nbytes - at))
+                  for dst, src in pieces for at in range(0, dst.nbytes, self.load_chunk)]
+        for i, (dst, at, off, size) in enumerate(chunks):
             slot = i % LOAD_INFLIGHT
             ev = self._chunk_events[slot]
             if i >= LOAD_INFLIGHT:
@@ -392,7 +496,7 @@ class CudaBackend:
             stage = self._staging[slot].region(0, size)
             api.host_write(stage)
             stage.bytes().copy_(program.host_block[off : off + size])
-            api.copy(st.weights.sub(off, size), stage, self.load_s)
+            api.copy(dst.sub(at, size), stage, self.load_s)
             api.record(ev, self.load_s)
 
     def _pin_io(self, program: Program, res: Resident, st: CudaResident) -> None:
@@ -423,8 +527,8 @@ class CudaBackend:
 
     def _bind(self, res: Resident, st: CudaResident) -> None:
         """Point the model at its extent: weights, static inputs and outputs, one kernel per batch size."""
-        program, spec, ext = res.program, res.program.spec, st.extent
-        views = self._weight_views(program, ext)
+        program, spec = res.program, res.program.spec
+        views = self._weight_views(program, st)
         # one instance per resident (a program may be held twice here: served, and warming up)
         res.runner = program.bind(views, native=False, owner=f"{self.device.name}/{res.key}",
                                   device=self.api.torch_device)
@@ -443,18 +547,25 @@ class CudaBackend:
                 st.stage_steps[(0, b)] = self._part(res, 0, [v[:b] for v in in_views], [v[:b] for v in mid_views], b)
                 st.stage_steps[(1, b)] = self._part(res, 1, [v[:b] for v in mid_views], [v[:b] for v in out_views], b)
 
-    def _weight_views(self, program: Program, ext: Extent) -> list[torch.Tensor]:
-        """The program's weights as tensors over its extent. The same structure (weight layout
-        included) at the same offset gives the same tensors, so they are kept for the next LOAD
-        there (making ~120 views took a ResNet-18 LOAD ~1 ms of host time)."""
-        key = (program.structure, ext.offset)
+    def _weight_views(self, program: Program, st: CudaResident) -> list[torch.Tensor]:
+        """The program's weights as tensors over its extent (and its shared stage's). The same
+        structure (weight layout included) at the same offsets gives the same tensors, so they are
+        kept for the next LOAD there (making ~120 views took a ResNet-18 LOAD ~1 ms of host time)."""
+        ext, shared = st.extent, st.shared
+        key = (program.structure, ext.offset, shared.offset if shared is not None else -1)
         if key[0]:
             with self._lock:
                 views = self._views.get(key)
                 if views is not None:
                     self._views.move_to_end(key)
                     return views
-        views = program.layout.views(self.arena_buf.tensor[ext.offset : ext.offset + program.weight_bytes])
+        arena = self.arena_buf.tensor
+        if shared is None:
+            views = program.layout.views(arena[ext.offset : ext.offset + program.weight_bytes])
+        else:
+            views = program.layout.split_views(arena[shared.offset : shared.offset + shared.nbytes],
+                                               arena[ext.offset : ext.offset + st.weights.nbytes],
+                                               program.stages[0].count, shared.nbytes)
         if key[0]:
             with self._lock:
                 self._views[key] = views
@@ -506,12 +617,13 @@ class CudaBackend:
         # its graphs stay valid where it was: parked there for the next of its structure (and it may
         # find a set parked at its new place)
         held = self._unhold_graphs(st)
-        for gs in self.graph_cache.park(res.program.structure, move.old, n, held):
+        for gs in self.graph_cache.park(self._graph_key(res.program, st), move.old, n, held):
             gs.close()
         with self._lock:
             self.arena.apply([move])
-        moved = self._layout(res.program, st.extent)
-        st.weights, st.inputs, st.outputs = moved.weights, moved.inputs, moved.outputs
+        moved = self._layout(res.program, st.extent, st.shared)
+        # (a plan's first-stage outputs too: its parts' graphs write them, and they moved with it)
+        st.weights, st.inputs, st.outputs, st.mids = moved.weights, moved.inputs, moved.outputs, moved.mids
         self._bind(res, st)
         res.notes = self._make_graphs(res.program, res, st, deadline)
         api.record(self._captured, self.capture_s)
@@ -571,7 +683,7 @@ class CudaBackend:
         ins = [r.sub(0, b * n) for r, n in zip(st.inputs, st.in_row_bytes, strict=True)]
         mids = [r.sub(0, b * n) for r, n in zip(st.mids, st.mid_row_bytes, strict=True)]
         outs = [r.sub(0, b * n) for r, n in zip(st.outputs, st.out_row_bytes, strict=True)]
-        return ([st.weights, *ins], mids) if part == 0 else ([st.weights, *mids], outs)
+        return ([*st.weight_regions, *ins], mids) if part == 0 else ([*st.weight_regions, *mids], outs)
 
     def _timed_step(self, step: Callable[[], None], reads: list[Region], writes: list[Region],
                     timing: tuple[Event, Event] | None) -> None:
@@ -583,7 +695,7 @@ class CudaBackend:
             self.api.record(timing[1], self.capture_s)
 
     def _touches(self, st: CudaResident, b: int) -> tuple[list[Region], list[Region]]:
-        reads = [st.weights] + [r.sub(0, b * n) for r, n in zip(st.inputs, st.in_row_bytes, strict=True)]
+        reads = [*st.weight_regions, *(r.sub(0, b * n) for r, n in zip(st.inputs, st.in_row_bytes, strict=True))]
         writes = [r.sub(0, b * n) for r, n in zip(st.outputs, st.out_row_bytes, strict=True)]
         return reads, writes
 
@@ -599,7 +711,7 @@ class CudaBackend:
         api.launch(self.capture_s, _zero([*res.io[program.spec.max_batch_size].device, *zero_mids]), [],
                    [*st.inputs, *st.mids])
         if self.graphs_enabled and not program.capture_problem:
-            parked = self.graph_cache.take(program.structure, st.extent.offset, st.extent.nbytes)
+            parked = self.graph_cache.take(self._graph_key(program, st), st.extent.offset, st.extent.nbytes)
             if parked is not None:  # captured for this structure at this offset: the copy was the LOAD
                 parked.retarget(st.steps, st.stage_steps)
                 st.graphs, st.graph_timing, st.kernels = parked.graphs, parked.timing, parked.kernels
@@ -695,6 +807,14 @@ class CudaBackend:
         st.stage_kernels.clear()
         return held
 
+    @staticmethod
+    def _graph_key(program: Program, st: CudaResident) -> str:
+        """What parked graphs are kept under besides their extent's place: the structure, and where
+        the shared stage's weights they read are ("" where the structure cannot be told)."""
+        if not program.structure or st.shared is None:
+            return program.structure
+        return f"{program.structure}@{st.shared.offset}"
+
     # ---------------------------------------------------------------- UNLOAD
 
     def unload(self, res: Resident) -> None:
@@ -708,8 +828,8 @@ class CudaBackend:
         api = self.api
         keep = keep and not self._failed
         held = self._unhold_graphs(st)
-        for gs in (self.graph_cache.park(res.program.structure, st.extent.offset, st.extent.nbytes, held)
-                   if keep else [held]):
+        for gs in (self.graph_cache.park(self._graph_key(res.program, st), st.extent.offset, st.extent.nbytes,
+                                         held) if keep else [held]):
             gs.close()
         res.program.release(f"{self.device.name}/{res.key}")
         res.runner = _unbound
@@ -727,6 +847,11 @@ class CudaBackend:
         with self._lock:
             self._residents.pop(st.extent.id, None)
             self.arena.free(st.extent)
+        freed = st.extent.nbytes
+        if st.shared_sid:  # (its extent is discarded after the same fences; freed with the last holder)
+            freed += self._drop_stage(st.shared_sid, discard=not self._failed)
+            st.shared_sid = ""
+        res.charged = freed  # what the UNLOAD freed (a stage other plans hold stays)
         # An output slot still lent (a response not yet written reads it) is never handed to another
         # model: it is unpinned, and its memory lives on with the response's view.
         lent = {id(b) for b in st.ring.lent_buffers()} if st.ring is not None else set()
@@ -956,8 +1081,8 @@ class CudaBackend:
                 plan.keep(cache, computed)  # copies, on this stream, after the stage wrote them
         api.record(events[0], self.exec)
         if rows:
-            api.launch(self.exec, prefix, [lst.weights, *(r.sub(0, rows * n) for r, n in
-                                                         zip(lst.inputs, lst.in_row_bytes, strict=True))], [])
+            api.launch(self.exec, prefix, [*lst.weight_regions, *(r.sub(0, rows * n) for r, n in
+                                                                 zip(lst.inputs, lst.in_row_bytes, strict=True))], [])
         else:  # every request's prefix output was held
             mid.append(())
         first = 0
@@ -965,7 +1090,7 @@ class CudaBackend:
             api.record(events[i + 1], self.exec)
             dests = [r.buffer.view(r.offset, t.datatype.tensor_dtype, (n, *t.sample_shape))
                      for r, t in zip(st.outputs, res.program.spec.outputs, strict=True)]
-            api.launch(self.exec, self._tail(res, mid, plan, first, len(reqs), dests), [st.weights],
+            api.launch(self.exec, self._tail(res, mid, plan, first, len(reqs), dests), st.weight_regions,
                        [r.sub(0, n * rb) for r, rb in zip(st.outputs, st.out_row_bytes, strict=True)])
             first += len(reqs)
 

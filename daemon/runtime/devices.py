@@ -57,9 +57,10 @@ class Device:
 
     @property
     def shares_weights(self) -> bool:
-        """Whether a weight block several models hold is kept here once (runtime/objstore.py):
-        the CPU backend does; the CUDA arena holds one extent per model (docs/models.md)."""
-        return self.kind == "cpu"
+        """Whether weights several models hold are kept here once: the CPU backend keeps each
+        block (runtime/objstore.py) once, the CUDA arena a plan's shared leading stage (runtime/cuda.py;
+        docs/models.md). Simulated devices hold no weights."""
+        return self.kind in ("cpu", "cuda", "emucuda")
 
     @property
     def model_budget(self) -> int:

@@ -349,7 +349,8 @@ def make_backend(device: Device, cpu_threads: int, core: int | None = None, *, h
     """The backend of a device; CUDA and stand-in devices share `host` (the process's pinned memory).
     `prefix_cache`: (entries, bytes) of a device's cache of shared stages' outputs (on CUDA, at most
     a quarter of its workspace);
-    `share_weights` off: a CPU device keeps every model's weights apart."""
+    `share_weights` off: a device keeps every model's weights apart (on a CPU, blocks shared by
+    content; on CUDA, plans' shared leading stages)."""
     if device.kind in ("cuda", "emucuda"):
         from daemon.runtime.cuda import CudaBackend
         from daemon.runtime.hostmem import HostPins
@@ -367,7 +368,7 @@ def make_backend(device: Device, cpu_threads: int, core: int | None = None, *, h
 
         pins = host if isinstance(host, HostPins) else HostPins(default_pinned_budget())
         return CudaBackend(device, api, pins, graphs=graphs, hang_timeout_s=hang_timeout_s,  # type: ignore[arg-type]
-                           prefix_cache=PrefixCache(*prefix_cache))
+                           prefix_cache=PrefixCache(*prefix_cache), shares=share_weights)
     if device.kind == "cpu":
         from daemon.runtime.backend import CpuBackend
         from daemon.runtime.prefixcache import PrefixCache

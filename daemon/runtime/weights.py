@@ -50,6 +50,20 @@ class WeightLayout:
                                                                                     device=block.device))
         return out
 
+    def split_views(self, head: torch.Tensor, rest: torch.Tensor, count: int, skip: int) -> list[torch.Tensor]:
+        """`views` over a block split in two places: the first `count` entries (the first `skip`
+        bytes) over `head`, the others over `rest`, which starts with the byte at `skip`."""
+        out: list[torch.Tensor] = []
+        for i, e in enumerate(self.entries):
+            if not e.nbytes:
+                out.append(torch.empty(e.shape, dtype=e.dtype, device=head.device))
+                continue
+            block, at = (head, e.offset) if i < count else (rest, e.offset - skip)
+            if at < 0 or at + e.nbytes > block.numel():
+                raise ValueError(f"weight {e.name} does not fall within its part of the split block")
+            out.append(block[at : at + e.nbytes].view(e.dtype).view(e.shape))
+        return out
+
 
 def pack(tensors: list[tuple[str, torch.Tensor]]) -> tuple[WeightLayout, torch.Tensor]:
     """Copy `tensors` into one new flat host block; returns its layout and the block."""

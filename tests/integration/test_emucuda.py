@@ -132,7 +132,8 @@ def test_zipf_over_twenty_models_with_room_for_a_quarter(tmp_path: Path) -> None
     d = short_tmpdir()
     repo = d / "repo"
     for i in range(20):
-        save_model(Wide(width=384).eval(), "pt2", torch.zeros(2, 16), 8, repo / f"m{i:02d}" / "1" / "model.pt2")
+        # (weights of their own: identical copies would share a leading stage, and then all fit)
+        save_model(Wide(width=384, seed=i).eval(), "pt2", torch.zeros(2, 16), 8, repo / f"m{i:02d}" / "1" / "model.pt2")
         (repo / f"m{i:02d}" / "config.toml").write_text(config(16, 4))
     one = load_program(scan(repo).models[0]).weight_bytes  # ~0.66 MB
     workspace = 8 << 20

@@ -102,9 +102,10 @@ def test_three_staged_variants_share_their_backbone_and_answer_as_alone(family: 
 
 
 def test_staged_variants_share_their_backbone_stage_on_the_cuda_backend(family: Path) -> None:
-    """The CUDA backend (here over its CPU stand-in) holds each model's weights apart but runs a
-    cross-model batch: the backbone stage once over the lead's copy of it, each head over its own
-    (runtime/cuda.py infer_staged); a lone request runs its plan whole. The same answers."""
+    """The CUDA backend (here over its CPU stand-in) holds the backbone stage once for every variant
+    (an extent of its own; the controller counts it once too) and runs a cross-model batch: the
+    backbone stage once, each head over its own weights (runtime/cuda.py infer_staged); a lone
+    request runs its plan whole. The same answers."""
     d = short_tmpdir()
     emu = {"capacity": "256MiB", "mode": "random", "seed": 11}
     dt = DaemonThread(settings(variants.staged_out(family), d, controller={"batch_wait_ms": 0.0}, runtime={
@@ -114,11 +115,14 @@ def test_staged_variants_share_their_backbone_stage_on_the_cuda_backend(family: 
         xs = [rng.uniform(0, 16, (8, 64)).astype(np.float32) for _ in range(2)]
         want = [_alone(family, x) for x in xs]
         ex = dt.daemon.executors["emucuda:0"]
+        held: list[tuple[dict[str, tuple[int, int]], int, int]] = []
 
         async def go() -> list[dict[str, np.ndarray]]:
             async with AsyncSocketClient(dt.socket) as c:
                 for n in NAMES:  # every variant resident
                     await c.infer(n, {"INPUT__0": xs[0]})
+                held.append(dt.call(lambda: (ex.backend.shared_stages(), ex.used_bytes,
+                                             dt.daemon.controller.scheduler.devices["emucuda:0"].memory.used)))
                 dt.call(ex.faults.set, FaultSpec(add_ms=40.0))  # the rest queue behind one slow batch
                 first = asyncio.ensure_future(c.infer(NAMES[0], {"INPUT__0": xs[0]}))
                 await asyncio.sleep(0.01)  # (only so that `first` is running when the others arrive)
@@ -131,6 +135,9 @@ def test_staged_variants_share_their_backbone_stage_on_the_cuda_backend(family: 
             for n in NAMES:
                 np.testing.assert_array_equal(g[n], w[n])  # the stand-in's kernels are the CPU's: bit for bit
         assert dt.call(lambda: dt.daemon.controller.scheduler.counters["cross_model_batches"]) >= 1
+        (stages, charged, counted), = held
+        assert [holders for _, holders in stages.values()] == [len(NAMES)]  # one backbone, every variant's
+        assert counted + 16 * 2**20 == charged  # the controller counts what the device holds (and its workspace)
         assert not dt.errors
     finally:
         dt.stop()

@@ -129,10 +129,12 @@ def test_a_lost_cross_model_batch_returns_each_request_to_its_own_queue() -> Non
     assert all(q.status == RequestStatus.QUEUED for q in action.requests)
 
 
+@pytest.mark.parametrize("stage", [True, False], ids=["stage-held-once", "held-apart"])
 @pytest.mark.parametrize("policy", ["clockwork", "dynamic", "aimd"])
-def test_a_cuda_device_forms_them_though_it_holds_each_model_apart(policy: str) -> None:
-    """runtime/cuda.py runs the shared stage over the lead's copy of it: the controller charges each
-    model in full there and still batches them together."""
+def test_a_cuda_device_forms_them_whether_it_holds_their_stage_once_or_apart(policy: str, stage: bool) -> None:
+    """runtime/cuda.py runs the shared stage over the lead's weights: the controller batches the plans
+    together whether the device holds their stage once (a stage block named) or each model apart
+    (per-tensor blocks are not how a CUDA device shares: without a stage block, each in full)."""
     settings = ControllerSettings(policy=policy)  # type: ignore[arg-type]
     h = Harness(policy=make_policy(settings))
     h.sched = Scheduler([Device("emucuda:0", "emucuda", 0, 4000)], h.sched.policy, settings)
@@ -141,12 +143,12 @@ def test_a_cuda_device_forms_them_though_it_holds_each_model_apart(policy: str) 
     for name in "ab":
         spec = make_spec(name)
         h.sched.add_model(spec, 650, {1: 1.2 * MS, 8: 2.4 * MS}, "emucuda", blocks=(("bb", 600), (f"h{name}", 50)),
-                          prefix="bb")
+                          prefix="bb", stage_blocks=(("stage:bb", 600),) if stage else ())
         h.sched.seed_stages(spec.key, "emucuda", STAGES)
         h.use(spec)
         specs.append(spec)
     dev = h.sched.devices["emucuda:0"]
-    assert not dev.memory.shares and dev.memory.used == 1300  # (each model's backbone held apart)
+    assert dev.memory.used == (650 + 50 if stage else 1300)
     a, b = specs
     h.request(a, timeout=0.1)
     (running,) = infers(h.step())

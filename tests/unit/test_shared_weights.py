@@ -8,8 +8,12 @@ import random
 import pytest
 
 from daemon.actions import ActionKind
+from daemon.config import ControllerSettings
 from daemon.controller.memory import DeviceMemory, Residency
 from daemon.controller.policies.clockwork import ClockworkPolicy
+from daemon.controller.policies.dynamic import DynamicBatchingPolicy
+from daemon.controller.scheduler import Scheduler
+from daemon.runtime.devices import Device
 from tests.unit.harness import MS, Harness, make_spec
 
 BACKBONE = ("bb", 600)
@@ -190,3 +194,23 @@ def test_eviction_of_a_variant_keeps_the_backbone_its_successor_shares() -> None
     acts = h.step()
     assert [(x.kind, x.model.name) for x in acts] == [(ActionKind.UNLOAD, "a"), (ActionKind.LOAD, "c")]
     assert dev.memory.used == 700  # the backbone stayed; c's head replaced a's
+
+
+@pytest.mark.parametrize("kind", ["cpu", "emucuda"])
+def test_a_device_counts_shared_weights_as_its_backend_holds_them(kind: str) -> None:
+    """A CPU device holds each shared tensor block once; a CUDA device holds a plan's shared leading
+    stage once, as one block (runtime/cuda.py), and a model without one in full."""
+    sched = Scheduler([Device(f"{kind}:0", kind, 0, 5000)], DynamicBatchingPolicy(0.0), ControllerSettings())
+    stage = (("stage:bb", 640),)
+    for name in ("a", "b"):
+        sched.add_model(make_spec(name), 700, {1: 1 * MS}, kind, blocks=variant(f"h{name}"), prefix="bb",
+                        stage_blocks=stage)
+    sched.add_model(make_spec("c"), 700, {1: 1 * MS}, kind, blocks=variant("hc"))  # no shared stage
+    dev = sched.devices[f"{kind}:0"]
+    entry = sched.models["a:1"]
+    assert entry.blocks_on(kind) == (variant("ha") if kind == "cpu" else stage)
+    for key in ("a:1", "b:1", "c:1"):
+        assert sched.preload(key, 1, 0.0) == [f"{kind}:0"]
+    # cpu: the backbone block (600) once, every head and private byte per model; CUDA: the stage
+    # (640) once, each plan's 60 bytes of its own, c (whose stage is unknown there) whole
+    assert dev.memory.used == (700 + 100 + 100 if kind == "cpu" else 700 + 60 + 700)

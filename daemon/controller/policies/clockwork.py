@@ -387,8 +387,8 @@ class ClockworkPolicy:
     def _load_est(self, view: ControllerView, entry: ModelEntry, kind: str, dev: DeviceState | None = None) -> float:
         """A LOAD of `entry` (onto `dev`: only the bytes of the blocks it lacks are copied)."""
         nbytes = entry.weight_bytes
-        if dev is not None and entry.blocks and nbytes:
-            nbytes = dev.memory.missing(nbytes, entry.blocks)
+        if dev is not None and nbytes and (blocks := entry.blocks_on(dev.kind)):
+            nbytes = dev.memory.missing(nbytes, blocks)
         est = view.estimator.load(entry.spec.key, kind, nbytes / entry.weight_bytes if entry.weight_bytes else 1.0)
         return est if est is not None else nbytes / LOAD_BANDWIDTH_GUESS
 
@@ -937,8 +937,9 @@ class ClockworkPolicy:
                 return not p or demand(k) <= mine
 
             # shared blocks already there are neither copied again nor freed to make room
-            victims = dev.memory.victims(dev.memory.missing(nbytes, entry.blocks), evictable=evictable,
-                                         wanted=wanted, keep=dev.memory.present(entry.blocks))
+            blocks = entry.blocks_on(dev.kind)
+            victims = dev.memory.victims(dev.memory.missing(nbytes, blocks), evictable=evictable,
+                                         wanted=wanted, keep=dev.memory.present(blocks))
             if victims is None:
                 continue
             ready = max(copy_free + load_s, tl.exec.free_at(now))

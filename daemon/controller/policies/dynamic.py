@@ -168,7 +168,7 @@ class DynamicBatchingPolicy:
                 yield Drop(r, err)
             return
         fits = [d for d in fits if d.can_load(entry.spec.key, now)]
-        free = [d for d in fits if d.memory.free >= d.memory.missing(nbytes, entry.blocks)]
+        free = [d for d in fits if d.memory.free >= d.memory.missing(nbytes, entry.blocks_on(d.kind))]
         if free:
             dev = min(free, key=lambda d: (d.infer_inflight + d.load_inflight, -d.memory.free))
             yield Load(entry.spec, dev.name)
@@ -185,8 +185,9 @@ class DynamicBatchingPolicy:
         for d in fits:
             def evictable(k: str, d: DeviceState = d) -> bool:
                 return d.busy[k] == 0 and not (lane_only and wanted(k))
-            victims = d.memory.victims(d.memory.missing(nbytes, entry.blocks), evictable=evictable,
-                                       wanted=wanted, keep=d.memory.present(entry.blocks))
+            blocks = entry.blocks_on(d.kind)
+            victims = d.memory.victims(d.memory.missing(nbytes, blocks), evictable=evictable,
+                                       wanted=wanted, keep=d.memory.present(blocks))
             if victims is not None:
                 options.append((sum(wanted(k) for k in victims), len(victims), d.name, d, victims))
         if not options:

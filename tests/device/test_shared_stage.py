@@ -1,0 +1,163 @@
+"""A plan's shared leading stage on the CUDA backend (stand-in in every interleaving mode, CUDA when
+present): plans of one backbone hold its weights once in the arena, a LOAD copies and charges only
+what the device lacks, an UNLOAD frees the stage with its last holder, and every plan still answers
+as it does alone, through graphs, reloads and compaction."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from daemon.runtime.arena import aligned
+from daemon.runtime.backend import Resident
+from daemon.runtime.cuda import CudaBackend, extent_layout, prefix_bytes, shared_block
+from daemon.runtime.emucuda import EmuCuda, EmuSettings
+from daemon.runtime.program import Program
+from tests.device.conftest import backend_on, make_api
+from tests.device.test_backend import check, load, sample
+from tests.device.test_cross_model import Plans, _requests, plans  # noqa: F401  (the fixture)
+
+
+def _own(be: CudaBackend, p: Program) -> int:
+    return aligned(extent_layout(p, prefix_bytes(p))[3], be.arena.align)
+
+
+def _within_its_extent(res: Resident) -> bool:
+    """Every static buffer and its own weights lie in its extent (its shared stage's in theirs)."""
+    st = res.state
+    ext = st.extent
+    return all(ext.offset <= r.offset and r.offset + r.nbytes <= ext.end
+               for r in (st.weights, *st.inputs, *st.outputs, *st.mids))
+
+
+def test_plans_of_one_backbone_hold_it_once(backend: CudaBackend, plans: Plans) -> None:  # noqa: F811
+    staged, whole = plans
+    a, b = staged["a"], staged["b"]
+    stage = prefix_bytes(a)
+    assert stage and stage == prefix_bytes(b) and shared_block(a) == shared_block(b)
+    assert backend.footprint(a) == _own(backend, a) + aligned(stage)
+    ra = load(backend, a)
+    assert ra.charged == backend.footprint(a)
+    rb = load(backend, b)
+    assert rb.charged == _own(backend, b)  # the backbone is there: only b's own extent
+    assert backend.arena.used == backend.footprint(a) + _own(backend, b)
+    assert backend.shared_stages() == {a.prefix: (aligned(stage), 2)}
+    assert ra.state.shared.offset == rb.state.shared.offset  # one copy, read by both
+    for name, res in (("a", ra), ("b", rb)):
+        check(backend, res, 3)
+        got = check(backend, res, 16, seed=1)  # the graph of the largest batch too
+        with torch.inference_mode():  # and each answers as the same model whole, loaded alone
+            ref = whole[name].host_runner([torch.from_numpy(x) for x in sample(res.program.spec, 16, 1)])
+        np.testing.assert_allclose(got[0], ref[0].numpy(), rtol=1e-5, atol=1e-6)
+    backend.unload(ra)
+    assert ra.charged == _own(backend, a)  # the backbone stays for b
+    check(backend, rb, 5, seed=2)
+    backend.unload(rb)
+    assert rb.charged == _own(backend, b) + aligned(stage)
+    assert backend.arena.used == 0 and backend.shared_stages() == {}
+    backend.arena.check()
+
+
+def test_a_reload_over_a_held_stage_replays_its_parked_graphs(backend: CudaBackend, plans: Plans) -> None:  # noqa: F811
+    staged, _ = plans
+    ra, rb = load(backend, staged["a"]), load(backend, staged["b"])
+    hits = backend.graph_cache.hits
+    backend.unload(rb)
+    rb = load(backend, staged["b"])  # same place, same stage's place: its graphs come back
+    assert backend.graph_cache.hits == hits + 1
+    check(backend, rb, 4)
+    backend.unload(ra)  # the stage stays: b's graphs still read it
+    check(backend, rb, 7, seed=3)
+    backend.unload(rb)
+    ra = load(backend, staged["a"])  # the stage made again
+    check(backend, ra, 2)
+    backend.unload(ra)
+    assert backend.arena.used == 0
+
+
+def test_sharing_off_holds_every_plan_whole(kind: tuple[str, str, int], plans: Plans) -> None:  # noqa: F811
+    k, mode, seed = kind
+    api = make_api(k, mode, seed=seed) if k != "cuda" else make_api(k, mode)
+    be = backend_on(api)
+    be.shares = False
+    staged, _ = plans
+    ra, rb = load(be, staged["a"]), load(be, staged["b"])
+    assert be.footprint(staged["a"]) == aligned(extent_layout(staged["a"])[3], be.arena.align)
+    assert be.arena.used == ra.charged + rb.charged == be.footprint(staged["a"]) + be.footprint(staged["b"])
+    assert be.shared_stages() == {} and ra.state.shared is None
+    check(be, ra, 3)
+    check(be, rb, 3)
+    be.unload(ra)
+    be.unload(rb)
+    be.close()
+    be.host.close()
+    if isinstance(api, EmuCuda):
+        api.release()
+        assert not api.races.races
+
+
+def test_compaction_moves_plans_around_their_stage_and_they_still_serve(kind: tuple[str, str, int],
+                                                                        plans: Plans) -> None:  # noqa: F811
+    k, mode, seed = kind
+    if k == "cuda":
+        pytest.skip("sized for the stand-in")
+    staged, whole = plans
+    a = staged["a"]
+    probe = backend_on(EmuCuda(0, EmuSettings(capacity=64 << 20)))
+    own, stage = _own(probe, a), aligned(prefix_bytes(a))
+    probe.close()
+    probe.host.close()
+    api = make_api(k, mode, seed=seed)
+    # room for the stage, three plans and half of one
+    be = backend_on(api, budget=(1 << 20) + stage + 3 * own + own // 2, workspace=1 << 20)
+    r1, r2, r3 = (load(be, a, key) for key in ("a1", "a2", "a3"))
+    where = r1.state.shared.offset
+    be.unload(r2)  # a hole of one plan in the middle, half a plan at the end
+    filler = be.arena.alloc(be.arena.align, "filler")  # something that never moves takes the hole's start
+    assert filler is not None and be.arena.largest_free < own
+    r4 = load(be, a, "a4")  # fits only once a3 slides down
+    be.arena.check()
+    assert be.compactions == 1
+    assert r3.state.shared.offset == r4.state.shared.offset == where  # the stage never moves
+    assert all(_within_its_extent(r) for r in (r1, r3, r4))  # the moved plan's buffers moved with it
+    for res in (r1, r3, r4):
+        check(be, res, 3)
+    # a cross-model batch led by the plan that moved: its first stage's outputs moved with it
+    qa, qb = _requests(r3, 3, seed=5), _requests(r4, 4, seed=6)
+    parts, _, _ = be.infer_staged([(r3, qa), (r4, qb)], r3.io[a.spec.batch_size_for(7)])
+    with torch.inference_mode():
+        for reqs, got in ((qa, parts[0]), (qb, parts[1])):
+            ref = whole["a"].host_runner([torch.from_numpy(np.concatenate([r.inputs[0] for r in reqs]))])[0]
+            np.testing.assert_allclose(got[0], ref.numpy(), rtol=1e-5, atol=1e-6)
+    for res in (r1, r3, r4):
+        be.unload(res)
+    be.arena.free(filler)
+    assert be.arena.used == 0 and be.shared_stages() == {}
+    be.arena.check()
+    be.close()
+    be.host.close()
+    api.release()
+    assert not api.races.races
+
+
+def test_a_failed_load_lets_go_of_the_stage_it_made(plans: Plans) -> None:  # noqa: F811
+    staged, _ = plans
+    api = EmuCuda(0, EmuSettings(capacity=64 << 20))
+    be = backend_on(api, budget=32 << 20, workspace=8 << 20)
+    for after in range(0, 4):  # an allocation failing at each step of the LOAD
+        api.fail_allocation(after=after)
+        with pytest.raises(Exception):  # noqa: B017  (NoMemory or the allocator's error)
+            load(be, staged["a"], f"broken{after}")
+        assert be.arena.used == 0 and be.shared_stages() == {}
+    held = load(be, staged["a"])
+    api.fail_allocation(after=0)
+    with pytest.raises(Exception):  # noqa: B017
+        load(be, staged["b"])
+    assert be.shared_stages() == {staged["a"].prefix: (aligned(prefix_bytes(staged["a"])), 1)}
+    check(be, held, 3)
+    be.unload(held)
+    assert be.arena.used == 0
+    be.close()
+    be.host.close()
+    api.release()
