@@ -17,7 +17,8 @@ The budget holds every variant. With sharing on, a CUDA device holds the backbon
 plans' shared leading stage has an extent of its own, runtime/cuda.py), and every variant's head
 and IO buffers in its own extent; black-box, each variant holds a copy of the backbone. Each mode
 records the device bytes its resident variants are charged at the end, and `memory_ratio` compares
-them per resident variant (black-box / shared).
+them per resident variant (black-box / shared). Before the daemons, the CUDA backend alone times a
+variant's LOAD over a held backbone against a full one (`load_times`).
 
 Per mode: SLO attainment, p50/p99 and cold-start rate per load, capacity at SLO (the highest
 offered load with >= 99% within the SLO and p99 within it), cross-model batches. Ratios: capacity
@@ -131,6 +132,55 @@ def backbone_b1_s(device: str, plan: Plan, kind: str) -> float:
     return float(np.median(times))
 
 
+def load_times(device: str, work: Path, names: list[str], budget: int, workspace: int, reps: int = 12
+               ) -> dict[str, Any]:
+    """LOAD of a variant whose backbone stage the device holds against a full one, on the CUDA
+    backend itself (no daemon): per round a variant is loaded onto an empty device (the backbone
+    copied too), then a second variant (its head and IO buffers alone), then both unloaded. The
+    first two rounds warm up (graph captures); medians of the rest, wall time and the copy's own
+    device time, and the bytes each LOAD charged."""
+    from daemon.runtime.devices import Device
+    from daemon.runtime.executor import make_backend
+    from daemon.runtime.hostmem import HostPins
+    from daemon.runtime.objstore import ObjectStore
+    from daemon.runtime.program import load_program
+
+    kind, _, index = device.partition(":")
+    specs = {m.name: m for m in scan(work).models}
+    store = ObjectStore()
+    first, second = (load_program(specs[n], store) for n in names[:2])
+    host = HostPins(4 << 30)
+    be = make_backend(Device(device, kind, int(index or 0), budget, workspace), 1, host=host)  # type: ignore[arg-type]
+    full: list[tuple[float, float]] = []
+    held: list[tuple[float, float]] = []
+    charged = (0, 0)
+    try:
+        for r in range(reps + 2):
+            t0 = time.perf_counter()
+            a, copy_a = be.load("first", first, time.monotonic() + 30)  # type: ignore[attr-defined]
+            t1 = time.perf_counter()
+            b, copy_b = be.load("second", second, time.monotonic() + 30)  # type: ignore[attr-defined]
+            t2 = time.perf_counter()
+            charged = (a.charged, b.charged)
+            be.unload(b)
+            be.unload(a)
+            if r >= 2:
+                full.append((t1 - t0, copy_a))
+                held.append((t2 - t1, copy_b))
+    finally:
+        be.close()
+        host.close()
+
+    def med(xs: list[tuple[float, float]], i: int) -> float:
+        return float(np.median([x[i] for x in xs])) * 1e3
+
+    out = {"full_load_ms": med(full, 0), "full_copy_ms": med(full, 1), "held_load_ms": med(held, 0),
+           "held_copy_ms": med(held, 1), "full_charged_bytes": charged[0], "held_charged_bytes": charged[1],
+           "reps": reps}
+    out["held_over_full_load"] = out["held_load_ms"] / out["full_load_ms"] if out["full_load_ms"] else None
+    return out
+
+
 def footprint_bytes(root: Path) -> int:
     """The bytes of one variant's weights (backbone and head), unshared."""
     return sum(p.stat().st_size for p in (root / ".stages" / "backbone.pt2", root / "v000" / "1" / "head.pt2"))
@@ -160,6 +210,14 @@ def markdown(result: dict[str, Any]) -> str:
         if m["skipped_rps"]:
             lines.append(f"| {m['mode']} | skipped (time): {', '.join(f'{x:.1f}' for x in m['skipped_rps'])} "
                          "| | | | | | |")
+    lt = result.get("load_times")
+    if lt:
+        lines += ["", f"LOAD on the backend alone (median of {lt['reps']} rounds): a variant onto an empty device "
+                  f"{lt['full_load_ms']:.2f} ms (copy {lt['full_copy_ms']:.2f} ms, "
+                  f"{lt['full_charged_bytes'] / 1e6:.2f} MB charged); a second variant over the held backbone "
+                  f"{lt['held_load_ms']:.2f} ms (copy "
+                  f"{lt['held_copy_ms']:.2f} ms, {lt['held_charged_bytes'] / 1e6:.2f} MB): "
+                  f"{lt['held_over_full_load']:.2f}x the full LOAD's time."]
     s = result["summary"]
     def num(x: float | None) -> str:
         return "null" if x is None else f"{x:.2f}"
@@ -200,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         b1 = backbone_b1_s(args.device, plan, kind)
         rates = [f * min(1.0 / b1, plan.rate_cap) for f in plan.levels]
         popularity = loadgen.zipf_weights(plan.n, 1.0)
+        loads = load_times(args.device, work, names, budget, plan.workspace)
         print(f"{plan.n} variants built in {time.monotonic() - t0:.1f} s; backbone b1 {b1 * 1e3:.3f} ms", flush=True)
         modes = []
         for i, (mode, share) in enumerate(MODES.items()):
@@ -230,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
               "facts": {"variants": plan.n, "backbone": "ResNet-18 features" if kind == "cuda" else "small conv net",
                         "weight_budget": budget, "workspace": plan.workspace, "unshared_variant_bytes": unshared,
                         "backbone_b1_ms": b1 * 1e3, "offered_rps": rates},
-              "modes": modes, "summary": summary}
+              "modes": modes, "summary": summary, "load_times": loads}
     (out / "sharing.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     text = markdown(result)
     (out / "sharing.md").write_text(text + "\n")
