@@ -299,8 +299,7 @@ class Daemon:
     async def _watch_devices(self) -> None:
         """Once every device is lost, stop with status 1: systemd restarts the service (a lost CUDA
         context comes back only in a new process)."""
-        ctl = self.controller
-        await ctl.until(lambda s: s.lost == len(s.devices))
+        await self.controller.all_lost.wait()
         log.critical("every device is lost (%s); stopping so that the service is restarted",
                      "; ".join(f"{n}: {why}" for n, why in self.health().lost_devices.items()))
         self.exit_code = 1

@@ -59,6 +59,9 @@ class ControllerService:
         self._settled = asyncio.Event()  # idle, and no coding group left waiting for a flush
         self._settled.set()
         self._waiters: list[tuple[Callable[[Scheduler], bool], asyncio.Future[None]]] = []
+        # set once every device is lost (the daemon then stops: a lost CUDA context comes back only
+        # in a new process); an event rather than a waiter, which would run a predicate every step
+        self.all_lost = asyncio.Event()
         self._results: list[Result] = []  # came back since the last step
         ctl = scheduler.settings
         self.latency = LatencyPath(ctl.latency_path, ctl.latency_path_max_ms / 1000.0)
@@ -126,6 +129,8 @@ class ControllerService:
                 self._settled.set()
         if self._waiters:
             self._wake_waiters()
+        if self.scheduler.lost and self.scheduler.lost == len(self.scheduler.devices):
+            self.all_lost.set()
 
     def _wake_waiters(self) -> None:
         keep: list[tuple[Callable[[Scheduler], bool], asyncio.Future[None]]] = []
