@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from bench import loadgen
+from bench.gpu import errors
 from bench.gpu.profiles import Arch, architectures, export
 from bench.scenarios.common import passes
 from bench.scenarios.many_models import build_repo, point, predictability, stats
@@ -136,7 +137,8 @@ def run_policy(policy: str, work: Path, names: list[str], popularity: np.ndarray
     sections: dict[str, dict[str, Any]] = {
         "runtime": {"devices": [device], "weight_budget": budget, "device_workspace": plan.workspace,
                     "detect_shared_prefix": False},
-        "controller": {"policy": policy}}
+        # every action traced: where INFER prediction errors come from (bench/gpu/errors.py)
+        "controller": {"policy": policy, "trace_path": str(log_dir / f"trace-{log_name or policy}.jsonl")}}
     for sec, kv in (overrides or {}).items():
         sections.setdefault(sec, {}).update(kv)
     with Escapement(work, log_file=log_dir / (log_name or f"manymodels-{policy}.log"), **sections) as server:
@@ -151,6 +153,9 @@ def run_policy(policy: str, work: Path, names: list[str], popularity: np.ndarray
             sched = loadgen.poisson(rate, secs, len(names), popularity, seed=i)
             rows.append(point(server, sched, names, spec_list, secs, slo, policy, level=i))
         st = stats(server.port)
+    trace = Path(sections["controller"]["trace_path"])
+    causes = errors.summarize(errors.read(trace)) if trace.exists() else {}
+    trace.unlink(missing_ok=True)  # (tens of MB: the summary is what is kept)
     tel = st["telemetry"]
     good = [r["offered_rps"] for r in rows if passes(r)]
     devices = st.get("devices", {}).values()
@@ -158,7 +163,7 @@ def run_policy(policy: str, work: Path, names: list[str], popularity: np.ndarray
     # device memory the resident models are charged, less the workspace reserve
     held = sum(d.get("used", 0) - d.get("workspace", 0) for d in devices)
     return {"policy": policy, "daemon_start_s": started_s, "rows": rows, "skipped_rps": skipped,
-            "device_bytes_at_end": held,
+            "device_bytes_at_end": held, "infer_error_causes": causes,
             "capacity_at_slo_rps": max(good) if good else 0.0,
             "slo_attainment_by_rps": {f"{r['offered_rps']:.1f}": r["slo_attainment"] for r in rows},
             "cold_start_rate_by_rps": {f"{r['offered_rps']:.1f}": r["cold_start_rate"] for r in rows},
@@ -204,6 +209,10 @@ def markdown(result: dict[str, Any]) -> str:
         if p["skipped_rps"]:
             lines.append(f"| {p['policy']} | skipped (time): {', '.join(f'{x:.1f}' for x in p['skipped_rps'])} "
                          "| | | | | | | |")
+    for p in result["policies"]:
+        if p.get("infer_error_causes", {}).get("infers"):
+            lines += ["", f"Where {p['policy']}'s INFER prediction errors come from (its trace, bench/gpu/errors.py):",
+                      "", errors.markdown(p["infer_error_causes"])]
     if messages:
         lines += ["", "First error message per kind:", ""] + [f"- {k}: {v}" for k, v in sorted(messages.items())]
     lines += ["", "Telemetry figures are the daemon's, over its whole life (warm-up load included). Capacity at "

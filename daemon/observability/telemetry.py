@@ -182,6 +182,7 @@ class Telemetry:
                               "earliest": a.earliest, "latest": a.latest, "planned_start": a.expected_start,
                               "expected": a.expected_duration, "received": result.received,
                               "ready": result.ready_at, "begin": result.begin, "end": result.end,
+                              "duration": result.duration,  # the device's own time (CUDA events), if measured
                               "status": result.status.name, "error": result.error or None})
         if len(self._acts) >= FLUSH_AT:
             self.flush()
