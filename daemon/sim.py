@@ -115,8 +115,15 @@ class Simulation:
 
     def __init__(self, models: Sequence[tuple[ModelSpec, SimProfile]], devices: int, policy: Policy,
                  settings: ControllerSettings | None = None, weight_budget: int = int(21.5 * 2**30),
-                 noise: float = 0.0, slowdowns: Sequence[Slowdown] = (), seed: int = 0) -> None:
+                 noise: float = 0.0, slowdowns: Sequence[Slowdown] = (), seed: int = 0,
+                 step_quantum: float = 0.0) -> None:
         self.clock = VirtualClock(0.0)
+        # A real event loop steps the controller once for everything that came in while it was busy
+        # (frames read together, a worker's batch of SUBMIT records, results posted meanwhile). With a
+        # quantum, events within that many seconds of the first the controller hears of are handled in
+        # one step, at the last one's time (deterministic: a fixed model of the loop, not its measured
+        # speed); 0: one step per instant, every Poisson arrival its own step.
+        self.step_quantum = step_quantum
         self.rng = np.random.default_rng(seed)
         self.noise = noise
         self.slowdowns = list(slowdowns)
@@ -230,18 +237,22 @@ class Simulation:
         driver = self.driver
         wall0 = time.perf_counter()
         heard = False  # whether anything at this instant concerns the controller
+        window = -math.inf  # events up to this time join the coming step (step_quantum)
         while self.events:
             t, _, fn, controller = heapq.heappop(self.events)
             if t > end:
                 break
             self.clock.set(max(t, self.clock.now()))
             fn()
+            if window == -math.inf and (controller or self._pending_results):
+                window = t + self.step_quantum  # (the first event the controller hears of opens it)
             heard = heard or controller
-            if self.events and self.events[0][0] <= t:
-                continue  # coalesce everything at this instant into one scheduling step
+            if self.events and self.events[0][0] <= max(t, window):
+                continue  # coalesce everything at this instant (and within the quantum) into one step
             if not (heard or self._pending_results):
                 continue  # an executor started an action: the real controller is not woken for that
             heard = False
+            window = -math.inf
             results, self._pending_results = self._pending_results, []
             now = self.clock.now()
             t0 = time.perf_counter()
