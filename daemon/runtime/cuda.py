@@ -35,6 +35,7 @@ later action fails at once. A wait past its deadline (a hung kernel) does the sa
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import threading
 import time
@@ -187,8 +188,8 @@ class CudaResident:
     pinned_bytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)  # held by an INFER, or by a compaction moving it
     last_s: dict[int, float] = field(default_factory=dict)  # batch size -> a low estimate of its device time
-    # A plan whose leading stage's weights are held apart, shared (SharedStage): the stage's identity
-    # and those weights' region ("" and None for other models)
+    # A plan whose leading stage's weights are held apart, shared (SharedStage): its stage_key and
+    # those weights' region ("" and None for other models)
     shared_sid: str = ""
     shared: Region | None = None
 
@@ -244,11 +245,24 @@ def prefix_bytes(program: Program) -> int:
     return entries[n].offset if n < len(entries) else program.layout.nbytes
 
 
+def stage_key(program: Program) -> str:
+    """What a shared stage's extent is held under: the stage's identity and where each of its weights
+    lies in those bytes. The identity names the weights by content but not their order (a prefix
+    found in whole models, runtime/shared_prefix.py, is the same computation whatever order its
+    layers were registered in), and a plan reads the bytes at its own layout's offsets: two plans
+    share the bytes only where both say the same content at the same place."""
+    n = program.stages[0].count
+    h = hashlib.blake2b(program.prefix.encode(), digest_size=12)
+    for cid, e in zip(program.cids[:n], program.layout.entries[:n], strict=True):
+        h.update(f"|{cid}@{e.offset}+{e.nbytes}".encode())
+    return f"stage:{h.hexdigest()}"
+
+
 def shared_block(program: Program) -> tuple[str, int] | None:
-    """The block a CUDA device holds once for every plan with this leading stage, as the
-    controller's memory map counts it (controller/memory.py): (its id, its bytes in the arena)."""
+    """The block a CUDA device holds once for every plan with this leading stage laid out alike, as
+    the controller's memory map counts it (controller/memory.py): (its id, its bytes in the arena)."""
     n = prefix_bytes(program)
-    return (f"stage:{program.prefix}", aligned(n)) if n else None
+    return (stage_key(program), aligned(n)) if n else None
 
 
 def extent_layout(program: Program, skip: int = 0) -> tuple[int, list[int], list[int], int, list[int]]:
@@ -275,7 +289,7 @@ class CudaBackend:
         # Plans' shared leading stages held once (runtime.share_weights); off: every model holds
         # all of its weights in its own extent, as black-box serving does
         self.shares = shares
-        self._stages: dict[str, SharedStage] = {}  # leading stage's identity -> its weights here
+        self._stages: dict[str, SharedStage] = {}  # stage_key -> the stage's weights here
         self.api = api
         self.host = host
         self.graphs_enabled = graphs
@@ -361,15 +375,16 @@ class CudaBackend:
         program.check_device(self.check_target, program.spec.max_batch_size)
         skip = self._skip(program)
         need = aligned(extent_layout(program, skip)[3], self.arena.align)
-        stage, fresh = self._hold_stage(key, program, skip, deadline) if skip else (None, False)
+        sk = stage_key(program) if skip else ""
+        stage, fresh = self._hold_stage(key, sk, skip, deadline) if skip else (None, False)
         try:
             ext = self._place(key, need, deadline)
         except BaseException:
             if stage is not None:
-                self._drop_stage(program.prefix)
+                self._drop_stage(sk)
             raise
         st = self._layout(program, ext, self.arena_buf.region(stage.extent.offset, skip) if stage else None)
-        st.shared_sid = program.prefix if stage is not None else ""
+        st.shared_sid = sk
         # (what this LOAD took of the budget: a stage another resident plan holds costs nothing)
         res = Resident(key, program, need + (stage.extent.nbytes if stage is not None and fresh else 0),
                        _unbound, {}, st)
@@ -391,18 +406,18 @@ class CudaBackend:
             self._residents[ext.id] = res
         return res, duration
 
-    def _hold_stage(self, key: str, program: Program, nbytes: int, deadline: float) -> tuple[SharedStage, bool]:
-        """The extent of `program`'s shared leading stage here, held once more; (it, whether this
+    def _hold_stage(self, key: str, sk: str, nbytes: int, deadline: float) -> tuple[SharedStage, bool]:
+        """The extent of the shared stage `sk` (stage_key) here, held once more; (it, whether this
         LOAD made it: then its weights must be copied in)."""
         with self._lock:
-            held = self._stages.get(program.prefix)
+            held = self._stages.get(sk)
             if held is not None:
                 held.holders += 1
                 return held, False
         # (LOADs on a device run one at a time, on its load lane: no other makes this stage meanwhile)
         held = SharedStage(self._place(f"{key}'s shared stage", nbytes, deadline), 1)
         with self._lock:
-            self._stages[program.prefix] = held
+            self._stages[sk] = held
         return held, True
 
     def _drop_stage(self, sid: str, discard: bool = False) -> int:
@@ -424,7 +439,7 @@ class CudaBackend:
         return held.extent.nbytes
 
     def shared_stages(self) -> dict[str, tuple[int, int]]:
-        """Shared stages held here: identity -> (bytes, resident plans holding it)."""
+        """Shared stages held here: stage_key -> (bytes, resident plans holding it)."""
         with self._lock:
             return {sid: (h.extent.nbytes, h.holders) for sid, h in self._stages.items()}
 

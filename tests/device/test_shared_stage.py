@@ -5,18 +5,26 @@ as it does alone, through graphs, reloads and compaction."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
+from daemon.demo import save_model
+from daemon.repository import scan
 from daemon.runtime.arena import aligned
 from daemon.runtime.backend import Resident
-from daemon.runtime.cuda import CudaBackend, extent_layout, prefix_bytes, shared_block
+from daemon.runtime.cuda import CudaBackend, extent_layout, prefix_bytes, shared_block, stage_key
 from daemon.runtime.emucuda import EmuCuda, EmuSettings
-from daemon.runtime.program import Program
+from daemon.runtime.objstore import ObjectStore
+from daemon.runtime.program import Program, load_program
+from daemon.runtime.shared_prefix import PrefixIndex
 from tests.device.conftest import backend_on, make_api
 from tests.device.test_backend import check, load, sample
 from tests.device.test_cross_model import Plans, _requests, plans  # noqa: F401  (the fixture)
+from tests.unit.test_stages import config
 
 
 def _own(be: CudaBackend, p: Program) -> int:
@@ -42,7 +50,7 @@ def test_plans_of_one_backbone_hold_it_once(backend: CudaBackend, plans: Plans) 
     rb = load(backend, b)
     assert rb.charged == _own(backend, b)  # the backbone is there: only b's own extent
     assert backend.arena.used == backend.footprint(a) + _own(backend, b)
-    assert backend.shared_stages() == {a.prefix: (aligned(stage), 2)}
+    assert backend.shared_stages() == {stage_key(a): (aligned(stage), 2)}
     assert ra.state.shared.offset == rb.state.shared.offset  # one copy, read by both
     for name, res in (("a", ra), ("b", rb)):
         check(backend, res, 3)
@@ -154,9 +162,54 @@ def test_a_failed_load_lets_go_of_the_stage_it_made(plans: Plans) -> None:  # no
     api.fail_allocation(after=0)
     with pytest.raises(Exception):  # noqa: B017
         load(be, staged["b"])
-    assert be.shared_stages() == {staged["a"].prefix: (aligned(prefix_bytes(staged["a"])), 1)}
+    assert be.shared_stages() == {stage_key(staged["a"]): (aligned(prefix_bytes(staged["a"])), 1)}
     check(be, held, 3)
     be.unload(held)
+    assert be.arena.used == 0
+    be.close()
+    be.host.close()
+    api.release()
+
+
+class _InOrder(nn.Module):
+    def __init__(self, l1: nn.Module, l2: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.l1, self.l2, self.head = l1, l2, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.l2(torch.relu(self.l1(x)))))
+
+
+class _OtherOrder(_InOrder):
+    """The same computation, its layers registered in another order: its weights pack differently."""
+
+    def __init__(self, l1: nn.Module, l2: nn.Module, head: nn.Module) -> None:
+        nn.Module.__init__(self)
+        self.head, self.l2, self.l1 = head, l2, l1
+
+
+def test_plans_of_one_stage_laid_out_differently_do_not_share_its_bytes(tmp_path: Path) -> None:
+    """A prefix found in two whole models is one stage (one computation over the same weights), but
+    each packs those weights in its own order: each must read its own bytes."""
+    torch.manual_seed(0)
+    l1, l2 = nn.Linear(6, 16).eval(), nn.Linear(16, 16).eval()
+    for name, cls, out in (("a", _InOrder, 3), ("b", _OtherOrder, 2)):
+        save_model(cls(l1, l2, nn.Linear(16, out)).eval(), "pt2", torch.zeros(2, 6), 16,
+                   tmp_path / name / "1" / "model.pt2")
+        (tmp_path / name / "config.toml").write_text(config(out))
+    specs = sorted(scan(tmp_path).models, key=lambda s: s.name)
+    index, store = PrefixIndex(), ObjectStore()
+    index.read_ahead(specs, store)
+    a, b = (load_program(s, store, index) for s in specs)
+    assert a.prefix and a.prefix == b.prefix and prefix_bytes(a) == prefix_bytes(b)
+    api = EmuCuda(0, EmuSettings(capacity=64 << 20))
+    be = backend_on(api)
+    ra, rb = load(be, a), load(be, b)
+    for res in (ra, rb):
+        check(be, res, 4)  # (b over a's bytes answered wrongly, every output)
+    assert len(be.shared_stages()) == 2
+    for res in (ra, rb):
+        be.unload(res)
     assert be.arena.used == 0
     be.close()
     be.host.close()
