@@ -593,7 +593,9 @@ class CudaBackend:
     def _compact(self, key: str, need: int, deadline: float) -> Extent | None:
         """Slide idle models' extents towards the start of the arena until `need` contiguous bytes
         are free; the new extent, or None. A model is idle when its lock is free (no INFER runs);
-        an INFER that comes for it meanwhile waits until it is moved and its graphs captured again."""
+        an INFER that comes for it meanwhile waits until it is moved and its graphs captured again.
+        A shared stage moves too when every plan holding it is resident and idle (a stage that never
+        moved would pin the arena's fragments for as long as any plan holds it)."""
         locked: list[Resident] = []
         try:
             with self._lock:
@@ -602,45 +604,67 @@ class CudaBackend:
                 if r.state.lock.acquire(blocking=False):
                     locked.append(r)
             by_extent = {r.state.extent.id: r for r in locked}
+            idle = {id(r) for r in locked}
+            holding: dict[str, list[Resident]] = {}
+            for r in candidates:
+                if r.state.shared_sid:
+                    holding.setdefault(r.state.shared_sid, []).append(r)
             with self._lock:
-                moves = self.arena.plan_compaction(set(by_extent), need)
+                # (a LOAD in progress holds its stage without being resident: that stage stays put)
+                stages = {held.extent.id: holding.get(sk, []) for sk, held in self._stages.items()
+                          if len(holding.get(sk, ())) == held.holders and all(id(r) in idle for r in holding[sk])}
+                moves = self.arena.plan_compaction(set(by_extent) | set(stages), need)
             if moves is None:
                 return None
-            for m in moves:
-                self._move(by_extent[m.extent.id], m, deadline)
+            self._move(moves, by_extent, stages, deadline)
             self.compactions += 1
-            log.info("%s: compacted its arena (%d model(s) moved) for %s", self.device.name, len(moves), key)
+            log.info("%s: compacted its arena (%d extent(s) moved) for %s", self.device.name, len(moves), key)
             with self._lock:
                 return self.arena.alloc(need, key)
         finally:
             for r in locked:
                 r.state.lock.release()
 
-    def _move(self, res: Resident, move: Move, deadline: float) -> None:
+    def _move(self, moves: list[Move], by_extent: dict[int, Resident], stages: dict[int, list[Resident]],
+              deadline: float) -> None:
+        """Carry out planned moves (models' extents and shared stages'), then point every model that
+        moved, or whose stage did, at its new place."""
         api = self.api
-        st: CudaResident = res.state
-        n = st.extent.nbytes
-        shift = move.old - move.new
-        step = min(self.load_chunk, shift)  # chunks never overlap what they read from (moves go down)
-        for off in range(0, n, step):
-            size = min(step, n - off)
-            api.copy(self.arena_buf.region(move.new + off, size), self.arena_buf.region(move.old + off, size),
-                     self.load_s)
-        vacated = max(move.new + n, move.old)
-        api.discard(self.arena_buf.region(vacated, move.old + n - vacated), self.load_s)
+        moved: dict[int, Resident] = {}
+        for m in moves:
+            for r in [by_extent[m.extent.id]] if m.extent.id in by_extent else stages[m.extent.id]:
+                moved[id(r)] = r
+        for r in moved.values():
+            # its graphs stay valid where it was: parked there for the next of its structure (and it
+            # may find a set parked at its new place)
+            st = r.state
+            for gs in self.graph_cache.park(self._graph_key(r.program, st), st.extent.offset, st.extent.nbytes,
+                                            self._unhold_graphs(st)):
+                gs.close()
+        for m in moves:  # in address order, each down: what one reads was never written by one before
+            n = m.extent.nbytes
+            step = min(self.load_chunk, m.old - m.new)  # chunks never overlap what they read from
+            for off in range(0, n, step):
+                size = min(step, n - off)
+                api.copy(self.arena_buf.region(m.new + off, size), self.arena_buf.region(m.old + off, size),
+                         self.load_s)
+            vacated = max(m.new + n, m.old)
+            api.discard(self.arena_buf.region(vacated, m.old + n - vacated), self.load_s)
+            with self._lock:
+                self.arena.apply([m])
         api.record(self._loaded, self.load_s)
-        # its graphs stay valid where it was: parked there for the next of its structure (and it may
-        # find a set parked at its new place)
-        held = self._unhold_graphs(st)
-        for gs in self.graph_cache.park(self._graph_key(res.program, st), move.old, n, held):
-            gs.close()
-        with self._lock:
-            self.arena.apply([move])
-        moved = self._layout(res.program, st.extent, st.shared)
-        # (a plan's first-stage outputs too: its parts' graphs write them, and they moved with it)
-        st.weights, st.inputs, st.outputs, st.mids = moved.weights, moved.inputs, moved.outputs, moved.mids
-        self._bind(res, st)
-        res.notes = self._make_graphs(res.program, res, st, deadline)
+        for r in moved.values():
+            st = r.state
+            shared = None
+            if st.shared is not None:
+                with self._lock:
+                    shared = self.arena_buf.region(self._stages[st.shared_sid].extent.offset, st.shared.nbytes)
+            now = self._layout(r.program, st.extent, shared)
+            # (a plan's first-stage outputs too: its parts' graphs write them, and they moved with it)
+            st.weights, st.inputs, st.outputs, st.mids, st.shared = now.weights, now.inputs, now.outputs, now.mids, \
+                now.shared
+            self._bind(r, st)
+            r.notes = self._make_graphs(r.program, r, st, deadline)
         api.record(self._captured, self.capture_s)
         self._captured.wait(deadline)
 

@@ -214,3 +214,49 @@ def test_plans_of_one_stage_laid_out_differently_do_not_share_its_bytes(tmp_path
     be.close()
     be.host.close()
     api.release()
+
+
+def test_compaction_moves_a_stage_whose_plans_are_idle(tmp_path: Path) -> None:
+    """A stage left between two holes moves with its idle plans: the room a LOAD needs is made, as
+    it was when every model was one extent (a stage that never moved pinned the fragments)."""
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU()).eval()
+    models = {"pa": nn.Sequential(backbone, nn.Linear(12, 3)), "pb": nn.Sequential(backbone, nn.Linear(12, 2)),
+              "x": nn.Sequential(nn.Linear(6, 64), nn.ReLU(), nn.Linear(64, 3)),
+              "y": nn.Sequential(nn.Linear(6, 96), nn.ReLU(), nn.Linear(96, 3))}
+    for name, m in models.items():
+        save_model(m.eval(), "pt2", torch.zeros(2, 6), 16, tmp_path / name / "1" / "model.pt2")
+        (tmp_path / name / "config.toml").write_text(config(2 if name == "pb" else 3))
+    specs = scan(tmp_path).models
+    index, store = PrefixIndex(), ObjectStore()
+    index.read_ahead(specs, store)
+    p = {s.name: load_program(s, store, index) for s in specs}
+    assert p["pa"].prefix and not p["x"].prefix
+    probe = backend_on(EmuCuda(0, EmuSettings(capacity=64 << 20)))
+    fx, fy, fp = (probe.footprint(p[k]) for k in ("x", "y", "pa"))
+    probe.close()
+    probe.host.close()
+    ws = 1 << 20
+    api = EmuCuda(0, EmuSettings(capacity=64 << 20))
+    be = backend_on(api, budget=ws + fx + fp + (fy - fx) + 256, workspace=ws)  # y fits once x is gone
+    rx, rp = load(be, p["x"]), load(be, p["pa"])
+    where = rp.state.shared.offset
+    be.unload(rx)  # x's hole before the stage, the rest after the plan
+    assert be.device.weight_budget - be.charged >= fy > be.arena.largest_free
+    ry = load(be, p["y"])  # fits only once the stage and its plan slide down
+    be.arena.check()
+    assert be.compactions == 1 and rp.state.shared.offset < where
+    assert _within_its_extent(rp)
+    check(be, rp, 5)
+    check(be, ry, 3)
+    be.unload(ry)
+    rb = load(be, p["pb"])  # a second plan over the moved stage
+    assert rb.state.shared.offset == rp.state.shared.offset
+    check(be, rb, 4)
+    for res in (rp, rb):
+        be.unload(res)
+    assert be.arena.used == 0 and be.shared_stages() == {}
+    be.close()
+    be.host.close()
+    api.release()
+    assert not api.races.races
