@@ -395,8 +395,8 @@ class ModelManager:
             stage = shared_block(item.program) if shared else None
             sched.add_model(item.spec, self.preparer.footprint(item.program), blocks=blocks,
                             prefix=item.program.prefix if shared else "", stage_blocks=(stage,) if stage else ())
-            for kind, (infer, load) in item.seeds.items():
-                sched.seed(item.spec.key, kind, infer, load)
+            for kind, (infer, load, share) in item.seeds.items():
+                sched.seed(item.spec.key, kind, infer, load, share)
             if item.program.prefix and shared:  # per-stage estimates (cross-model batches), from the host's runs
                 for kind in {d.kind for d in self.devices}:  # (CUDA runs them too: runtime/cuda.py)
                     sched.seed_stages(item.spec.key, kind, item.program.stage_timings)

@@ -32,7 +32,8 @@ from daemon.runtime.program import Program, load_program
 
 log = logging.getLogger("escapement.server")
 
-Seeds = dict[str, tuple[dict[int, float], float | None]]  # device kind -> INFER and LOAD estimates
+# device kind -> INFER and LOAD estimates, and the share of the model's bytes that LOAD copied
+Seeds = dict[str, tuple[dict[int, float], float | None, float]]
 
 
 @dataclass(slots=True)

@@ -182,12 +182,14 @@ class Scheduler:
                 if entry is not None and entry.queue.requests:
                     self.policy.on_queued(self, entry, now)
 
-    def seed(self, key: str, kind: str, infer: dict[int, float], load: float | None) -> None:
-        """Seed a model's estimates on one device kind from a profile (measured, or stored)."""
+    def seed(self, key: str, kind: str, infer: dict[int, float], load: float | None, load_share: float = 1.0
+             ) -> None:
+        """Seed a model's estimates on one device kind from a profile (measured, or stored); `load_share`:
+        the share of its bytes that LOAD copied (below 1 where the device held some of them)."""
         entry = self.models[key]
         self.estimator.seed_infer(key, kind, infer, entry.spec.batch_sizes)
         if load is not None:
-            self.estimator.observe_load(key, kind, load)
+            self.estimator.observe_load(key, kind, load, share=load_share)
 
     def remove_model(self, key: str, now: float) -> Decision:
         """Stop serving a model: fail its queued requests and unload it everywhere."""

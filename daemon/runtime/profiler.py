@@ -12,7 +12,10 @@ beside the model file as `profile.json`, keyed by device kind and hardware model
      "cuda:NVIDIA H100 80GB HBM3": {...}}
 
 `load_ms` is for a block the device has held before (reused memory); `load_first_ms` is the
-first LOAD onto fresh memory.
+first LOAD onto fresh memory. `load_share`, when present (below 1), says the measured LOADs copied
+only that share of the model's bytes: the device held some of its weights already (a backbone
+another resident variant shares), so `load_ms` is a partial LOAD's time and seeds the estimates
+as one (`Estimator.observe_load`), never as a full LOAD's.
 
 At start-up the daemon seeds its estimates from these; a model with no profile for the device
 kind and model it will run on is measured the same way on first load (warm-up) before it is
@@ -118,6 +121,12 @@ def _batch_times(v: Any, what: str) -> dict[str, float]:
     return out
 
 
+def _share(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and 0 < v <= 1):
+        raise ProfileError(f"{what} = {_show(v)}: expected a share in (0, 1]")
+    return float(v)
+
+
 def _count(lo: int, hi: int) -> Callable[[Any, str], int]:
     def check(v: Any, what: str) -> int:
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
@@ -153,6 +162,7 @@ _OPTIONAL: dict[str, Callable[[Any, str], Any]] = {
     "reps": _count(1, 1_000_000),
     "percentile": _percentile,
     "load_first_ms": _duration,
+    "load_share": _share,
     "infer_median_ms": _batch_times,
     "device_bytes": _count(0, 1 << 60),
     "notes": _text(4096),
@@ -249,11 +259,12 @@ def read_profile(spec: ModelSpec) -> dict[str, dict[str, Any]]:
     return entries
 
 
-def seeds(entry: dict[str, Any]) -> tuple[dict[int, float], float | None]:
-    """(batch size -> seconds, LOAD seconds) from one checked profile entry."""
+def seeds(entry: dict[str, Any]) -> tuple[dict[int, float], float | None, float]:
+    """(batch size -> seconds, LOAD seconds, the share of the model's bytes that LOAD copied) from
+    one checked profile entry."""
     infer = {int(b): float(ms) / 1e3 for b, ms in entry.get("infer_ms", {}).items()}
     load = entry.get("load_ms")
-    return infer, (float(load) / 1e3 if load is not None else None)
+    return infer, (float(load) / 1e3 if load is not None else None), float(entry.get("load_share", 1.0))
 
 
 def _qualified(key: str, entry: dict[str, Any]) -> str:
@@ -339,9 +350,11 @@ def measure(executor: Executor, program: Program, clock: Clock, reps: int = 10, 
     infer: dict[int, list[float]] = {}
     rng = np.random.default_rng(0)
     loads = []
+    copied = []  # bytes each LOAD charged: less than the footprint where the device held some already
     for _ in range(max(3, reps // 3)):  # LOAD, then UNLOAD again, a few times
         r = run(act(ActionKind.LOAD))
         loads.append(r.end - r.begin)
+        copied.append(r.weight_bytes)
         run(act(ActionKind.UNLOAD))
     # The first LOAD lands on fresh memory (page faults); later ones reuse a freed block, as
     # loads of a model the device has held before do.
@@ -371,6 +384,9 @@ def measure(executor: Executor, program: Program, clock: Clock, reps: int = 10, 
         "infer_median_ms": {str(b): float(np.median(t)) * 1e3 for b, t in infer.items()},
         "device_bytes": executor.footprint(program),
     }
+    share = float(np.median(copied[1:])) / entry["device_bytes"] if entry["device_bytes"] else 1.0
+    if share < 1.0:
+        entry["load_share"] = round(max(share, 1e-6), 6)
     if executor.device.model:
         entry["model"] = executor.device.model
     if notes:

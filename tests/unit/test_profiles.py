@@ -79,7 +79,7 @@ def test_round_trip_under_kind_and_model(spec: ModelSpec) -> None:
     assert write_profile(spec, f"cuda:{A100}", _entry())
     stored = json.loads(profile_path(spec).read_text())
     assert stored["format"] == PROFILE_FORMAT and set(stored) == {"format", f"cuda:{A100}"}
-    infer, load = seeds(read_profile(spec)[f"cuda:{A100}"])
+    infer, load, _ = seeds(read_profile(spec)[f"cuda:{A100}"])
     assert infer == pytest.approx({1: 0.3e-3, 2: 0.4e-3, 4: 0.6e-3}) and load == pytest.approx(1.5e-3)
 
 

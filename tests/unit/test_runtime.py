@@ -272,5 +272,32 @@ def test_profiling_measures_every_batch_size_and_round_trips(programs: dict[str,
     assert read_profile(spec) == {}
     assert write_profile(spec, "cpu", entry)
     assert read_profile(spec)["cpu"]["infer_ms"] == entry["infer_ms"]
-    infer, load = seeds(read_profile(spec)["cpu"])
+    infer, load, _ = seeds(read_profile(spec)["cpu"])
     assert infer[8] == pytest.approx(entry["infer_ms"]["8"] / 1e3) and load == pytest.approx(entry["load_ms"] / 1e3)
+
+
+def test_a_warm_up_over_weights_the_device_holds_seeds_a_partial_load(programs: dict[str, Program]) -> None:
+    """Its LOADs copied only what the device lacked (here nothing: another holder has every block),
+    so the profile says so and the estimate never takes that time for a full LOAD's."""
+    import time
+
+    from daemon.controller.estimates import Estimator
+    from daemon.runtime.profiler import check_entry, profile_program, seeds
+
+    p = programs["tiny_pt2:1"]
+    dev = Device("cpu:0", "cpu", 0, 1 << 20)
+    be = CpuBackend(dev)
+    held, _ = be.load("another:1", p, time.monotonic() + 10)
+    try:
+        entry = profile_program(p, dev, be, MonotonicClock(), reps=3)
+    finally:
+        be.unload(held)
+    assert 0 < entry["load_share"] < 1
+    entry = check_entry(entry, p.spec.batch_sizes, "")  # stored and read back as it is
+    _, load, share = seeds(entry)
+    assert load is not None and share == entry["load_share"]
+    est = Estimator()
+    est.observe_load("m", "cpu", load, share=share)
+    assert est.load("m", "cpu") is None  # no full LOAD seen yet
+    full = Device("cpu:1", "cpu", 1, 1 << 20)  # a device holding none of it: a full LOAD, no share
+    assert "load_share" not in profile_program(p, full, CpuBackend(full), MonotonicClock(), reps=3)
