@@ -127,7 +127,7 @@ def test_compaction_moves_plans_around_their_stage_and_they_still_serve(kind: tu
     r4 = load(be, a, "a4")  # fits only once a3 slides down
     be.arena.check()
     assert be.compactions == 1
-    assert r3.state.shared.offset == r4.state.shared.offset == where  # the stage never moves
+    assert r3.state.shared.offset == r4.state.shared.offset == where  # (at the start: nothing to slide it to)
     assert all(_within_its_extent(r) for r in (r1, r3, r4))  # the moved plan's buffers moved with it
     for res in (r1, r3, r4):
         check(be, res, 3)
