@@ -115,6 +115,8 @@ if [[ -f bench/gpu/profiles.py ]]; then
         --out "$out" $([[ $standin == 1 ]] && echo --quick)
 fi
 # (each policy's daemon reads 40 ResNet-18s before READY: 240 s lets both policies run their ladder)
+step "shared backbone: a variant's LOAD over it against a full one" sharing-loads.log \
+    "$py" -m bench.gpu.sharing --device "$device" --out "$out" --loads-only
 [[ $manymodels == 1 ]] && step "many models: clockwork against dynamic on a real daemon" manymodels.log \
     timeout 270 "$py" -m bench.gpu.manymodels --device "$device" --out "$out" \
     $([[ $standin == 1 ]] && echo --quick || echo --budget 240)

@@ -232,12 +232,36 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b > 0 and np.isfinite(a) and np.isfinite(b) else None
 
 
+def _loads_only(device: str, kind: str, work: Path, names: list[str], budget: int, plan: Plan, out: Path,
+                built_s: float) -> int:
+    """`--loads-only`: a variant's LOAD over a held backbone against a full one, and what each
+    charged, into DIR/sharing-loads.json and .md."""
+    loads = load_times(device, work, names, budget, plan.workspace)
+    result = {"device": device_name(device), "device_kind": kind, "torch": torch.__version__,
+              "command": f"python -m bench.gpu.sharing --device {device} --out DIR --loads-only",
+              "backbone": "ResNet-18 features" if kind == "cuda" else "small conv net", "built_s": built_s,
+              "load_times": loads}
+    (out / "sharing-loads.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = "\n".join([f"# A variant's LOAD over a held backbone on {result['device']}", "",
+                      f"`{result['command']}` (torch {result['torch']}; {result['backbone']} and a linear head)", "",
+                      f"Full LOAD {loads['full_load_ms']:.2f} ms (copy {loads['full_copy_ms']:.3f} ms, "
+                      f"{loads['full_charged_bytes'] / 1e6:.2f} MB charged); over the held backbone "
+                      f"{loads['held_load_ms']:.2f} ms (copy {loads['held_copy_ms']:.3f} ms, "
+                      f"{loads['held_charged_bytes'] / 1e6:.2f} MB): {loads['held_over_full_load']:.2f}x "
+                      f"(medians of {loads['reps']} rounds)."])
+    (out / "sharing-loads.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu.sharing")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget", type=float, help="seconds for the whole run (default: the plan's)")
+    ap.add_argument("--loads-only", action="store_true",
+                    help="only the backend's LOAD times (a few seconds; bench/gpu/check.sh runs this)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kind = args.device.partition(":")[0]
@@ -255,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         unshared = footprint_bytes(work)
         # every variant fits (with IO buffers and alignment: a fifth more)
         budget = plan.workspace + plan.n * unshared * 6 // 5
+        if args.loads_only:
+            return _loads_only(args.device, kind, work, names, budget, plan, out, time.monotonic() - t0)
         b1 = backbone_b1_s(args.device, plan, kind)
         rates = [f * min(1.0 / b1, plan.rate_cap) for f in plan.levels]
         popularity = loadgen.zipf_weights(plan.n, 1.0)
