@@ -124,7 +124,10 @@ def prepare(device: str, plan: Plan, arch: Arch, base: Path) -> dict[str, Any]:
 
 def run_policy(policy: str, work: Path, names: list[str], popularity: np.ndarray, rates: list[float],
                device: str, budget: int, plan: Plan, deadline: float, log_dir: Path,
-               overrides: dict[str, dict[str, Any]] | None = None, log_name: str = "") -> dict[str, Any]:
+               overrides: dict[str, dict[str, Any]] | None = None, log_name: str = "", trace: bool = False
+               ) -> dict[str, Any]:
+    """One policy's daemon at every load; `trace`: every action traced, and where its INFER prediction
+    errors come from summarized (bench/gpu/errors.py; the trace's writing costs the loop a little)."""
     specs = {m.name: m for m in scan(work).models}
     spec_list = [specs[x] for x in names]
     slo = max(s.slo_s for s in spec_list)
@@ -137,8 +140,9 @@ def run_policy(policy: str, work: Path, names: list[str], popularity: np.ndarray
     sections: dict[str, dict[str, Any]] = {
         "runtime": {"devices": [device], "weight_budget": budget, "device_workspace": plan.workspace,
                     "detect_shared_prefix": False},
-        # every action traced: where INFER prediction errors come from (bench/gpu/errors.py)
-        "controller": {"policy": policy, "trace_path": str(log_dir / f"trace-{log_name or policy}.jsonl")}}
+        "controller": {"policy": policy}}
+    if trace:
+        sections["controller"]["trace_path"] = str(log_dir / f"trace-{log_name or policy}.jsonl")
     for sec, kv in (overrides or {}).items():
         sections.setdefault(sec, {}).update(kv)
     with Escapement(work, log_file=log_dir / (log_name or f"manymodels-{policy}.log"), **sections) as server:
@@ -153,9 +157,11 @@ def run_policy(policy: str, work: Path, names: list[str], popularity: np.ndarray
             sched = loadgen.poisson(rate, secs, len(names), popularity, seed=i)
             rows.append(point(server, sched, names, spec_list, secs, slo, policy, level=i))
         st = stats(server.port)
-    trace = Path(sections["controller"]["trace_path"])
-    causes = errors.summarize(errors.read(trace)) if trace.exists() else {}
-    trace.unlink(missing_ok=True)  # (tens of MB: the summary is what is kept)
+    causes: dict[str, Any] = {}
+    if trace:
+        traced = Path(sections["controller"]["trace_path"])
+        causes = errors.summarize(errors.read(traced)) if traced.exists() else {}
+        traced.unlink(missing_ok=True)  # (tens of MB: the summary is what is kept)
     tel = st["telemetry"]
     good = [r["offered_rps"] for r in rows if passes(r)]
     devices = st.get("devices", {}).values()
@@ -265,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                  "load_ms": prep["profile"]["load_ms"], "raw_b1_limit_rps": limit, "offered_rps": rates,
                  "export_s": prep["export_s"], "profile_s": prep["profile_s"]}
         policies = [run_policy(p, work, names, popularity, rates, args.device, budget, plan, deadline, out,
-                               overrides) for p in args.policy or POLICIES]
+                               overrides, trace=True) for p in args.policy or POLICIES]
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(base, ignore_errors=True)

@@ -113,13 +113,9 @@ def candidates(view: ControllerView, lead: ModelEntry) -> list[str]:
     return [e.spec.key for e in view.active() if e.prefix == lead.prefix and e is not lead]
 
 
-# Device kinds whose backend runs cross-model batches over extents (runtime/cuda.py: the lead's
-# extent takes every row, each member's tail runs over its own weights).
-APART_KINDS = EXTENT_KINDS
-
-
 def allowed(dev: DeviceState, lead: ModelEntry) -> bool:
     """Whether a batch of `lead` on `dev` may take in other models' requests: `lead` is a plan of
     stages, the device keeps shared weights once (CPU) or runs a shared stage over the lead's
     weights (CUDA), and ParM does not protect the model (its coding groups are one model's batches)."""
-    return bool(lead.prefix) and (dev.memory.shares or dev.device.kind in APART_KINDS) and lead.spec.parity is None
+    # (EXTENT_KINDS, CUDA: the lead's extent takes every row, each member's tail runs over its own weights)
+    return bool(lead.prefix) and (dev.memory.shares or dev.device.kind in EXTENT_KINDS) and lead.spec.parity is None

@@ -347,8 +347,11 @@ class CudaBackend:
     def footprint(self, program: Program) -> int:
         """Bytes a LOAD of `program` charges here when the device holds none of its shared stage."""
         skip = self._skip(program)
-        own = aligned(extent_layout(program, skip)[3], self.arena.align)
-        return own + (aligned(skip, self.arena.align) if skip else 0)
+        return self._own_bytes(program, skip) + (aligned(skip, self.arena.align) if skip else 0)
+
+    def _own_bytes(self, program: Program, skip: int) -> int:
+        """Its own extent's bytes: its weights less the first `skip` (a shared stage's), IO buffers."""
+        return aligned(extent_layout(program, skip)[3], self.arena.align)
 
     def _skip(self, program: Program) -> int:
         """Bytes of its weights held apart, in a shared stage's extent (0: none)."""
@@ -374,7 +377,7 @@ class CudaBackend:
         self._usable()
         program.check_device(self.check_target, program.spec.max_batch_size)
         skip = self._skip(program)
-        need = aligned(extent_layout(program, skip)[3], self.arena.align)
+        need = self._own_bytes(program, skip)
         sk = stage_key(program) if skip else ""
         stage, fresh = self._hold_stage(key, sk, skip, deadline) if skip else (None, False)
         try:

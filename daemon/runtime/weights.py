@@ -43,12 +43,7 @@ class WeightLayout:
 
     def views(self, block: torch.Tensor) -> list[torch.Tensor]:
         """Tensors over `block` (a flat uint8 tensor of at least `nbytes`), one per entry."""
-        out: list[torch.Tensor] = []
-        for e in self.entries:
-            raw = block[e.offset : e.offset + e.nbytes]
-            out.append(raw.view(e.dtype).view(e.shape) if e.nbytes else torch.empty(e.shape, dtype=e.dtype,
-                                                                                    device=block.device))
-        return out
+        return self.split_views(block, block, len(self.entries), 0)
 
     def split_views(self, head: torch.Tensor, rest: torch.Tensor, count: int, skip: int) -> list[torch.Tensor]:
         """`views` over a block split in two places: the first `count` entries (the first `skip`
