@@ -400,10 +400,10 @@ class CudaBackend:
             self._captured.wait(deadline)
         except DeviceFault as e:
             self._fault(e)
-            self._release(res, st, keep=False)
+            self._unwind(res, st)
             raise
         except BaseException:
-            self._release(res, st, keep=False)
+            self._unwind(res, st)
             raise
         with self._lock:
             self._residents[ext.id] = res
@@ -857,6 +857,13 @@ class CudaBackend:
             return program.structure
         return f"{program.structure}@{st.shared.offset}"
 
+    def _unwind(self, res: Resident, st: CudaResident) -> None:
+        """A failed LOAD lets go of what it took; the LOAD's own error is the one raised."""
+        try:
+            self._release(res, st, keep=False)
+        except Exception as e:
+            log.warning("%s: undoing the failed LOAD of %s also failed: %r", self.device.name, res.key, e)
+
     # ---------------------------------------------------------------- UNLOAD
 
     def unload(self, res: Resident) -> None:
@@ -866,14 +873,26 @@ class CudaBackend:
     def _release(self, res: Resident, st: CudaResident, keep: bool = True) -> None:
         """Everything a resident holds, in order: graphs (before their memory), the program's view
         of the weights, then the extent once the device is done with it, then pinned memory.
-        `keep`: graphs parked and IO buffers pooled for the next LOAD (not after a failed one)."""
+        `keep`: graphs parked and IO buffers pooled for the next LOAD (not after a failed one).
+
+        The extent, the shared stage's hold and the pinned memory are let go whatever an earlier
+        step raises (it is raised after them): a hold left behind would pin the stage's extent, and
+        the budget would count it, for the daemon's life."""
         api = self.api
         keep = keep and not self._failed
-        held = self._unhold_graphs(st)
-        for gs in (self.graph_cache.park(self._graph_key(res.program, st), st.extent.offset, st.extent.nbytes,
-                                         held) if keep else [held]):
-            gs.close()
-        res.program.release(f"{self.device.name}/{res.key}")
+        error: BaseException | None = None
+        try:
+            held = self._unhold_graphs(st)
+            for gs in (self.graph_cache.park(self._graph_key(res.program, st), st.extent.offset,
+                                             st.extent.nbytes, held) if keep else [held]):
+                gs.close()
+        except Exception as e:  # (graphs are torch objects; their memory goes with the extent below)
+            error = e
+            keep = False
+        try:
+            res.program.release(f"{self.device.name}/{res.key}")
+        except Exception as e:
+            error = error or e
         res.runner = _unbound
         try:
             if not self._failed:
@@ -886,13 +905,18 @@ class CudaBackend:
                     self._fences["d2h"].wait(self._deadline())
         except DeviceFault as e:
             self._fault(e)
+        except Exception as e:
+            # Unknown whether the device is done with this memory: reusing it could corrupt another
+            # model's weights, so the device is given up, as after a fault.
+            self._fault(DeviceFault(f"releasing {res.key} failed: {e!r}"))
+            error = error or e
         with self._lock:
             self._residents.pop(st.extent.id, None)
             self.arena.free(st.extent)
         freed = st.extent.nbytes
         if st.shared_sid:  # (its extent is discarded after the same fences; freed with the last holder)
-            freed += self._drop_stage(st.shared_sid, discard=not self._failed)
-            st.shared_sid = ""
+            sid, st.shared_sid = st.shared_sid, ""
+            freed += self._drop_stage(sid, discard=not self._failed)
         res.charged = freed  # what the UNLOAD freed (a stage other plans hold stays)
         # An output slot still lent (a response not yet written reads it) is never handed to another
         # model: it is unpinned, and its memory lives on with the response's view.
@@ -906,6 +930,8 @@ class CudaBackend:
         self._unpin(gone)
         st.pinned.clear()
         st.pinned_bytes = 0
+        if error is not None:
+            raise error
 
     # ---------------------------------------------------------------- INFER
 

@@ -171,6 +171,37 @@ def test_a_failed_load_lets_go_of_the_stage_it_made(plans: Plans) -> None:  # no
     api.release()
 
 
+def test_an_unload_that_raises_still_lets_go_of_its_extent_and_stage(plans: Plans,  # noqa: F811
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of the UNLOAD failing (here parking its graphs) must not leave the stage held: it
+    would stay in the arena and in the budget for the daemon's life."""
+    staged, _ = plans
+    api = EmuCuda(0, EmuSettings(capacity=64 << 20))
+    be = backend_on(api, budget=32 << 20, workspace=8 << 20)
+    ra, rb = load(be, staged["a"]), load(be, staged["b"])
+
+    def broken(*_: object) -> list[object]:
+        raise RuntimeError("parking failed")
+    monkeypatch.setattr(be.graph_cache, "park", broken)
+    with pytest.raises(RuntimeError, match="parking failed"):
+        be.unload(ra)
+    assert ra.charged == _own(be, staged["a"])
+    assert be.shared_stages() == {stage_key(staged["a"]): (aligned(prefix_bytes(staged["a"])), 1)}
+    assert not be.failed  # (the device was done with the memory: it stays usable)
+    check(be, rb, 3)
+    with pytest.raises(RuntimeError, match="parking failed"):
+        be.unload(rb)
+    assert be.arena.used == 0 and be.shared_stages() == {}
+    monkeypatch.undo()
+    again = load(be, staged["a"])  # the room is there again
+    check(be, again, 2)
+    be.unload(again)
+    be.arena.check()
+    be.close()
+    be.host.close()
+    api.release()
+
+
 class _InOrder(nn.Module):
     def __init__(self, l1: nn.Module, l2: nn.Module, head: nn.Module) -> None:
         super().__init__()
