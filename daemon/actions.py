@@ -77,6 +77,35 @@ class Action:
     reply: Callable[[Result], None] | None = None
     _samples: int = field(default=-1, init=False, repr=False)  # `samples`, once counted (-1: not yet)
 
+    # (Written out, not generated: mypyc compiles a class's own __init__, but a dataclass's generated
+    # one runs as interpreted Python, ~8k instructions an action. Same parameters as the fields.)
+    def __init__(self, kind: ActionKind, model: ModelSpec, device: str, earliest: float, latest: float,
+                 expected_duration: float = 0.0, batch_size: int = 0, requests: list[InferenceRequest] | None = None,
+                 id: int = 0, issued_at: float = 0.0, expected_start: float = 0.0,
+                 coded: list[list[InferenceRequest]] | None = None, encoder: str = "", replica_of: int = 0,
+                 best_effort: bool = False, group: tuple[tuple[ModelSpec, int], ...] | None = None,
+                 program: Any = None, resident: str = "", reply: Callable[[Result], None] | None = None) -> None:
+        self.kind = kind
+        self.model = model
+        self.device = device
+        self.earliest = earliest
+        self.latest = latest
+        self.expected_duration = expected_duration
+        self.batch_size = batch_size
+        self.requests = [] if requests is None else requests
+        self.id = id or next(_ids)  # (0: the next id)
+        self.issued_at = issued_at
+        self.expected_start = expected_start
+        self.coded = coded
+        self.encoder = encoder
+        self.replica_of = replica_of
+        self.best_effort = best_effort
+        self.group = group
+        self.program = program
+        self.resident = resident
+        self.reply = reply
+        self._samples = -1
+
     @property
     def holder(self) -> str:
         """The key the executor holds this model's weights under."""
@@ -124,6 +153,27 @@ class Result:
     # Stages of a plan run by this INFER: (estimate key, rows, seconds) each (controller/sharing.py)
     stage_runs: tuple[tuple[str, int, float], ...] = ()
     set_up: bool = False  # LOAD: it also warmed up and captured graphs (Resident.set_up)
+
+    def __init__(self, action: Action, status: ResultStatus, received: float, begin: float, end: float,
+                 duration: float = 0.0, outputs: tuple[np.ndarray, ...] | None = None, error: str = "",
+                 weight_bytes: int = 0, ready_at: float = 0.0, failure: Failure = Failure.NONE,
+                 parts: tuple[tuple[np.ndarray, ...], ...] | None = None,
+                 stage_runs: tuple[tuple[str, int, float], ...] = (), set_up: bool = False) -> None:
+        # (written out, as Action's)
+        self.action = action
+        self.status = status
+        self.received = received
+        self.begin = begin
+        self.end = end
+        self.duration = duration
+        self.outputs = outputs
+        self.error = error
+        self.weight_bytes = weight_bytes
+        self.ready_at = ready_at
+        self.failure = failure
+        self.parts = parts
+        self.stage_runs = stage_runs
+        self.set_up = set_up
 
     @property
     def ok(self) -> bool:

@@ -74,6 +74,47 @@ class InferenceRequest:
     give_up_at: float = float("inf")  # best-effort: answered 504 if still not run by then
     lane_bytes: int = 0  # the bytes it holds of the best-effort lane's budget while it lives
 
+    # (Written out, not generated: mypyc compiles a class's own __init__, while a dataclass's
+    # generated one runs as interpreted Python, on the loop, once per request. Same parameters.)
+    def __init__(self, model: ModelSpec, inputs: tuple[np.ndarray, ...], samples: int, arrival: float,
+                 deadline: float, priority: int = 0, rank: int = 0, client_id: str = "",
+                 on_finish: Callable[[InferenceRequest], None] | None = None, context: Any = None, id: int = 0,
+                 status: RequestStatus = RequestStatus.QUEUED, outputs: tuple[np.ndarray, ...] | None = None,
+                 error: EscapementError | None = None, reconstructed: bool = False, cached: bool = False,
+                 defaulted: bool = False, user: str = "", query_id: str = "", cold_start: bool = False,
+                 dispatched_at: float = 0.0, finished_at: float = 0.0, compute_s: float = 0.0,
+                 queue_seq: int = 0, failures: int = 0, klass: RequestClass = RequestClass.HARD,
+                 late: bool = False, give_up_at: float = float("inf"), lane_bytes: int = 0) -> None:
+        self.model = model
+        self.inputs = inputs
+        self.samples = samples
+        self.arrival = arrival
+        self.deadline = deadline
+        self.priority = priority
+        self.rank = rank
+        self.client_id = client_id
+        self.on_finish = on_finish
+        self.context = context
+        self.id = id or next(_ids)  # (0: the next id)
+        self.status = status
+        self.outputs = outputs
+        self.error = error
+        self.reconstructed = reconstructed
+        self.cached = cached
+        self.defaulted = defaulted
+        self.user = user
+        self.query_id = query_id
+        self.cold_start = cold_start
+        self.dispatched_at = dispatched_at
+        self.finished_at = finished_at
+        self.compute_s = compute_s
+        self.queue_seq = queue_seq
+        self.failures = failures
+        self.klass = klass
+        self.late = late
+        self.give_up_at = give_up_at
+        self.lane_bytes = lane_bytes
+
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.inputs)

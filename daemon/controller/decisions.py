@@ -40,6 +40,24 @@ class Infer:
     # (taken from their queues), after `spec`'s own; `expected` covers them all.
     group: list[tuple[ModelSpec, list[InferenceRequest]]] | None = None
 
+    # (Decisions write their __init__ out: mypyc compiles it, while a dataclass's generated one runs
+    # as interpreted Python, several times per request. Same parameters as the fields.)
+    def __init__(self, spec: ModelSpec, device: str, requests: list[InferenceRequest], batch_size: int,
+                 latest: float, expected: float, coded: list[list[InferenceRequest]] | None = None,
+                 encoder: str = "", replica_of: int = 0, best_effort: bool = False,
+                 group: list[tuple[ModelSpec, list[InferenceRequest]]] | None = None) -> None:
+        self.spec = spec
+        self.device = device
+        self.requests = requests
+        self.batch_size = batch_size
+        self.latest = latest
+        self.expected = expected
+        self.coded = coded
+        self.encoder = encoder
+        self.replica_of = replica_of
+        self.best_effort = best_effort
+        self.group = group
+
 
 @dataclass(slots=True)
 class Load:
@@ -49,11 +67,20 @@ class Load:
     device: str
     expected: float | None = None
 
+    def __init__(self, spec: ModelSpec, device: str, expected: float | None = None) -> None:
+        self.spec = spec
+        self.device = device
+        self.expected = expected
+
 
 @dataclass(slots=True)
 class Unload:
     spec: ModelSpec
     device: str
+
+    def __init__(self, spec: ModelSpec, device: str) -> None:
+        self.spec = spec
+        self.device = device
 
 
 @dataclass(slots=True)
@@ -63,6 +90,10 @@ class Drop:
 
     request: InferenceRequest
     error: EscapementError | None = None
+
+    def __init__(self, request: InferenceRequest, error: EscapementError | None = None) -> None:
+        self.request = request
+        self.error = error
 
 
 @dataclass(slots=True)

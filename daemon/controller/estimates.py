@@ -214,6 +214,10 @@ class RateMeter:
     rate: float = 0.0
     at: float = 0.0
 
+    def __init__(self, rate: float = 0.0, at: float = 0.0) -> None:  # (compiled, as Action's)
+        self.rate = rate
+        self.at = at
+
     def add(self, amount: float, now: float) -> None:
         rate = self.rate  # (as value(now), inline: once per arrival)
         if rate:

@@ -69,6 +69,11 @@ class Decision:
     actions: list[Action] = field(default_factory=list)
     finished: list[InferenceRequest] = field(default_factory=list)
 
+    # (written out: mypyc compiles it, not a generated one; one per step)
+    def __init__(self, actions: list[Action] | None = None, finished: list[InferenceRequest] | None = None) -> None:
+        self.actions = [] if actions is None else actions
+        self.finished = [] if finished is None else finished
+
 
 @dataclass(slots=True)
 class ModelEntry:

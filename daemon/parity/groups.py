@@ -73,6 +73,15 @@ class Member:
     outputs: tuple[np.ndarray, ...] | None = None
     replicated: bool = False  # a replica was issued for it
 
+    # (written out: mypyc compiles it, not a generated one; one per coded batch)
+    def __init__(self, action: Action, normal: float, state: MemberState = MemberState.RUNNING,
+                 outputs: tuple[np.ndarray, ...] | None = None, replicated: bool = False) -> None:
+        self.action = action
+        self.normal = normal
+        self.state = state
+        self.outputs = outputs
+        self.replicated = replicated
+
     def straggling_at(self) -> float:
         """When it becomes a straggler: a normal run, and a slack, past its planned start."""
         return self.action.expected_start + self.normal + max(STRAGGLER_SLACK, 0.5 * self.normal)
