@@ -44,8 +44,11 @@ class ModelQueue:
         if not self.requests:
             self.max_rank, self.max_deadline = req.rank, req.deadline
         else:
-            self.max_rank = max(self.max_rank, req.rank)
-            self.max_deadline = max(self.max_deadline, req.deadline)
+            # (compares, not the builtins: they parse their arguments on every call, once per request)
+            if req.rank > self.max_rank:
+                self.max_rank = req.rank
+            if req.deadline > self.max_deadline:
+                self.max_deadline = req.deadline
         self.samples += req.samples
         self.requests += 1
 

@@ -28,6 +28,7 @@ from daemon.config import ControllerSettings
 from daemon.controller.classes import max_queue
 from daemon.controller.decisions import Drop, Infer, Load, Release, Save, Step, Steps, Unload
 from daemon.controller.estimates import EXACT_ROW_KINDS, Estimator
+from daemon.controller.floats import fmax, fmin
 from daemon.controller.memory import Blocks, DeviceMemory
 from daemon.controller.state import (
     FAILURE_COOLDOWN,
@@ -261,11 +262,11 @@ class Scheduler:
             # and be answered 504 at the deadline.
             rate = self._drain_rate(entry)
             if entry.drain_seen:
-                rate = min(rate, entry.drain_seen)
+                rate = fmin(rate, entry.drain_seen)
             batch = entry.spec.max_batch_size
             batches = -(-(q.samples + req.samples) // batch)
             done = (entry.running + batches * batch) / rate if rate > 0 else 0.0
-            if now + max(done, best) > req.deadline:
+            if now + fmax(done, best) > req.deadline:
                 self.counters["refused_backlog"] += 1
                 raise self.telemetry.refused(req, Overloaded(
                     f"model {req.model.name} is overloaded: with the {q.samples} sample(s) queued before it, this "
@@ -409,8 +410,8 @@ class Scheduler:
             for batch in entry.spec.batch_sizes:
                 e, valid = est.infer_until(key, batch, kind, name)
                 if e:
-                    best = max(best, batch / e)
-                    until = min(until, valid)
+                    best = fmax(best, batch / e)
+                    until = fmin(until, valid)
             rate += best
         self._rates[key] = (rate, version, len(ready), until)
         return rate
@@ -556,7 +557,7 @@ class Scheduler:
             best = self.best_case(req)
             if now + best <= req.deadline:  # still feasible (the estimate improved since it was queued)
                 # strictly later than now, or a request exactly at its boundary would spin here
-                heapq.heappush(heap, (max(req.deadline - best, now + 1e-6), req.id, req))
+                heapq.heappush(heap, (fmax(req.deadline - best, now + 1e-6), req.id, req))
                 continue
             self._hopeless(req, now)
 
@@ -589,13 +590,13 @@ class Scheduler:
                     continue
                 due = r.deadline if r.klass == RequestClass.HARD else r.give_up_at  # a late answer is still one
                 if due + OVERDUE_GRACE > now:
-                    due_next = min(due_next, due + OVERDUE_GRACE)
+                    due_next = fmin(due_next, due + OVERDUE_GRACE)
                     continue
                 self.counters["overdue"] += 1
                 self._finish(r, RequestStatus.FAILED, DeadlineExceeded(
                     f"deadline missed: {action.device} did not answer in time"), now)
             if hung_at > now:
-                heapq.heappush(heap, (min(due_next, hung_at), action.id, action, hung_at))
+                heapq.heappush(heap, (fmin(due_next, hung_at), action.id, action, hung_at))
                 continue
             self.counters["actions_hung"] += 1
             self.declare_hung(action.device, f"{action.kind.name} of {action.model.key} has not returned for "
@@ -717,7 +718,7 @@ class Scheduler:
                 r.status = RequestStatus.RUNNING
                 r.dispatched_at = now
                 samples += r.samples
-                due = min(due, r.deadline)
+                due = fmin(due, r.deadline)
             requests.extend(reqs)
             entry.running += samples
             counted.append((spec.key, samples))

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from daemon.controller.floats import fmax
+
 DEFAULT_LAG = 0.010
 
 
@@ -31,7 +33,7 @@ class LaneTimeline:
         head = next(iter(self.outstanding.values()))
         if now > start + head + self.lag:  # the head overran: assume it runs on for another `lag`
             return now + self.lag + (self.total - head)
-        return max(now, start + self.total)
+        return fmax(now, start + self.total)
 
     def add(self, action_id: int, duration: float, now: float) -> float:
         """Plan an action; returns its expected start."""
@@ -47,7 +49,7 @@ class LaneTimeline:
         d = self.outstanding.pop(action_id, None)
         if d is None:
             return
-        self.total = max(0.0, self.total - d) if self.outstanding else 0.0
+        self.total = fmax(0.0, self.total - d) if self.outstanding else 0.0
         self.begin = end
 
     def __len__(self) -> int:

@@ -43,6 +43,7 @@ MODULES: tuple[str, ...] = (
     "daemon.controller.decisions",
     "daemon.controller.driver",
     "daemon.controller.estimates",
+    "daemon.controller.floats",
     "daemon.controller.forecast",
     "daemon.controller.latency",
     "daemon.controller.memory",

@@ -38,6 +38,7 @@ from daemon.actions import ActionKind, Result
 from daemon.controller import sharing
 from daemon.controller.decisions import Drop, Infer, Load, Steps, Unload
 from daemon.controller.estimates import EXACT_ROW_KINDS, RATE_TAU, RateMeter
+from daemon.controller.floats import fmax, fmin
 from daemon.controller.state import DeviceState, ModelEntry
 from daemon.controller.view import ControllerView
 from daemon.request import InferenceRequest
@@ -141,7 +142,17 @@ class ClockworkPolicy:
     # ---------------------------------------------------------------- hooks
 
     def next_wakeup(self, view: ControllerView, now: float) -> float | None:
-        return min(self._dev_wake.values()) if self._dev_wake else None
+        return self._earliest_wake() if self._dev_wake else None
+
+    def _earliest_wake(self) -> float:
+        """The earliest of the devices' wake-ups (inf: none). A loop, not `min`: compiled, it
+        compares unboxed floats, where the builtin parses its arguments and compares objects
+        (twice a step: ~5% of the controller's instructions)."""
+        t = math.inf
+        for w in self._dev_wake.values():
+            if w < t:
+                t = w
+        return t
 
     def on_submit(self, view: ControllerView, req: InferenceRequest, now: float) -> None:
         key = req.model.key
@@ -273,7 +284,7 @@ class ClockworkPolicy:
         if self.batch_wait > 0 and self._bind_at(view, entry, dev, start, now) > now:
             return None  # a fuller batch soon: the pass waits for it
         return Infer(spec, dev.name, [req], spec.batch_size_for(req.samples),
-                     max(req.deadline - run, start + LATEST_GRACE), run)
+                     fmax(req.deadline - run, start + LATEST_GRACE), run)
 
     def on_queued(self, view: ControllerView, entry: ModelEntry, now: float,
                   req: InferenceRequest | None = None) -> None:
@@ -347,7 +358,7 @@ class ClockworkPolicy:
     def schedule(self, view: ControllerView, now: float) -> Steps | tuple[()]:
         planned = self._settle_fresh(view, now) if self._fresh else None
         if not (self._dirty or self.cold or self._replica_check or self._lane_cold) and \
-                min(self._dev_wake.values(), default=math.inf) > now:
+                self._earliest_wake() > now:
             # nothing changed since the last pass but lone requests, and no device's time has come
             return self._just(planned) if planned else ()
         return self._pass(view, now, planned)
@@ -453,7 +464,7 @@ class ClockworkPolicy:
             if not dev.healthy_for(key, now):
                 until = dev.failing.get(key, 0.0)
                 if until > now:  # its batch failed here just now: look again when the cooldown ends
-                    self._dev_wake[dev.name] = min(until, self._dev_wake.get(dev.name, until))
+                    self._dev_wake[dev.name] = fmin(until, self._dev_wake.get(dev.name, until))
                 continue
             if best is None or (head.rank, head.arrival) < best:
                 best, chosen = (head.rank, head.arrival), entry
@@ -516,7 +527,7 @@ class ClockworkPolicy:
         for r in cands:
             if n + r.samples > top:
                 break
-            d = min(deadline, r.deadline)
+            d = fmin(deadline, r.deadline)
             if ends[n + r.samples] > d:
                 break
             head_batch.append(r)
@@ -624,7 +635,7 @@ class ClockworkPolicy:
                 stash.append((key, head.rank, latest_start))
                 until = dev.failing.get(key, 0.0)
                 if until > now:
-                    self._dev_wake[dev.name] = min(until, self._dev_wake.get(dev.name, until))
+                    self._dev_wake[dev.name] = fmin(until, self._dev_wake.get(dev.name, until))
                 continue
             if (start > now or self._slow_here(view, key, head.samples, dev, run)) and \
                     self._sooner_elsewhere(view, key, head.samples, dev, start + run, now):
@@ -641,7 +652,7 @@ class ClockworkPolicy:
         bind = self._bind_at(view, entry, dev, start, now) if self.batch_wait > 0 else now
         if bind > now and not work:
             work.push(spec.key, head.rank, latest_start)
-            self._dev_wake[dev.name] = min(bind, self._dev_wake.get(dev.name, bind))  # a fuller batch soon
+            self._dev_wake[dev.name] = fmin(bind, self._dev_wake.get(dev.name, bind))  # a fuller batch soon
             return False
         taken = self._choose_batch(view, entry, dev, start)
         if not taken:
@@ -650,15 +661,18 @@ class ClockworkPolicy:
         if len(taken) == 1 and taken[0] is head:  # (most batches at light load: estimated above)
             samples, deadline, run = head.samples, head.deadline, head_run
         else:
-            samples = sum(r.samples for r in taken)
-            deadline = min(r.deadline for r in taken)
+            samples, deadline = 0, math.inf
+            for r in taken:  # (a loop: compiled compares, not the builtins' generic calls)
+                samples += r.samples
+                if r.deadline < deadline:
+                    deadline = r.deadline
             run = self._est(view, spec.key, samples, dev)
         group = self._group(view, entry, taken, dev, start, now) if entry.prefix and self.cross_model else None
         if group is not None:
             members, run = group
             samples, deadline = sharing.joined(members, samples, deadline)
         b = spec.batch_size_for(samples)
-        latest = max(deadline - run, start + LATEST_GRACE)
+        latest = fmax(deadline - run, start + LATEST_GRACE)
         # (the scheduler takes the requests from their queues)
         yield Infer(spec, dev.name, taken, b, latest, run, group=group[0] if group is not None else None)
         if (h := q.head()) is not None:
@@ -697,7 +711,7 @@ class ClockworkPolicy:
         fewer than MIN_FILL samples in that time (light and moderate load keep their latency:
         there the per-batch costs do not limit anything).
         """
-        wait = min(self.batch_wait, entry.spec.slo_s * MAX_WAIT_OF_SLO)
+        wait = fmin(self.batch_wait, entry.spec.slo_s * MAX_WAIT_OF_SLO)
         if wait <= 0:
             return now
         key, cap = entry.spec.key, entry.spec.max_batch_size
@@ -709,7 +723,7 @@ class ClockworkPolicy:
             return now
         full_at = now + (cap - queued) / rate
         latest = head.deadline - self._est(view, key, cap, dev) - LATEST_GRACE
-        return max(start, min(full_at, head.arrival + wait, latest)) - BIND_LEAD
+        return fmax(start, fmin(fmin(full_at, head.arrival + wait), latest)) - BIND_LEAD
 
     # ---------------------------------------------------------------- memory
 
@@ -802,8 +816,8 @@ class ClockworkPolicy:
             if dev.memory.budget < entry.weight_bytes:
                 continue
             tl = dev.timeline
-            ready = max(tl.copy.free_at(now) + self._load_est(view, entry, dev.kind, dev), tl.exec.free_at(now))
-            best = min(best, ready + self._est(view, spec.key, 1, dev))
+            ready = fmax(tl.copy.free_at(now) + self._load_est(view, entry, dev.kind, dev), tl.exec.free_at(now))
+            best = fmin(best, ready + self._est(view, spec.key, 1, dev))
         while (h := entry.queue.head()) is not None and best > h.deadline:
             yield Drop(h)
 
@@ -942,7 +956,7 @@ class ClockworkPolicy:
                                          wanted=wanted, keep=dev.memory.present(blocks))
             if victims is None:
                 continue
-            ready = max(copy_free + load_s, tl.exec.free_at(now))
+            ready = fmax(copy_free + load_s, tl.exec.free_at(now))
             finish = ready + run_s
             # Spread demand: the device with the least work per second already on it (in steps of
             # 10% of a device), then the one that can serve this model soonest.
