@@ -26,7 +26,7 @@ Pure: reads the scheduler's state and the decision, never changes them; the call
 from __future__ import annotations
 
 import enum
-from collections import Counter
+from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from daemon.actions import Action, ActionKind
@@ -59,7 +59,7 @@ class LatencyPath:
     def __init__(self, enabled: bool, max_run_s: float) -> None:
         self.enabled = enabled
         self.max_run_s = max_run_s
-        self.counts: Counter[Why] = Counter()
+        self.counts: defaultdict[Why, int] = defaultdict(int)  # (as Scheduler.counters)
         self.arrivals = RateMeter()  # requests per second submitted
 
     def arrived(self, now: float) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
-from collections import Counter
+from collections import defaultdict
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -76,7 +76,10 @@ class Scheduler:
         self.policy = policy
         self.estimator = estimator or Estimator()
         self.telemetry = telemetry or Telemetry()
-        self.counters: Counter[str] = Counter()  # monotonic event counts, read by stats and benchmarks
+        # Monotonic event counts, read by stats and benchmarks (an absent one reads 0). A defaultdict,
+        # not a Counter: a class made in Python over dict reads and writes items through generic
+        # calls (~1.5k instructions an increment, compiled), a defaultdict as dict does.
+        self.counters: defaultdict[str, int] = defaultdict(int)
         self.parm = ParityPlanner(self.counters)
         self.devices: dict[str, DeviceState] = {d.name: DeviceState(d, DeviceMemory(d.model_budget,
                                                                                       d.shares_weights))

@@ -6,7 +6,7 @@ beyond small predicates, so that policies need not import the scheduler.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from daemon.actions import Action
@@ -34,12 +34,13 @@ class DeviceState:
     memory: DeviceMemory
     infer_inflight: int = 0
     load_inflight: int = 0
-    busy: Counter[str] = field(default_factory=Counter)  # model key -> its actions in flight here
+    # model key -> its actions in flight here (defaultdicts, as Scheduler.counters: read per action)
+    busy: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     # model key -> until when to keep its INFERs off this device (they failed here), while another holds it
     failing: dict[str, float] = field(default_factory=dict)
     # model key -> until when no LOAD of it goes here (its LOAD failed here), and failures in a row
     load_backoff: dict[str, float] = field(default_factory=dict)
-    load_failures: Counter[str] = field(default_factory=Counter)
+    load_failures: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     failed: str = ""  # why the device is lost (a sticky error, a hang); "" while it is healthy
     warming: str = ""  # the warm-up running here outside the scheduler ("" when none)
     # When each lane is next free: every INFER (parity batches and replicas too) and LOAD issued

@@ -201,10 +201,12 @@ class Telemetry:
         slack: list[float] = []
         latency: list[float] = []
         queued_all: list[float] = []
-        model = self.model
+        models = self._models
         cancelled, succeeded = RequestStatus.CANCELLED, RequestStatus.SUCCEEDED
         for spec, klass, status, error, arrival, finished, deadline, dispatched, samples, late in reqs:
-            m = model(spec)
+            m = models.get(spec.key)  # (looked up here: a bound method held and called is a generic call)
+            if m is None:
+                m = self.model(spec)
             if finished > m.last_inference:
                 m.last_inference = finished
             took = finished - arrival

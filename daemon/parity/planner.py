@@ -10,7 +10,7 @@ the state machine in `groups.py`.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import defaultdict
 
 from daemon.actions import Action, Result, ResultStatus
 from daemon.controller.decisions import Infer, Load, Save, Steps, Unload
@@ -23,7 +23,7 @@ from daemon.request import InferenceRequest, RequestStatus
 
 
 class ParityPlanner:
-    def __init__(self, counters: Counter[str]) -> None:
+    def __init__(self, counters: defaultdict[str, int]) -> None:
         self.coding = Coding()
         self.counters = counters  # the scheduler's: one set of event counts
 

@@ -16,7 +16,7 @@ from daemon.errors import DeadlineExceeded, Overloaded
 from daemon.gateway import model_stats_json
 from daemon.model import ModelSpec
 from daemon.observability.metrics import make_registry
-from daemon.observability.stats import Buckets
+from daemon.observability.stats import DURATION_ERROR_BOUNDS, LATENCY_BOUNDS, Buckets
 from tests.unit.harness import Harness, make_spec
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -156,6 +156,21 @@ def test_buckets_count_values_at_their_bound_as_prometheus_le() -> None:
         b.add(x)
     assert b.cumulative() == [(1.0, 2), (2.0, 4), (math.inf, 5)]
     assert b.count == 5 and b.total == 8.0
+
+
+def test_buckets_place_every_value_where_bisect_left_does() -> None:
+    """Buckets searches its bounds itself (compiled, cheaper than calling bisect): the same bucket
+    for every value, bounds and infinities included, with any number of bounds."""
+    from bisect import bisect_left
+
+    rng = np.random.default_rng(3)
+    for bounds in (LATENCY_BOUNDS, DURATION_ERROR_BOUNDS, (1.0,), ()):
+        b = Buckets(bounds)
+        want = [0] * (len(bounds) + 1)
+        for x in [*rng.uniform(-1.0, 12.0, 2000).tolist(), *bounds, math.inf, -math.inf, 0.0]:
+            b.add(x)
+            want[bisect_left(bounds, x)] += 1
+        assert b.counts == want
 
 
 @pytest.mark.slow  # asserts in wall-clock time
