@@ -2,6 +2,7 @@
 
     git worktree add /tmp/old COMMIT
     python -m bench.scale_ab /tmp/old 3 [OUT]  # writes bench/results/scale-ab.md (or OUT)
+    python -m bench.scale_ab --points /tmp/old 5  # longer single points (scale_probe point), printed
 
 Each run is its own process on its own tree; the table gives per point the median of each side
 and the median of the paired ratios (the machine is shared: only ratios of runs taken side by
@@ -53,5 +54,30 @@ def main(old: str, rounds: int, out_path: str = "") -> None:
     print("\n".join(lines))
 
 
+POINTS = ((1000, 50000), (1000, 75000), (10000, 20000))  # (models, req/s): 0.5 s each, the 20x profile
+
+
+def points(old: str, rounds: int) -> None:
+    """`bench.scale_probe point` at POINTS, old then new in each round: the quick scenario's 0.3-s
+    points are too short for a noisy machine; these run 0.5 s at the loads that matter."""
+    trees = {"old": Path(old).resolve(), "new": ROOT}
+    got: dict[tuple[int, int], dict[str, list[float]]] = {p: {"old": [], "new": []} for p in POINTS}
+    for _ in range(rounds):
+        for models, rate in POINTS:
+            for name, tree in trees.items():
+                out = subprocess.run([sys.executable, "-m", "bench.scale_probe", "point", str(tree), str(models),
+                                      str(rate), "0.5", "20"], cwd=tree, check=True, capture_output=True, text=True)
+                got[(models, rate)][name].append(float(out.stdout.strip().splitlines()[-1].split()[0]))
+    print("| point | old µs/request (median) | new | paired new/old | median |\n|---|---|---|---|---|")
+    for (models, rate), v in got.items():
+        ratios = [b / a for a, b in zip(v["old"], v["new"], strict=True)]
+        print(f"| {models:,} models, {rate:,} req/s | {statistics.median(v['old']):.1f} | "
+              f"{statistics.median(v['new']):.1f} | {', '.join(f'{x:.2f}' for x in ratios)} | "
+              f"{statistics.median(ratios):.2f} |")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3, sys.argv[3] if len(sys.argv) > 3 else "")
+    if sys.argv[1] == "--points":
+        points(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 5)
+    else:
+        main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3, sys.argv[3] if len(sys.argv) > 3 else "")

@@ -1,0 +1,46 @@
+"""Instructions the controller spends at one `bench run scale` point, counted by callgrind.
+
+An instruction count does not depend on what else the machine runs, so two trees compare
+exactly on a shared, noisy machine where their timings differ by ±40% run to run (issue 12).
+Only the controller's calls are counted: the Driver's submit, step and next_wakeup go through
+`operator.call`, and callgrind collects inside that function alone (the simulator's own
+bookkeeping, the set-up and the imports are left out).
+
+    valgrind --tool=callgrind --collect-atstart=no --toggle-collect=_operator_call \\
+        --callgrind-out-file=OUT python -m bench.scale_instructions TREE [MODELS RATE SECONDS]
+    callgrind_annotate OUT | grep "PROGRAM TOTALS"   # over the REQUESTS line printed here
+
+TREE is a checkout (its code is imported first; built with `make native` to count the compiled
+controller). Defaults: 1,000 models, 75,000 req/s, 0.05 s of virtual time, the 20x profile,
+8 devices of 64 GiB, seed 1. Under callgrind a run takes ~3 minutes, mostly torch's import.
+Results: bench/results/scale-callgrind-issue12.md.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from typing import Any
+
+
+def main(argv: list[str]) -> None:
+    tree, *rest = argv
+    sys.path.insert(0, tree)
+    from bench.scenarios import scale
+    from daemon.controller import driver as dm
+
+    for name in ("submit", "step", "next_wakeup"):
+        f = getattr(dm.Driver, name)
+
+        def routed(self: Any, *a: Any, _f: Any = f, **k: Any) -> Any:
+            return operator.call(_f, self, *a, **k)
+        setattr(dm.Driver, name, routed)
+    models = int(rest[0]) if rest else 1000
+    rate = float(rest[1]) if len(rest) > 1 else 75000.0
+    seconds = float(rest[2]) if len(rest) > 2 else 0.05
+    r = scale.point(models, 20.0, rate, seconds, 8, 64.0, 1)
+    print("REQUESTS", r["requests"], "attainment", r["slo_attainment"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
