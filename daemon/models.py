@@ -80,7 +80,7 @@ def _scan(root: Path, default_slo_ms: float) -> tuple[ScanResult, dict[str, Stam
 
 
 def _busy(sched: Scheduler, keys: Sequence[str]) -> bool:
-    return any(d.busy[k] for d in sched.devices.values() for k in keys)
+    return any(d.busy.get(k, 0) for d in sched.devices.values() for k in keys)  # (a read that adds no key)
 
 
 def _quiet(sched: Scheduler, keys: Sequence[str]) -> bool:

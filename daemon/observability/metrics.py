@@ -177,7 +177,7 @@ class EscapementCollector:
         batch = HistogramMetricFamily("escapement_batch_size", "Samples run per execution", labels=MODEL)
         for m in records:
             for reason in FAILURE_REASONS:
-                failure.add_sample(failure.name, {**_labels(m), "reason": reason}, m.failures[reason])
+                failure.add_sample(failure.name, {**_labels(m), "reason": reason}, m.failures.get(reason, 0))
             entry = sched.models.get(m.spec.key)
             # (on time and in the best-effort lane: every request the model owes an answer not yet running)
             pending.add_metric(_values(m), entry.queue.requests + entry.late.requests if entry is not None else 0)
@@ -276,23 +276,25 @@ class EscapementCollector:
         for event, n in sorted(c.items()):
             events.add_metric([event], n)
         yield events
-        yield CounterMetricFamily("escapement_coding_groups", "ParM coding groups formed", value=c["coding_groups"])
+        # (reads with get: the counts are a defaultdict, where a subscript would add the name at 0)
+        yield CounterMetricFamily("escapement_coding_groups", "ParM coding groups formed",
+                                  value=c.get("coding_groups", 0))
         yield CounterMetricFamily("escapement_coding_groups_flushed",
-                                  "ParM coding groups that did not fill in time", value=c["groups_flushed"])
+                                  "ParM coding groups that did not fill in time", value=c.get("groups_flushed", 0))
         yield GaugeMetricFamily("escapement_coding_groups_live", "ParM coding groups not yet finished",
                                 value=len(sched.coding.groups))
         parities = CounterMetricFamily("escapement_parity_batches", "ParM parity batches, by outcome",
                                        labels=["outcome"])
         for outcome, counter in PARITY_OUTCOMES.items():
-            parities.add_metric([outcome], c[counter])
+            parities.add_metric([outcome], c.get(counter, 0))
         yield parities
         yield CounterMetricFamily("escapement_reconstructions",
                                   "Requests answered with outputs decoded from a parity batch",
-                                  value=c["reconstructions"])
+                                  value=c.get("reconstructions", 0))
         yield CounterMetricFamily("escapement_replicas", "ParM replicas of a partial group's members issued",
-                                  value=c["replicas"])
+                                  value=c.get("replicas", 0))
         yield CounterMetricFamily("escapement_replica_answers", "Requests answered by a replica",
-                                  value=c["replica_answers"])
+                                  value=c.get("replica_answers", 0))
 
 
 def _cache_metrics(cache: PredictionCache) -> Iterator[Metric]:

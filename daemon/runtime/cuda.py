@@ -858,11 +858,21 @@ class CudaBackend:
         return f"{program.structure}@{st.shared.offset}"
 
     def _unwind(self, res: Resident, st: CudaResident) -> None:
-        """A failed LOAD lets go of what it took; the LOAD's own error is the one raised."""
+        """A failed LOAD lets go of what it took; the LOAD's own error is the one raised (the
+        caller re-raises it), unless undoing it gave the device up: then that fault is."""
         try:
             self._release(res, st, keep=False)
+        except DeviceFault:
+            raise
         except Exception as e:
             log.warning("%s: undoing the failed LOAD of %s also failed: %r", self.device.name, res.key, e)
+
+    def _first(self, error: BaseException | None, e: BaseException, key: str) -> BaseException:
+        """The error a release raises: the first; a later one is logged, not lost."""
+        if error is None:
+            return e
+        log.warning("%s: releasing %s: %r after %r", self.device.name, key, e, error)
+        return error
 
     # ---------------------------------------------------------------- UNLOAD
 
@@ -892,7 +902,7 @@ class CudaBackend:
         try:
             res.program.release(f"{self.device.name}/{res.key}")
         except Exception as e:
-            error = error or e
+            error = self._first(error, e, res.key)
         res.runner = _unbound
         try:
             if not self._failed:
@@ -907,9 +917,14 @@ class CudaBackend:
             self._fault(e)
         except Exception as e:
             # Unknown whether the device is done with this memory: reusing it could corrupt another
-            # model's weights, so the device is given up, as after a fault.
-            self._fault(DeviceFault(f"releasing {res.key} failed: {e!r}"))
-            error = error or e
+            # model's weights, so the device is given up, as after a fault, and the UNLOAD says so
+            # (a DeviceFault: the controller then stops sending work here).
+            fault = DeviceFault(f"releasing {res.key} failed: {e!r}")
+            fault.__cause__ = e
+            self._fault(fault)
+            if error is not None:
+                log.warning("%s: releasing %s also failed earlier: %r", self.device.name, res.key, error)
+            error = fault
         with self._lock:
             self._residents.pop(st.extent.id, None)
             self.arena.free(st.extent)

@@ -17,6 +17,7 @@ from daemon.repository import scan
 from daemon.runtime.arena import aligned
 from daemon.runtime.backend import Resident
 from daemon.runtime.cuda import CudaBackend, extent_layout, prefix_bytes, shared_block, stage_key
+from daemon.runtime.devapi import DeviceFault
 from daemon.runtime.emucuda import EmuCuda, EmuSettings
 from daemon.runtime.objstore import ObjectStore
 from daemon.runtime.program import Program, load_program
@@ -197,6 +198,30 @@ def test_an_unload_that_raises_still_lets_go_of_its_extent_and_stage(plans: Plan
     check(be, again, 2)
     be.unload(again)
     be.arena.check()
+    be.close()
+    be.host.close()
+    api.release()
+
+
+@pytest.mark.expect_errors("emucuda:0 failed: releasing")  # (the backend's CRITICAL line, on purpose)
+def test_an_unknown_error_while_fencing_an_unload_gives_the_device_up_and_says_so(
+        plans: Plans, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Whether the device is done with the memory is then unknown: the backend refuses it from
+    then on, and the UNLOAD raises a DeviceFault, so the executor reports the device lost."""
+    staged, _ = plans
+    api = EmuCuda(0, EmuSettings(capacity=64 << 20))
+    be = backend_on(api, budget=32 << 20, workspace=8 << 20)
+    ra = load(be, staged["a"])
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("discard failed")
+    monkeypatch.setattr(be.api, "discard", broken)
+    with pytest.raises(DeviceFault, match="discard failed"):
+        be.unload(ra)
+    assert be.failed and be.arena.used == 0 and be.shared_stages() == {}
+    with pytest.raises(DeviceFault):
+        load(be, staged["b"])
+    monkeypatch.undo()
     be.close()
     be.host.close()
     api.release()

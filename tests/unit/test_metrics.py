@@ -100,6 +100,23 @@ def test_collector_counts_each_outcome_once() -> None:
     assert value(s, "escapement_infer_duration_error_ratio_bucket", **err, le="0.05") == 2
 
 
+@pytest.mark.expect_errors("failed: boom")  # (serve_mix fails one execution on purpose)
+def test_a_scrape_reads_the_counts_without_adding_to_them() -> None:
+    """The controller's counts answer 0 for an event that never happened; a scrape that reads one
+    must not add it, or what /metrics and the stats show would depend on who scraped before."""
+    h = Harness(budget=1000)
+    spec = h.add(make_spec())
+    serve_mix(h, spec)
+    counters = dict(h.sched.counters)
+    failures = {k: dict(m.failures) for k, m in h.sched.telemetry.models.items()}
+    first = scrape(h)
+    assert scrape(h) == first
+    assert dict(h.sched.counters) == counters
+    assert {k: dict(m.failures) for k, m in h.sched.telemetry.models.items()} == failures
+    events = {dict(labels)["event"] for name, labels in first if name == "escapement_controller_events_total"}
+    assert events == set(counters)
+
+
 def test_refusals_for_a_full_queue_are_rejected_failures() -> None:
     h = Harness(max_pending_per_model=1)
     spec = h.add(make_spec())
