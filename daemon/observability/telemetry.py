@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from daemon.actions import Action, ActionKind, Result, ResultStatus
-from daemon.controller.floats import fmax
 from daemon.errors import DeadlineExceeded, EscapementError
 from daemon.model import ModelSpec
 from daemon.observability.stats import (
@@ -301,7 +300,9 @@ class Telemetry:
         """An INFER that ran: one execution of its batch size, and its times for each of the `n`
         requests it answered."""
         m = self.model(a.model)
-        other_s = fmax(0.0, end - begin - infer_s)  # input and output copies, host work
+        other_s = end - begin - infer_s  # input and output copies, host work
+        if other_s < 0.0:  # (a compare, not max(): compiled, the builtin is a generic call)
+            other_s = 0.0
         m.execution_count += 1
         m.compute_time.add(infer_s)
         b = m.batches.get(a.samples)
