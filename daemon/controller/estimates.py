@@ -24,8 +24,10 @@ class SlidingWindow:
     __slots__ = ("_cache", "_samples", "_times", "max_age")
 
     def __init__(self, size: int = DEFAULT_WINDOW, max_age: float = DEFAULT_MAX_AGE) -> None:
-        self._samples: deque[float] = deque(maxlen=size)
-        self._times: deque[float] = deque(maxlen=size)
+        # (maxlen passed by position: a keyword makes compiled code build a dict for the call, one
+        # window per model, batch size and device: thousands at 10,000 models)
+        self._samples: deque[float] = deque((), size)  # noqa: RUF037
+        self._times: deque[float] = deque((), size)  # noqa: RUF037
         self._cache: dict[float, float] = {}
         self.max_age = max_age
 
@@ -165,11 +167,12 @@ class Estimator:
         hit = self._memo.get(memo_key)
         if hit is not None and self.now <= hit[1]:
             return hit
-        hit = self._memo[memo_key] = self._infer_now(model, batch, kind, device)
+        hit = self._memo[memo_key] = self._infer_now(model, batch, kind, memo_key)
         return hit
 
-    def _infer_now(self, model: str, batch: int, kind: str, device: str | None) -> tuple[float | None, float]:
-        w = self._infer.get((model, batch, device or kind))
+    def _infer_now(self, model: str, batch: int, kind: str, key: tuple[str, int, str]
+                   ) -> tuple[float | None, float]:
+        w = self._infer.get(key)
         now = self.now
         if w is not None and len(w):
             hit = w.current(now, self.percentile)

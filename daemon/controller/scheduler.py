@@ -15,18 +15,19 @@ Rules kept here for every policy:
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from daemon.actions import LOAD_FLOOR_BPS, Action, ActionKind, Failure, Result, ResultStatus
 from daemon.config import ControllerSettings
+from daemon.controller import due as dues
 from daemon.controller.classes import max_queue
 from daemon.controller.decisions import Drop, Infer, Load, Release, Save, Step, Steps, Unload
+from daemon.controller.due import ActionDue, Due, RequestDue
 from daemon.controller.estimates import EXACT_ROW_KINDS, Estimator
 from daemon.controller.floats import fmax, fmin
 from daemon.controller.memory import Blocks, DeviceMemory
@@ -95,16 +96,16 @@ class Scheduler:
         self.placed_on: dict[str, set[str]] = {}  # model key -> devices holding or loading it
         self.pending = 0  # requests accepted and not yet finished
         self.lost = 0  # devices lost (a sticky error or a hang): nothing is placed there any more
-        self._expiry: list[tuple[float, int, InferenceRequest]] = []
+        self._expiry: list[Due] = []  # RequestDue: when a queued request would turn hopeless
         # The best-effort lane: models with lane requests (pruned lazily), when lane requests give up,
         # and the input bytes of requests that may wait there (every one not HARD), bounded.
         self.late_keys: set[str] = set()
-        self._giveup: list[tuple[float, int, InferenceRequest]] = []
+        self._giveup: list[Due] = []  # RequestDue
         self.soft_bytes = 0
         # Every action in flight, once, by when it must be looked at again: an INFER's requests
         # overdue, or it counts as hung (the last field); one entry per action rather than one
         # per watch (a heap push and pop fewer per INFER).
-        self._watches: list[tuple[float, int, Action, float]] = []
+        self._watches: list[Due] = []  # ActionDue
         self.hung: dict[str, str] = {}  # device -> what hangs there (it never comes back in this process)
         self._decision = Decision()
         self._load_share: dict[int, float] = {}  # LOAD id -> the share of its model's bytes it copies
@@ -278,7 +279,7 @@ class Scheduler:
         self._admit(req, nbytes)
         entry.queue.push(req)
         self._active.add(req.model.key)
-        heapq.heappush(self._expiry, (req.deadline - best, req.id, req))
+        dues.push(self._expiry, RequestDue(req.deadline - best, req))
         self.policy.on_submit(self, req, now)
 
     def _admit(self, req: InferenceRequest, nbytes: int) -> None:
@@ -301,7 +302,7 @@ class Scheduler:
             self.counters["best_effort" if req.klass == RequestClass.BEST_EFFORT else "moved_late"] += 1
         # Armed on every entry: back from an INFER that did not run, its entry was dropped while it ran
         # (next_wakeup pops those of requests not queued), and nothing else would answer it by then.
-        heapq.heappush(self._giveup, (req.give_up_at, req.id, req))
+        dues.push(self._giveup, RequestDue(req.give_up_at, req))
         req.status = RequestStatus.QUEUED
         entry.late.push(req)
         self.late_keys.add(entry.spec.key)
@@ -329,8 +330,8 @@ class Scheduler:
     def _give_up(self, now: float) -> None:
         """Lane requests that waited the longest a lane request may: 504, saying so."""
         heap = self._giveup
-        while heap and heap[0][0] <= now:
-            _, _, req = heapq.heappop(heap)
+        while heap and heap[0].at <= now:
+            req = cast(RequestDue, dues.pop(heap)).req
             if req.status != RequestStatus.QUEUED or not req.late:
                 continue
             self._drop_queued(req)
@@ -465,11 +466,11 @@ class Scheduler:
         self.estimator.now = now
         if self.parm.coding.groups:
             self._run(self.parm.due(self, now), now)
-        if self._expiry and self._expiry[0][0] <= now:
+        if self._expiry and self._expiry[0].at <= now:
             self._expire(now)
-        if self._watches and self._watches[0][0] <= now:
+        if self._watches and self._watches[0].at <= now:
             self._watch(now)
-        if self._giveup and self._giveup[0][0] <= now:
+        if self._giveup and self._giveup[0].at <= now:
             self._give_up(now)
         self._drive(self.policy.schedule(self, now), now)
         return self._take()
@@ -546,19 +547,19 @@ class Scheduler:
     def next_wakeup(self, now: float) -> float | None:
         """When `schedule` next has something to do without new requests or results."""
         # (after every step: locals, plain comparisons, no list)
-        queued, pop, inflight = RequestStatus.QUEUED, heapq.heappop, self.inflight
+        queued, pop, inflight = RequestStatus.QUEUED, dues.pop, self.inflight
         expiry, giveup, watches = self._expiry, self._giveup, self._watches
-        while expiry and (expiry[0][2].status != queued or expiry[0][2].late):
+        while expiry and ((r := cast(RequestDue, expiry[0]).req).status != queued or r.late):
             pop(expiry)
-        while giveup and (giveup[0][2].status != queued or not giveup[0][2].late):
+        while giveup and ((r := cast(RequestDue, giveup[0]).req).status != queued or not r.late):
             pop(giveup)
-        while watches and watches[0][2].id not in inflight:
+        while watches and cast(ActionDue, watches[0]).action.id not in inflight:
             pop(watches)
-        best = expiry[0][0] if expiry else math.inf
-        if watches and watches[0][0] < best:
-            best = watches[0][0]
-        if giveup and giveup[0][0] < best:
-            best = giveup[0][0]
+        best = expiry[0].at if expiry else math.inf
+        if watches and watches[0].at < best:
+            best = watches[0].at
+        if giveup and giveup[0].at < best:
+            best = giveup[0].at
         t = self.policy.next_wakeup(self, now)
         if t is not None and t < best:
             best = t
@@ -570,14 +571,14 @@ class Scheduler:
 
     def _expire(self, now: float) -> None:
         heap = self._expiry
-        while heap and heap[0][0] <= now:
-            _, _, req = heapq.heappop(heap)
+        while heap and heap[0].at <= now:
+            req = cast(RequestDue, dues.pop(heap)).req
             if req.status != RequestStatus.QUEUED or req.late:
                 continue
             best = self.best_case(req)
             if now + best <= req.deadline:  # still feasible (the estimate improved since it was queued)
                 # strictly later than now, or a request exactly at its boundary would spin here
-                heapq.heappush(heap, (fmax(req.deadline - best, now + 1e-6), req.id, req))
+                dues.push(heap, RequestDue(fmax(req.deadline - best, now + 1e-6), req))
                 continue
             self._hopeless(req, now)
 
@@ -600,8 +601,9 @@ class Scheduler:
         reaches (a driver call, a read from a dead disk): nothing more goes there, its requests are
         answered by their deadlines or retried elsewhere, its LOADs no longer hold a preload."""
         heap, inflight = self._watches, self.inflight
-        while heap and heap[0][0] <= now:
-            _, _, action, hung_at = heapq.heappop(heap)
+        while heap and heap[0].at <= now:
+            watch = cast(ActionDue, dues.pop(heap))
+            action, hung_at = watch.action, watch.hung_at
             if action.id not in inflight:
                 continue
             due_next = math.inf  # the earliest deadline of its requests still running, past the due ones
@@ -616,13 +618,13 @@ class Scheduler:
                 self._finish(r, RequestStatus.FAILED, DeadlineExceeded(
                     f"deadline missed: {action.device} did not answer in time"), now)
             if hung_at > now:
-                heapq.heappush(heap, (fmin(due_next, hung_at), action.id, action, hung_at))
+                dues.push(heap, ActionDue(fmin(due_next, hung_at), action, hung_at))
                 continue
             self.counters["actions_hung"] += 1
             self.declare_hung(action.device, f"{action.kind.name} of {action.model.key} has not returned for "
                               f"{now - action.issued_at:.1f} s", now)
             if due_next < math.inf:  # its requests are still answered by their deadlines
-                heapq.heappush(heap, (due_next, action.id, action, math.inf))
+                dues.push(heap, ActionDue(due_next, action, math.inf))
 
     def declare_hung(self, device: str, why: str, now: float) -> None:
         """`device` holds a thread that never returns: it is lost for this process."""
@@ -690,7 +692,7 @@ class Scheduler:
         start = now if now > action.earliest else action.earliest
         hung_at = start + 10 * action.expected_duration + moved + self.hung_after_s
         due += OVERDUE_GRACE
-        heapq.heappush(self._watches, (due if due < hung_at else hung_at, action.id, action, hung_at))
+        dues.push(self._watches, ActionDue(due if due < hung_at else hung_at, action, hung_at))
         return action
 
     def issue_infer(self, spec: ModelSpec, dev: DeviceState, requests: list[InferenceRequest], batch_size: int,
@@ -967,7 +969,7 @@ class Scheduler:
             if entry is not None and not r.late and now + (best := self.best_case(r)) <= r.deadline:
                 r.status = RequestStatus.QUEUED
                 # its expiry entry was dropped while it ran: armed again, or it is never found hopeless
-                heapq.heappush(self._expiry, (r.deadline - best, r.id, r))
+                dues.push(self._expiry, RequestDue(r.deadline - best, r))
                 retry.append(r)
             elif entry is not None and r.klass != RequestClass.HARD and now < r.give_up_at:
                 self._to_lane(r, entry, now)

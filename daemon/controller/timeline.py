@@ -10,7 +10,6 @@ started `lag` ago, which makes a hung device look free and piles work onto it).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from daemon.controller.floats import fmax
@@ -23,14 +22,20 @@ class LaneTimeline:
     lag: float = DEFAULT_LAG
     begin: float = 0.0  # when the lane began its current run of work
     total: float = 0.0  # expected seconds of outstanding work
-    outstanding: OrderedDict[int, float] = field(default_factory=OrderedDict)  # action id -> expected s
+    # action id -> expected s, in the order issued (a plain dict: compiled code reads it directly,
+    # where an OrderedDict is a generic object)
+    outstanding: dict[int, float] = field(default_factory=dict)
+    # the first outstanding action and its expected seconds, kept as they change (free_at runs
+    # several times per request, an action is done once)
+    head_id: int = -1
+    head: float = 0.0
 
     def free_at(self, now: float) -> float:
         """When the lane is expected to have done everything it was given."""
         if not self.outstanding:
             return now
         start = self.begin
-        head = next(iter(self.outstanding.values()))
+        head = self.head
         if now > start + head + self.lag:  # the head overran: assume it runs on for another `lag`
             return now + self.lag + (self.total - head)
         return fmax(now, start + self.total)
@@ -40,16 +45,25 @@ class LaneTimeline:
         start = self.free_at(now)
         if not self.outstanding:
             self.begin = now
+            self.head_id, self.head = action_id, duration
         self.outstanding[action_id] = duration
         self.total += duration
         return start
 
     def done(self, action_id: int, end: float) -> None:
         """An action finished (or was refused) at `end`: what remains begins there."""
-        d = self.outstanding.pop(action_id, None)
+        outstanding = self.outstanding
+        d = outstanding.pop(action_id, None)
         if d is None:
             return
-        self.total = fmax(0.0, self.total - d) if self.outstanding else 0.0
+        if outstanding:
+            self.total = fmax(0.0, self.total - d)
+            if action_id == self.head_id:
+                for k, v in outstanding.items():  # (the next in issue order)
+                    self.head_id, self.head = k, v
+                    break
+        else:
+            self.total = 0.0
         self.begin = end
 
     def __len__(self) -> int:

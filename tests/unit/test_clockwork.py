@@ -205,6 +205,55 @@ def test_lane_timeline() -> None:
     assert lane.free_at(1.031) == 1.031 and len(lane) == 0
 
 
+def test_lane_timeline_head_follows_what_is_done_out_of_order() -> None:
+    # An action refused or cancelled leaves the lane before the one ahead of it: the head (whose
+    # overrun counts) stays the first still outstanding, in the order issued.
+    lane = LaneTimeline(lag=0.010)
+    lane.add(1, 0.004, 1.0)
+    lane.add(2, 0.020, 1.0)
+    lane.add(3, 0.001, 1.0)
+    lane.done(2, 1.0)  # not the head: the head is still 1 (4 ms)
+    assert lane.free_at(1.0) == pytest.approx(1.005)
+    assert lane.free_at(1.020) == pytest.approx(1.031)  # head 1 overran: runs on a lag, then 3
+    lane.done(1, 1.020)  # the head is now 3, begun at 1.020
+    assert lane.free_at(1.020) == pytest.approx(1.021)
+    assert lane.free_at(1.040) == pytest.approx(1.050)  # 3 overran in its turn
+    lane.done(3, 1.041)
+    assert lane.free_at(1.041) == 1.041 and len(lane) == 0
+    lane.add(4, 0.002, 2.0)  # an empty lane: the next action is its head
+    assert lane.free_at(2.0) == pytest.approx(2.002) and lane.free_at(2.013) == pytest.approx(2.023)
+
+
+def test_due_heaps_give_entries_in_heapq_order() -> None:
+    import heapq
+    import random
+
+    from daemon.controller import due as dues
+    from daemon.controller.due import Due, KeyDue
+
+    rng = random.Random(7)
+    ours: list[Due] = []
+    ref: list[tuple[float, float, int]] = []
+    out_ours: list[tuple[float, float, int]] = []
+    out_ref: list[tuple[float, float, int]] = []
+    for seq in range(5000):
+        if ref and rng.random() < 0.45:
+            e = dues.pop(ours)
+            out_ours.append((e.at, e.then, e.seq))
+            out_ref.append(heapq.heappop(ref))
+            continue
+        # few distinct times: most order is settled by the second time or by seq
+        key = (float(rng.randrange(20)), float(rng.randrange(3)), seq)
+        dues.push(ours, KeyDue(key[0], key[1], key[2], "m"))
+        heapq.heappush(ref, key)
+        assert (ours[0].at, ours[0].then, ours[0].seq) == ref[0]
+    while ref:
+        e = dues.pop(ours)
+        out_ours.append((e.at, e.then, e.seq))
+        out_ref.append(heapq.heappop(ref))
+    assert out_ours == out_ref and not ours
+
+
 def test_histogram_percentiles_are_close_and_never_above_max() -> None:
     h = Histogram()
     for i in range(1, 1001):

@@ -29,14 +29,15 @@ Following Clockwork (OSDI '20):
 from __future__ import annotations
 
 import bisect
-import heapq
-import itertools
 import math
 from dataclasses import dataclass, field
+from typing import cast
 
 from daemon.actions import ActionKind, Result
+from daemon.controller import due as dues
 from daemon.controller import sharing
 from daemon.controller.decisions import Drop, Infer, Load, Steps, Unload
+from daemon.controller.due import Due, KeyDue
 from daemon.controller.estimates import EXACT_ROW_KINDS, RATE_TAU, RateMeter
 from daemon.controller.floats import fmax, fmin
 from daemon.controller.state import DeviceState, ModelEntry
@@ -59,7 +60,12 @@ LANE_SLICE = 0.005  # a best-effort batch is cut to run at most this long (one r
 # work that arrives meanwhile waits for it, since a device runs one batch at a time
 
 
-_seq = itertools.count()
+def _placed(view: ControllerView, key: str, but: DeviceState | None = None) -> bool:
+    """Whether `key` is placed (loading or ready) on a device other than `but`."""
+    for d in view.devices.values():  # noqa: SIM110 (a loop: any() over a generator is not compiled inline)
+        if d is not but and d.memory.state(key) is not None:
+            return True
+    return False
 
 
 @dataclass(slots=True)
@@ -72,30 +78,37 @@ class WorkIndex:
     a pass looks only at the few most urgent models instead of every model with work.
     """
 
-    heap: list[tuple[float, float, int, str]] = field(default_factory=list)
+    heap: list[Due] = field(default_factory=list)  # KeyDue
     live: dict[str, tuple[float, float]] = field(default_factory=dict)  # model -> its entry's key
+    pushed: int = 0  # entries pushed so far: ties of a key are taken first in, first out
 
     def push(self, key: str, rank: float, t: float) -> None:
         cur = self.live.get(key)
         if cur is not None and cur <= (rank, t):
             return  # its live entry is at least as urgent: it is re-keyed when it reaches the top
         self.live[key] = (rank, t)
-        heapq.heappush(self.heap, (rank, t, next(_seq), key))
+        self.pushed += 1
+        dues.push(self.heap, KeyDue(rank, t, self.pushed, key))
 
     def pop(self) -> tuple[float, float, str] | None:
         heap, live = self.heap, self.live
         while heap:
-            rank, t, _, key = heapq.heappop(heap)
-            if live.get(key) == (rank, t):
-                del live[key]
-                return rank, t, key
+            e = cast(KeyDue, dues.pop(heap))
+            cur = live.get(e.key)
+            if cur is not None and cur[0] == e.at and cur[1] == e.then:
+                del live[e.key]
+                return e.at, e.then, e.key
         return None
 
     def top(self) -> tuple[float, float] | None:
         heap, live = self.heap, self.live
-        while heap and live.get(heap[0][3]) != heap[0][:2]:
-            heapq.heappop(heap)
-        return heap[0][:2] if heap else None
+        while heap:
+            e = cast(KeyDue, heap[0])
+            cur = live.get(e.key)
+            if cur is not None and cur[0] == e.at and cur[1] == e.then:
+                return cur
+            dues.pop(heap)
+        return None
 
     def discard(self, key: str) -> None:
         self.live.pop(key, None)
@@ -850,7 +863,12 @@ class ClockworkPolicy:
                         self._est_on(view, k, b, dev) / b / replicas
             cached = self._util[dev.name] = (now, sum(parts.values()), parts)
         _, total, parts = cached
-        return total - sum(parts.get(k, 0.0) for k in leaving)
+        if not leaving:
+            return total
+        out = 0.0  # (a loop, not sum over a generator: compiled, as often as a LOAD looks at a device)
+        for k in leaving:
+            out += parts.get(k, 0.0)
+        return total - out
 
     def _share(self, view: ControllerView, entry: ModelEntry, dev: DeviceState, now: float) -> float:
         """Seconds of work per second one model brings `dev` (its share among its replicas)."""
@@ -939,7 +957,7 @@ class ClockworkPolicy:
             # Under copy pressure a load evicts no model in more demand, unless its head request
             # must load now or never: waiting for pressure to ease would starve it to its deadline.
             load_s = self._load_est(view, entry, dev.kind, dev)
-            run_s = self._est(view, key, b1, dev)
+            run_s = self._est_on(view, key, b1, dev)
             urgent = head is not None and head.deadline - (copy_free + load_s + run_s) <= self.horizon
             pressed = meter is not None and meter.value(now) > COPY_PRESSURE and not urgent
 
@@ -961,11 +979,18 @@ class ClockworkPolicy:
             # Spread demand: the device with the least work per second already on it (in steps of
             # 10% of a device), then the one that can serve this model soonest.
             load = round(self._utilisation(view, dev, victims, now) * 10)
-            options.append((sum(wanted(k) for k in victims), len(victims) > 0, load, finish, dev.name, dev, victims))
+            in_demand = 0  # (loops, not sum/min/any over generators: compiled, per device per LOAD)
+            for k in victims:
+                if wanted(k):
+                    in_demand += 1
+            options.append((in_demand, len(victims) > 0, load, finish, dev.name, dev, victims))
         if not options:
             return False
-        finish = min(o[3] for o in options)
-        if head is not None and not any(d.memory.state(key) is not None for d in view.devices.values()):
+        finish = options[0][3]
+        for o in options:
+            if o[3] < finish:
+                finish = o[3]
+        if head is not None and not _placed(view, key):
             # Cold: a head that even the best LOAD cannot save is answered now; the load still
             # goes ahead if anyone behind it can make it.
             while (h := entry.queue.head()) is not None and finish > h.deadline:
@@ -979,6 +1004,6 @@ class ClockworkPolicy:
                 yield Unload(victim.spec, dev.name)
         yield Load(entry.spec, dev.name, self._load_est(view, entry, dev.kind, dev))
         self._moved(view, dev, entry, victims, now)
-        if any(d.memory.state(key) is not None for d in view.devices.values() if d is not dev):
+        if _placed(view, key, dev):
             self.replicated_at[key] = now
         return True
