@@ -96,7 +96,9 @@ class Estimator:
         # a model, per dispatch), and every arrival asks again. An estimate changes only with a
         # new observation (which clears this) or when a sample ages out (each entry keeps the
         # time until which it holds).
-        self._memo: dict[tuple[str, int, str], tuple[float | None, float]] = {}
+        # (model -> device or kind -> by row count: two lookups by string and an index, where a
+        # tuple key was built, hashed and compared on every call, several times per request)
+        self._memo: dict[str, dict[str, list[tuple[float | None, float] | None]]] = {}
         self._versions: dict[str, int] = {}  # per model: changes whenever one of its estimates may have
         self._infer: dict[tuple[str, int, str], SlidingWindow] = {}
         self._load: dict[tuple[str, str], SlidingWindow] = {}
@@ -112,10 +114,12 @@ class Estimator:
 
     def _invalidate(self, model: str, key: tuple[str, int, str] | None = None) -> None:
         if key is not None:
-            self._memo.pop(key, None)
+            per = self._memo.get(model)
+            rows = per.get(key[2]) if per is not None else None
+            if rows is not None and 0 <= key[1] < len(rows):
+                rows[key[1]] = None
         else:
-            for k in [k for k in self._memo if k[0] == model]:
-                del self._memo[k]
+            self._memo.pop(model, None)
         self._versions[model] = self._versions.get(model, 0) + 1
 
     def seed_infer(self, model: str, kind: str, timings: dict[int, float], batch_sizes: tuple[int, ...]) -> None:
@@ -163,12 +167,24 @@ class Estimator:
     def infer_until(self, model: str, batch: int, kind: str, device: str | None = None
                     ) -> tuple[float | None, float]:
         """The estimate and the time until which it holds if nothing new is observed."""
-        memo_key = (model, batch, device or kind)
-        hit = self._memo.get(memo_key)
-        if hit is not None and self.now <= hit[1]:
-            return hit
-        hit = self._memo[memo_key] = self._infer_now(model, batch, kind, memo_key)
-        return hit
+        where = device or kind
+        per = self._memo.get(model)
+        if per is None:
+            per = self._memo[model] = {}
+        rows = per.get(where)
+        if rows is None:
+            rows = per[where] = []
+        if batch < 0:
+            return self._infer_now(model, batch, kind, (model, batch, where))
+        if batch < len(rows):
+            hit = rows[batch]
+            if hit is not None and self.now <= hit[1]:
+                return hit
+        else:
+            rows.extend([None] * (batch + 1 - len(rows)))
+        out = self._infer_now(model, batch, kind, (model, batch, where))
+        rows[batch] = out
+        return out
 
     def _infer_now(self, model: str, batch: int, kind: str, key: tuple[str, int, str]
                    ) -> tuple[float | None, float]:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection
 from enum import IntEnum
 
 Blocks = tuple[tuple[str, int], ...]  # a model's distinct weight blocks: (content id, bytes)
+_NONE: frozenset[str] = frozenset()
 
 
 class Residency(IntEnum):
@@ -75,7 +76,7 @@ class DeviceMemory:
     def present(self, blocks: Blocks) -> frozenset[str]:
         """Those of `blocks` the device holds now (a LOAD of their model reuses them)."""
         if not blocks or not self.shares:
-            return frozenset()
+            return _NONE  # (one empty set, not a new one: asked per device each time a LOAD is planned)
         return frozenset(b for b, _ in blocks if b in self._refs)
 
     def reserve(self, key: str, nbytes: int, blocks: Blocks = ()) -> int:

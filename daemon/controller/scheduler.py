@@ -547,14 +547,15 @@ class Scheduler:
     def next_wakeup(self, now: float) -> float | None:
         """When `schedule` next has something to do without new requests or results."""
         # (after every step: locals, plain comparisons, no list)
-        queued, pop, inflight = RequestStatus.QUEUED, dues.pop, self.inflight
+        queued, inflight = RequestStatus.QUEUED, self.inflight
         expiry, giveup, watches = self._expiry, self._giveup, self._watches
+        # (dues.pop called by name, not held in a local: compiled, that is a direct call)
         while expiry and ((r := cast(RequestDue, expiry[0]).req).status != queued or r.late):
-            pop(expiry)
+            dues.pop(expiry)
         while giveup and ((r := cast(RequestDue, giveup[0]).req).status != queued or not r.late):
-            pop(giveup)
+            dues.pop(giveup)
         while watches and cast(ActionDue, watches[0]).action.id not in inflight:
-            pop(watches)
+            dues.pop(watches)
         best = expiry[0].at if expiry else math.inf
         if watches and watches[0].at < best:
             best = watches[0].at

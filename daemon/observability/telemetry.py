@@ -44,6 +44,12 @@ _CLASS_NAMES = {k: k.name.lower() for k in RequestClass}
 
 FLUSH_AT = 2048  # finished requests or results held before they are counted (bounded memory)
 
+# What `request` and `action` record, typed: compiled, a flush then reads each field as what it is,
+# where fields of `Any` made every compare, subtraction and attribute read a generic call.
+_Finished = tuple[ModelSpec, RequestClass, RequestStatus, EscapementError | None, float, float, float, float,
+                  int, bool]  # spec, class, status, error, arrival, finished, deadline, dispatched, samples, late
+_Done = tuple[Action, ResultStatus, float, float, float, float, int]  # status, ready, begin, end, duration, running
+
 
 class Telemetry:
     """The controller's histograms and per-model/per-device statistics.
@@ -70,8 +76,8 @@ class Telemetry:
         self._models: dict[str, ModelStats] = {}  # model key -> its statistics, kept after it is removed
         self._devices: dict[str, DeviceStats] = {}
         self.trace = trace
-        self._reqs: list[tuple[Any, ...]] = []
-        self._acts: list[tuple[Any, ...]] = []
+        self._reqs: list[_Finished] = []
+        self._acts: list[_Done] = []
 
     @property
     def pending(self) -> int:
@@ -196,7 +202,7 @@ class Telemetry:
             acts, self._acts = self._acts, []
             self._count_actions(acts)
 
-    def _count_requests(self, reqs: list[tuple[Any, ...]]) -> None:
+    def _count_requests(self, reqs: list[_Finished]) -> None:
         slack: list[float] = []
         latency: list[float] = []
         queued_all: list[float] = []
@@ -247,7 +253,7 @@ class Telemetry:
         self._latency.add_many(np.array(latency))
         self._queue_time.add_many(np.array(queued_all))
 
-    def _count_actions(self, acts: list[tuple[Any, ...]]) -> None:
+    def _count_actions(self, acts: list[_Done]) -> None:
         lateness: list[float] = []
         start_error: list[float] = []
         duration_error: list[float] = []

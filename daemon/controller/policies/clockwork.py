@@ -68,6 +68,23 @@ def _placed(view: ControllerView, key: str, but: DeviceState | None = None) -> b
     return False
 
 
+_Option = tuple[int, bool, int, float, str, DeviceState, list[str]]
+
+
+def _before(a: _Option, b: _Option) -> bool:
+    """Whether LOAD option `a` orders before `b`: by models in demand evicted, any eviction at all,
+    the device's load (tenths), when it could finish, then the device's name."""
+    if a[0] != b[0]:
+        return a[0] < b[0]
+    if a[1] != b[1]:
+        return a[1] < b[1]
+    if a[2] != b[2]:
+        return a[2] < b[2]
+    if a[3] != b[3]:
+        return a[3] < b[3]
+    return a[4] < b[4]
+
+
 @dataclass(slots=True)
 class WorkIndex:
     """Models with queued work, most urgent first, each at most once (one live entry per model).
@@ -943,7 +960,7 @@ class ClockworkPolicy:
                 d = demands[k] = self._cold_cost(view, e, dev_kind, now) if e is not None else 0.0
             return d
 
-        options = []
+        options: list[_Option] = []
         lane_only = head is None  # (loading for the best-effort lane alone)
         b1 = head.samples if head is not None else 1
         for dev in view.devices.values():
@@ -997,7 +1014,11 @@ class ClockworkPolicy:
                 yield Drop(h)
             if entry.queue.head() is None:
                 return False
-        *_, dev, victims = min(options, key=lambda o: o[:5])
+        best = options[0]
+        for o in options:  # (the least by o[:5], as min() with a key: a loop over fields, compiled)
+            if _before(o, best):
+                best = o
+        *_, dev, victims = best
         for k in victims:
             victim = view.models.get(k)
             if victim is not None:
