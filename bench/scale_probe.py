@@ -7,11 +7,12 @@
         cProfile of the controller's calls only (the Driver's submit, step, next_wakeup)
     python -m bench.scale_probe point TREE [MODELS RATE SECONDS SPEEDUP]
         one point's controller µs per request and SLO attainment (seed 1, as the 35k row)
-    python -m bench.scale_probe models TREE [RUNS]
+    python -m bench.scale_probe models TREE [RUNS [WARM]]
         whether the cost per request grows with the number of models: 1,000 and 10,000 models at
         the 20x, 20,000 req/s point, with the scale scenario's budget (64 GiB a device: ~11% of
         requests at 10,000 models need a LOAD) and with one that holds every model (no LOAD), RUNS
-        interleaved rounds (seeds 1..): median µs per request and per INFER action, and the ratios
+        interleaved rounds (seeds 1..): median µs per request and per INFER action, and the ratios;
+        WARM seconds of the same load first, not counted: the steady state (every model seen)
     python -m bench.scale_probe decisions TREE
     python -m bench.scale_probe without TREE PART [RUNS]
         the 20x, 20,000 req/s point's controller µs per request (median of RUNS seeds) with one part
@@ -158,7 +159,7 @@ def without(part: str, runs: int) -> None:
     print(f"without {part}: {statistics.median(costs):.1f} us/request ({', '.join(f'{c:.1f}' for c in costs)})")
 
 
-def by_models(runs: int) -> None:
+def by_models(runs: int, warm_s: float = 0.0) -> None:
     from bench.scenarios import scale
     from daemon import sim as simmod
 
@@ -177,7 +178,7 @@ def by_models(runs: int) -> None:
     cold: dict[tuple[int, float], float] = {}
     for seed in range(1, runs + 1):
         for m, gib in cells:  # interleaved: a noisy stretch of the machine hits every cell alike
-            r = scale.point(m, 20.0, 20000, 0.5, 8, gib, seed)
+            r = scale.point(m, 20.0, 20000, 0.5, 8, gib, seed, warm_s=warm_s)
             per_req[(m, gib)].append(r["controller_us_per_request"])
             actions = counters.get("infer_actions", 0) + counters.get("loads", 0) + counters.get("unloads", 0)
             per_act[(m, gib)].append(r["controller_us_per_request"] * r["requests"] / max(actions, 1))
@@ -203,7 +204,7 @@ def main(argv: list[str]) -> None:
         without(rest[0], int(rest[1]) if len(rest) > 1 else 5)
         return
     if mode == "models":
-        by_models(int(args[0]) if args else 5)
+        by_models(int(args[0]) if args else 5, float(args[1]) if len(args) > 1 else 0.0)
         return
     if mode == "hot":
         hot(args[0] if args else 4000.0, args[1] if len(args) > 1 else 5.0, int(args[2]) if len(args) > 2 else 3)

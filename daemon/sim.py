@@ -143,6 +143,7 @@ class Simulation:
         self.zeros = np.zeros((max(s.max_batch_size for s in self.specs.values()), 1), np.float32)
         self._pending_results: list[Result] = []
         self._cpu = 0.0
+        self._count_from = 0.0  # controller CPU before this virtual time is not counted (a warm-up)
         self._wake_at: float | None = None
         self.driver = Driver(self.scheduler)
 
@@ -184,10 +185,13 @@ class Simulation:
     # ---------------------------------------------------------------- running
 
     def run(self, times: np.ndarray, targets: np.ndarray, keys: Sequence[str], drain_s: float = 5.0,
-            classes: np.ndarray | None = None, max_wait_s: float = 30.0) -> SimResult:
+            classes: np.ndarray | None = None, max_wait_s: float = 30.0, count_from: float = 0.0) -> SimResult:
         """Offer requests at `times` (seconds) for the models `keys[targets[i]]`; run until all are answered.
         `classes[i]` (a RequestClass value; default all HARD) says what each one's deadline means; a
-        request that is not hard gives up after `max_wait_s`."""
+        request that is not hard gives up after `max_wait_s`. `controller_s` counts the controller's
+        CPU from virtual time `count_from` on: what went before warmed it up (every model seen, its
+        estimates and statistics made), as a daemon that has run a while is."""
+        self._count_from = count_from
         records, index = self._arrivals(times, targets, keys, classes, max_wait_s)
         end = (float(times[-1]) if len(times) else 0.0) + drain_s
         # As the daemon does once started: what the set-up made (and the simulator's own queue of
@@ -227,7 +231,8 @@ class Simulation:
                 records.finish[i] = now
                 records.status[i] = getattr(e, "status", 500)
             finally:
-                self._cpu += time.perf_counter() - t0
+                if now >= self._count_from:
+                    self._cpu += time.perf_counter() - t0
 
         for i in range(n):
             self.at(float(times[i]), functools.partial(arrive, i))
@@ -258,7 +263,8 @@ class Simulation:
             t0 = time.perf_counter()
             decision = driver.step(now, results)
             wake = driver.next_wakeup(now)  # when to step next is the controller's work too
-            self._cpu += time.perf_counter() - t0
+            if now >= self._count_from:
+                self._cpu += time.perf_counter() - t0
             self._apply(decision, records, index)
             if wake is not None and wake != self._wake_at:
                 self._wake_at = wake

@@ -56,10 +56,12 @@ def batched_capacity(ms: list[tuple[Any, SimProfile]], popularity: np.ndarray, d
 
 
 def point(n_models: int, speedup: float, rate: float, seconds: float, devices: int, budget_gib: float,
-          seed: int, quantum: float = 0.0) -> dict[str, Any]:
+          seed: int, quantum: float = 0.0, warm_s: float = 0.0) -> dict[str, Any]:
+    """One point. `warm_s`: that much of the same load first, not counted (figures are of the
+    `seconds` after it): the steady state, where every model has been seen before."""
     ms = models(n_models, speedup)
     popularity = loadgen.zipf_weights(n_models, 1.0)
-    sched = loadgen.poisson(rate, seconds, n_models, popularity, seed=seed)
+    sched = loadgen.poisson(rate, warm_s + seconds, n_models, popularity, seed=seed)
     settings = ControllerSettings(max_pending=10**9, max_pending_per_model=10**9)
     sim = Simulation(ms, devices, ClockworkPolicy(), settings, weight_budget=int(budget_gib * GIB), seed=seed,
                      step_quantum=quantum)
@@ -72,19 +74,24 @@ def point(n_models: int, speedup: float, rate: float, seconds: float, devices: i
                 break
             sim.place(ms[i][0].key, [f"sim:{d}"])
             used += ms[i][1].weight_bytes
-    res = sim.run(sched.times, sched.targets, [s.key for s, _ in ms], drain_s=1.0)
+    res = sim.run(sched.times, sched.targets, [s.key for s, _ in ms], drain_s=1.0, count_from=warm_s)
     rec = res.records
-    n = len(rec.arrival)
+    counted = rec.arrival >= warm_s
+    n = int(counted.sum())
+    met = rec.met[counted]
     capacity = batched_capacity(ms, popularity, devices)
     c = sim.scheduler.counters
     loop = f", steps every {quantum * 1e6:g} µs" if quantum else ""
     return {"label": f"{n_models} models, {speedup:g}x{loop}", "models": n_models, "speedup": speedup,
             "quantum_us": quantum * 1e6,
-            "offered_rps": n / seconds, "goodput_rps": float(rec.met.sum()) / seconds,
-            "slo_attainment": res.slo_attainment, "controller_us_per_request": res.controller_s / max(n, 1) * 1e6,
+            "offered_rps": n / seconds, "goodput_rps": float(met.sum()) / seconds,
+            "slo_attainment": float(met.mean()) if n else float("nan"),
+            "controller_us_per_request": res.controller_s / max(n, 1) * 1e6,
             "requests_per_core_s": n / max(res.controller_s, 1e-9), "controller_cores": res.controller_s / seconds,
-            "batched_capacity_rps": capacity, "goodput_of_capacity": float(rec.met.sum()) / seconds / capacity,
-            "cold_start_rate": c["cold_starts"] / max(c["admitted"], 1), "requests": n, "wall_s": res.wall_s}
+            "batched_capacity_rps": capacity, "goodput_of_capacity": float(met.sum()) / seconds / capacity,
+            "cold_start_rate": (c["cold_starts"] / max(c["admitted"], 1) if not warm_s
+                                else float(rec.cold[counted].mean()) if n else 0.0),
+            "requests": n, "wall_s": res.wall_s}
 
 
 def saturation(rows: list[dict[str, Any]]) -> float:

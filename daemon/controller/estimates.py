@@ -168,14 +168,14 @@ class Estimator:
                     ) -> tuple[float | None, float]:
         """The estimate and the time until which it holds if nothing new is observed."""
         where = device or kind
+        if batch < 0:  # (no row to keep it in; never asked in practice)
+            return self._infer_now(model, batch, kind, (model, batch, where))
         per = self._memo.get(model)
         if per is None:
             per = self._memo[model] = {}
         rows = per.get(where)
         if rows is None:
             rows = per[where] = []
-        if batch < 0:
-            return self._infer_now(model, batch, kind, (model, batch, where))
         if batch < len(rows):
             hit = rows[batch]
             if hit is not None and self.now <= hit[1]:

@@ -49,6 +49,18 @@ def test_a_thousand_models_on_eight_devices_every_request_answered_once() -> Non
     assert sim.scheduler.counters["unloads"] == 0
 
 
+def test_controller_cpu_is_counted_from_the_warm_up_on() -> None:
+    # A warm-up's controller CPU is left out (a steady-state figure); the decisions are the same.
+    ms = clockwork_models(50)
+    times, targets = poisson(500, 0.5, 50, 1)
+    runs = []
+    for count_from in (0.0, 10.0):  # 10 s: after every arrival and the drain
+        sim = Simulation(ms, 2, ClockworkPolicy(), weight_budget=32 * GIB, seed=1)
+        runs.append(sim.run(times, targets, [m[0].key for m in ms], drain_s=1.0, count_from=count_from))
+    assert runs[0].controller_s > 0 and runs[1].controller_s == 0.0
+    np.testing.assert_array_equal(runs[0].records.finish, runs[1].records.finish)
+
+
 def test_a_run_is_deterministic_for_a_seed() -> None:
     a, b = run("clockwork", models=200, seed=3, noise=0.05), run("clockwork", models=200, seed=3, noise=0.05)
     ra, rb = a.result.records, b.result.records  # type: ignore[attr-defined]

@@ -71,7 +71,7 @@ def _placed(view: ControllerView, key: str, but: DeviceState | None = None) -> b
 _Option = tuple[int, bool, int, float, str, DeviceState, list[str]]
 
 
-def _before(a: _Option, b: _Option) -> bool:
+def _option_before(a: _Option, b: _Option) -> bool:
     """Whether LOAD option `a` orders before `b`: by models in demand evicted, any eviction at all,
     the device's load (tenths), when it could finish, then the device's name."""
     if a[0] != b[0]:
@@ -1016,7 +1016,7 @@ class ClockworkPolicy:
                 return False
         best = options[0]
         for o in options:  # (the least by o[:5], as min() with a key: a loop over fields, compiled)
-            if _before(o, best):
+            if _option_before(o, best):
                 best = o
         *_, dev, victims = best
         for k in victims:
