@@ -7,12 +7,13 @@ Only the controller's calls are counted: the Driver's submit, step and next_wake
 bookkeeping, the set-up and the imports are left out).
 
     valgrind --tool=callgrind --collect-atstart=no --toggle-collect=_operator_call \\
-        --callgrind-out-file=OUT python -m bench.scale_instructions TREE [MODELS RATE SECONDS]
+        --callgrind-out-file=OUT python -m bench.scale_instructions TREE [MODELS RATE SECONDS [BUDGET_GIB [WARM]]]
     callgrind_annotate OUT | grep "PROGRAM TOTALS"   # over the REQUESTS line printed here
 
 TREE is a checkout (its code is imported first; built with `make native` to count the compiled
 controller). Defaults: 1,000 models, 75,000 req/s, 0.05 s of virtual time, the 20x profile,
-8 devices of 64 GiB, seed 1. Under callgrind a run takes ~3 minutes, mostly torch's import.
+8 devices of 64 GiB, seed 1; WARM seconds of the same load run first, uncounted (a steady
+state). Under callgrind a run takes ~3 minutes, mostly torch's import.
 Results: bench/results/scale-callgrind-issue12.md.
 """
 
@@ -29,11 +30,14 @@ def main(argv: list[str]) -> None:
     from bench.scenarios import scale
     from daemon.controller import driver as dm
 
+    warm = float(rest[4]) if len(rest) > 4 else 0.0
     for name in ("submit", "step", "next_wakeup"):
         f = getattr(dm.Driver, name)
 
-        def routed(self: Any, *a: Any, _f: Any = f, **k: Any) -> Any:
-            return operator.call(_f, self, *a, **k)
+        # (calls of the warm-up, before `warm`, run uncounted: `now` is submit's second argument,
+        # step's and next_wakeup's first)
+        def routed(self: Any, *a: Any, _f: Any = f, _at: int = int(name == "submit"), **k: Any) -> Any:
+            return operator.call(_f, self, *a, **k) if a[_at] >= warm else _f(self, *a, **k)
         setattr(dm.Driver, name, routed)
     # Telemetry counts finished requests and results in batches of FLUSH_AT: a run flushes once
     # or not at all depending on its count of results (LOADs too), so the last batch is flushed
@@ -49,7 +53,8 @@ def main(argv: list[str]) -> None:
     models = int(rest[0]) if rest else 1000
     rate = float(rest[1]) if len(rest) > 1 else 75000.0
     seconds = float(rest[2]) if len(rest) > 2 else 0.05
-    r = scale.point(models, 20.0, rate, seconds, 8, 64.0, 1)
+    budget = float(rest[3]) if len(rest) > 3 else 64.0
+    r = scale.point(models, 20.0, rate, seconds, 8, budget, 1, warm_s=warm)
     for d in drivers:
         operator.call(d.scheduler.telemetry.flush)
     print("REQUESTS", r["requests"], "attainment", r["slo_attainment"])
