@@ -13,7 +13,6 @@ are its own. A model placed without blocks is one private block, as before shari
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Collection
 from enum import IntEnum
 
@@ -37,11 +36,13 @@ class DeviceMemory:
         self._blocks_of: dict[str, Blocks] = {}  # placed models that have shared blocks
         self._private: dict[str, int] = {}  # their bytes outside blocks
         self._refs: dict[str, int] = {}  # block -> placed models holding it
-        self._models: OrderedDict[str, tuple[Residency, int]] = OrderedDict()  # LRU first
+        # LRU first. Plain dicts in insertion order (a move to the end is a delete and an insert):
+        # compiled code reads a dict directly, where an OrderedDict's every get is a generic call.
+        self._models: dict[str, tuple[Residency, int]] = {}
         # Ready models by size class (bit length of their bytes), each in LRU order, and when each
         # was last used: the least recently used model that frees enough alone is found by looking
         # at the head of a few classes, not by walking hundreds of smaller models.
-        self._by_size: dict[int, OrderedDict[str, None]] = {}
+        self._by_size: dict[int, dict[str, None]] = {}
         # per class, a bound of its footprints (its largest so far, not lowered when that one
         # leaves): a class none of whose models frees enough is passed over without a look at each
         self._class_max: dict[int, int] = {}
@@ -96,11 +97,13 @@ class DeviceMemory:
         return charge
 
     def loaded(self, key: str) -> None:
-        _, nbytes = self._models[key]
-        self._models[key] = (Residency.READY, nbytes)
-        self._models.move_to_end(key)
+        _, nbytes = self._models.pop(key)
+        self._models[key] = (Residency.READY, nbytes)  # (at the end: most recently used)
         bits = nbytes.bit_length()
-        self._by_size.setdefault(bits, OrderedDict())[key] = None
+        cls = self._by_size.get(bits)
+        if cls is None:
+            cls = self._by_size[bits] = {}
+        cls[key] = None
         if nbytes > self._class_max.get(bits, 0):
             self._class_max[bits] = nbytes
         self._used(key)
@@ -163,11 +166,15 @@ class DeviceMemory:
         self.budget = 0
 
     def touch(self, key: str) -> None:
-        entry = self._models.get(key)
+        models = self._models
+        entry = models.get(key)
         if entry is not None:
-            self._models.move_to_end(key)
+            del models[key]  # (to the end: most recently used)
+            models[key] = entry
             if entry[0] == Residency.READY:
-                self._by_size[entry[1].bit_length()].move_to_end(key)
+                cls = self._by_size[entry[1].bit_length()]
+                del cls[key]
+                cls[key] = None
                 self._clock += 1  # (as _used: inline, once per INFER)
                 self._used_at[key] = self._clock
 

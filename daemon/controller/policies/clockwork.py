@@ -961,6 +961,7 @@ class ClockworkPolicy:
             return d
 
         options: list[_Option] = []
+        whole: dict[str, float] = {}  # kind -> a whole LOAD's estimate there
         lane_only = head is None  # (loading for the best-effort lane alone)
         b1 = head.samples if head is not None else 1
         for dev in view.devices.values():
@@ -973,7 +974,11 @@ class ClockworkPolicy:
             meter = self.copy_busy.get(dev.name)
             # Under copy pressure a load evicts no model in more demand, unless its head request
             # must load now or never: waiting for pressure to ease would starve it to its deadline.
-            load_s = self._load_est(view, entry, dev.kind, dev)
+            if entry.blocks_on(dev.kind):  # (the bytes it lacks differ by device)
+                load_s = self._load_est(view, entry, dev.kind, dev)
+            else:  # the same on every device of a kind: estimated once per kind
+                known = whole.get(dev.kind)
+                load_s = whole[dev.kind] = known if known is not None else self._load_est(view, entry, dev.kind, dev)
             run_s = self._est_on(view, key, b1, dev)
             urgent = head is not None and head.deadline - (copy_free + load_s + run_s) <= self.horizon
             pressed = meter is not None and meter.value(now) > COPY_PRESSURE and not urgent
