@@ -867,7 +867,7 @@ class ClockworkPolicy:
             # (_share inline, and only for models that have had arrivals: at 10,000 models a device
             # holds hundreds, most never asked for; a share of 0 changes no sum)
             parts: dict[str, float] = {}
-            rates, models, placed_on, exp = self.rates, view.models, view.placed_on, math.exp
+            rates, models, placed_on = self.rates, view.models, view.placed_on  # (math.exp by name: a C call)
             for k in dev.memory.models():
                 meter = rates.get(k)
                 if meter is None or not meter.rate:
@@ -876,7 +876,7 @@ class ClockworkPolicy:
                 if entry is not None:
                     b = entry.spec.max_batch_size
                     replicas = len(placed_on.get(k, ())) or 1
-                    parts[k] = meter.rate * exp(-(now - meter.at) / RATE_TAU) * \
+                    parts[k] = meter.rate * math.exp(-(now - meter.at) / RATE_TAU) * \
                         self._est_on(view, k, b, dev) / b / replicas
             cached = self._util[dev.name] = (now, sum(parts.values()), parts)
         _, total, parts = cached
