@@ -179,44 +179,82 @@ class DeviceMemory:
                 self._used_at[key] = self._clock
 
     def victims(self, nbytes: int, evictable: Callable[[str], bool],
-                wanted: Callable[[str], bool], keep: Collection[str] = ()) -> list[str] | None:
+                wanted: Callable[[str], bool], keep: Collection[str] = (),
+                among: Collection[str] | None = None) -> list[str] | None:
         """Ready models to unload so that `nbytes` fit, or None if they cannot fit.
 
         Least recently used among those nobody wants (nothing queued) first, then least recently
         used among the rest. When one model nobody wants frees enough on its own, the least
         recently used such model goes alone, rather than many small models as collateral.
         A victim frees only its blocks no other placed model holds, nor any in `keep` (the
-        blocks the model to be loaded reuses: `nbytes` counts them as present).
+        blocks the model to be loaded reuses: `nbytes` counts them as present). `among`: the
+        only models `evictable` may accept, if the caller knows them (the answer is the same,
+        found without asking every model on the device).
         """
         if nbytes > self.budget:
             return None
         need = nbytes - self.free
         if need <= 0:
             return []
+        if among is not None:
+            return self._victims_among(need, among, evictable, wanted, keep)
         alone = self._alone(need, evictable, wanted, keep)
         if alone is not None:
             return [alone]
         # Else the least recently used idle models until enough is free, then those in demand.
-        # A block shared only among the chosen is freed once the last of its holders is chosen.
+        # (`wanted` first: the cheaper test, and a policy's `evictable` may weigh each one's
+        # demand; a model in demand is asked only when one is needed)
         dropped: dict[str, int] = {}
         chosen: list[str] = []
         in_demand: list[str] = []
-        for k, (s, n) in self._models.items():
-            if s != Residency.READY or not evictable(k):
+        for k, (s, _) in self._models.items():
+            if s != Residency.READY:
                 continue
             if wanted(k):
                 in_demand.append(k)
-                continue
+            elif evictable(k):
+                chosen.append(k)
+                need -= self._frees(k, dropped, keep)
+                if need <= 0:
+                    return chosen
+        return self._then_in_demand(chosen, in_demand, need, dropped, evictable, keep)
+
+    def _victims_among(self, need: int, among: Collection[str], evictable: Callable[[str], bool],
+                       wanted: Callable[[str], bool], keep: Collection[str]) -> list[str] | None:
+        """`victims` when every model `evictable` accepts is in `among`: the same choice."""
+        used_at = self._used_at
+        order = sorted([(used_at[k], k) for k in among if k in used_at])  # the ready ones, LRU first
+        idle: list[str] = []
+        in_demand: list[str] = []
+        for _, k in order:
+            if wanted(k):
+                in_demand.append(k)
+            elif evictable(k):
+                if self._frees(k, {}, keep) >= need:
+                    return [k]  # (the least recently used that frees enough alone, as _alone)
+                idle.append(k)
+        dropped: dict[str, int] = {}
+        chosen: list[str] = []
+        for k in idle:
             chosen.append(k)
-            need -= n if k not in self._blocks_of else self._frees_with(k, dropped, keep)
+            need -= self._frees(k, dropped, keep)
             if need <= 0:
                 return chosen
+        return self._then_in_demand(chosen, in_demand, need, dropped, evictable, keep)
+
+    def _then_in_demand(self, chosen: list[str], in_demand: list[str], need: int, dropped: dict[str, int],
+                        evictable: Callable[[str], bool], keep: Collection[str]) -> list[str] | None:
+        """Models in demand, least recently used first, after the idle `chosen` freed too little."""
         for k in in_demand:
-            chosen.append(k)
-            need -= self._models[k][1] if k not in self._blocks_of else self._frees_with(k, dropped, keep)
-            if need <= 0:
-                return chosen
+            if evictable(k):
+                chosen.append(k)
+                need -= self._frees(k, dropped, keep)
+                if need <= 0:
+                    return chosen
         return None
+
+    def _frees(self, key: str, dropped: dict[str, int], keep: Collection[str]) -> int:
+        return self._models[key][1] if key not in self._blocks_of else self._frees_with(key, dropped, keep)
 
     def _frees_with(self, key: str, dropped: dict[str, int], keep: Collection[str]) -> int:
         """Bytes unloading `key` frees beside the models already counted in `dropped` (block ->

@@ -41,6 +41,7 @@ MODULES: tuple[str, ...] = (
     "daemon.request",
     "daemon.controller.classes",
     "daemon.controller.decisions",
+    "daemon.controller.demand",
     "daemon.controller.due",
     "daemon.controller.driver",
     "daemon.controller.estimates",

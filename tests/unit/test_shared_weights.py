@@ -156,6 +156,9 @@ def test_victims_with_shared_blocks_match_releasing_each_candidate_set() -> None
                                 keep=keep)
                 want = _walk(m, nbytes, lambda k, b=busy: k not in b, lambda k, h=hot: k in h, keep)
                 assert got == want, (seed, nbytes)
+                among = [k for k in keys if k not in busy or rng.random() < 0.3]
+                assert m.victims(nbytes, evictable=lambda k, b=busy: k not in b, wanted=lambda k, h=hot: k in h,
+                                 keep=keep, among=rng.sample(among, len(among))) == want, (seed, nbytes)
                 if got:
                     assert _frees(m, got, keep) >= nbytes - m.free
         # every block placed counts once, and each model's bytes outside its blocks once

@@ -37,6 +37,7 @@ from daemon.actions import ActionKind, Result
 from daemon.controller import due as dues
 from daemon.controller import sharing
 from daemon.controller.decisions import Drop, Infer, Load, Steps, Unload
+from daemon.controller.demand import DeviceDemand
 from daemon.controller.due import Due, KeyDue
 from daemon.controller.estimates import EXACT_ROW_KINDS, RATE_TAU, RateMeter
 from daemon.controller.floats import fmax, fmin
@@ -55,7 +56,8 @@ BIND_LEAD = 0.0003  # a batch is chosen this long before it should start (the ex
 MAX_WAIT_OF_SLO = 0.1  # a batch never waits to fill longer than this share of the model's SLO
 MIN_FILL = 8.0  # samples a wait must be expected to bring before a batch waits at all
 COLD_CHECKS = 4  # cold models a pass checks for heads no LOAD can save while every copy lane is busy
-UTIL_REFRESH = 0.05  # seconds a device's utilisation (rates x costs of the models on it) is reused
+UTIL_REBUILD = 2.0  # seconds a device's demand weights (its models' costs per sample) are reused
+CHEAPER_LIMIT = 64  # candidates from the cold-cost ranking past which a victim search walks in LRU order
 LANE_SLICE = 0.005  # a best-effort batch is cut to run at most this long (one row at least): on-time
 # work that arrives meanwhile waits for it, since a device runs one batch at a time
 
@@ -69,6 +71,11 @@ def _placed(view: ControllerView, key: str, but: DeviceState | None = None) -> b
 
 
 _Option = tuple[int, bool, int, float, str, DeviceState, list[str]]
+
+
+def _cost_kind(view: ControllerView) -> str:
+    """The device kind a model's cold cost is reckoned on (its LOAD time there): the first device's."""
+    return next(iter(view.devices.values())).kind
 
 
 def _option_before(a: _Option, b: _Option) -> bool:
@@ -161,7 +168,7 @@ class ClockworkPolicy:
         self.late: dict[str, WorkIndex] = {}
         self.cold = WorkIndex()
         self._replica_check: set[str] = set()
-        self._util: dict[str, tuple[float, float, dict[str, float]]] = {}  # device -> (when, sum, parts)
+        self._demand = DeviceDemand(RATE_TAU, UTIL_REBUILD)  # per device, rates x costs of its models
         # Devices a pass must look at: those whose work or lanes changed since the last pass, and
         # those whose horizon reaches their next free time now (`_dev_wake`).
         self._dirty: set[str] = set()
@@ -190,6 +197,7 @@ class ClockworkPolicy:
         if meter is None:
             meter = self.rates[key] = RateMeter()
         meter.add(req.samples, now)
+        self._demand.arrived(key, meter.rate, now)
         entry = view.models[key]
         if not self.shortcuts:
             pass
@@ -359,6 +367,8 @@ class ClockworkPolicy:
                     meter = self.copy_busy[action.device] = RateMeter()
                 meter.add(result.end - result.begin, now)
             entry = view.models.get(action.model.key)
+            if entry is not None:  # (a measured LOAD may change its cold cost)
+                self._demand.reloaded(entry.spec.key, self._load_est(view, entry, _cost_kind(view)))
             if entry is not None and entry.queue.requests:
                 self.on_queued(view, entry, now)  # ready here now, or cold again
             if entry is not None and entry.late.requests and not view.placed_on.get(entry.spec.key):
@@ -860,60 +870,45 @@ class ClockworkPolicy:
     def _utilisation(self, view: ControllerView, dev: DeviceState, leaving: list[str], now: float) -> float:
         """Seconds of work per second the models on `dev` bring it (their arrival rates times their
         cost per sample at their largest batch, shared among their replicas), without `leaving`.
-        A device's sum is made at most every UTIL_REFRESH seconds (its rates decay over a second;
-        it spreads load in steps of a tenth of a device), and again after a LOAD or UNLOAD there."""
-        cached = self._util.get(dev.name)
-        if cached is None or now - cached[0] > UTIL_REFRESH:
-            # (_share inline, and only for models that have had arrivals: at 10,000 models a device
-            # holds hundreds, most never asked for; a share of 0 changes no sum)
-            parts: dict[str, float] = {}
-            rates, models, placed_on = self.rates, view.models, view.placed_on  # (math.exp by name: a C call)
+        Kept as arrivals come (controller/demand.py); the costs are made again for every model
+        on the device when they are UTIL_REBUILD old, which also takes in models placed other
+        than by this policy's LOADs (preloads, reservations) and drops those unplaced."""
+        demand = self._demand_on(view, dev, now)
+        total = demand.total(dev.name, now)
+        for k in leaving:  # (a loop, not sum over a generator: compiled, as often as a LOAD looks at a device)
+            total -= demand.part(k, dev.name, now)
+        return total
+
+    def _demand_on(self, view: ControllerView, dev: DeviceState, now: float) -> DeviceDemand:
+        """The demand tracker, its weights and cold-cost ranking for `dev` made again if stale."""
+        demand = self._demand
+        if demand.stale(dev.name, now):
+            weights: dict[str, float] = {}
+            loads: dict[str, float] = {}
+            models, placed_on = view.models, view.placed_on
+            kind = _cost_kind(view)
             for k in dev.memory.models():
-                meter = rates.get(k)
-                if meter is None or not meter.rate:
-                    continue
                 entry = models.get(k)
                 if entry is not None:
-                    b = entry.spec.max_batch_size
-                    replicas = len(placed_on.get(k, ())) or 1
-                    parts[k] = meter.rate * math.exp(-(now - meter.at) / RATE_TAU) * \
-                        self._est_on(view, k, b, dev) / b / replicas
-            cached = self._util[dev.name] = (now, sum(parts.values()), parts)
-        _, total, parts = cached
-        if not leaving:
-            return total
-        out = 0.0  # (a loop, not sum over a generator: compiled, as often as a LOAD looks at a device)
-        for k in leaving:
-            out += parts.get(k, 0.0)
-        return total - out
+                    weights[k] = self._weight(view, entry, dev, len(placed_on.get(k, ())))
+                    known = demand.load_s(k)  # (kept up to date by every LOAD of it measured)
+                    loads[k] = known if known >= 0.0 else self._load_est(view, entry, kind)
+            demand.rebuild(dev.name, weights, loads, now)
+        return demand
 
-    def _share(self, view: ControllerView, entry: ModelEntry, dev: DeviceState, now: float) -> float:
-        """Seconds of work per second one model brings `dev` (its share among its replicas)."""
-        meter = self.rates.get(entry.spec.key)
-        if meter is None:
-            return 0.0
+    def _weight(self, view: ControllerView, entry: ModelEntry, dev: DeviceState, replicas: int) -> float:
+        """Seconds of work one sample of `entry` brings `dev`, at its largest batch, per replica."""
         b = entry.spec.max_batch_size
-        replicas = len(view.placed_on.get(entry.spec.key, ())) or 1
-        return meter.value(now) * self._est(view, entry.spec.key, b, dev) / b / replicas
+        return self._est_on(view, entry.spec.key, b, dev) / b / (replicas or 1)
 
-    def _moved(self, view: ControllerView, dev: DeviceState, entry: ModelEntry, victims: list[str],
-               now: float) -> None:
-        """A LOAD of `entry` replacing `victims` on `dev`: its utilisation, updated in place (a sum
-        over hundreds of models is made again only when it is UTIL_REFRESH old)."""
-        cached = self._util.get(dev.name)
-        if cached is None:
-            return
-        when, total, parts = cached
+    def _moved(self, view: ControllerView, dev: DeviceState, entry: ModelEntry, victims: list[str]) -> None:
+        """A LOAD of `entry` replacing `victims` on `dev`: its demand, updated."""
+        demand = self._demand
         for k in victims:
-            total -= parts.pop(k, 0.0)
-        share = parts[entry.spec.key] = self._share(view, entry, dev, now)
-        self._util[dev.name] = (when, total + share, parts)
-
-    def _cold_cost(self, view: ControllerView, entry: ModelEntry, kind: str, now: float) -> float:
-        """Copy-lane seconds per second the model would cost if every request found it cold."""
-        meter = self.rates.get(entry.spec.key)
-        rate = meter.value(now) if meter is not None else 0.0
-        return rate * self._load_est(view, entry, kind)
+            demand.remove(k, dev.name)
+        key = entry.spec.key
+        demand.place(key, dev.name, self._weight(view, entry, dev, len(view.placed_on.get(key, ()))),
+                     self._load_est(view, entry, _cost_kind(view)))
 
     def _backlog(self, view: ControllerView, entry: ModelEntry) -> float:
         """Seconds of work queued for a model, at its largest batch size."""
@@ -949,16 +944,16 @@ class ClockworkPolicy:
 
         # Never evict a model that costs more to keep cold than this one: that only moves the
         # cold starts, and makes more copy work than it saves.
-        mine = self._cold_cost(view, entry, dev_kind := next(iter(view.devices.values())).kind, now)
+        dev_kind = _cost_kind(view)
+        costs = self._demand
+        mine = costs.cold_cost(key, now, self._load_est(view, entry, dev_kind))
 
-        demands: dict[str, float] = {}  # (nothing changes during this call: each model's, once)
-
-        def demand(k: str) -> float:
-            d = demands.get(k)
-            if d is None:
+        def demand(k: str) -> float:  # (from the demand tracker's rates and LOAD times: no estimate read)
+            c = costs.cold_cost(k, now)
+            if c < 0.0:  # placed since the tracker last looked at its device
                 e = view.models.get(k)
-                d = demands[k] = self._cold_cost(view, e, dev_kind, now) if e is not None else 0.0
-            return d
+                c = costs.cold_cost(k, now, self._load_est(view, e, dev_kind)) if e is not None else 0.0
+            return c
 
         options: list[_Option] = []
         whole: dict[str, float] = {}  # kind -> a whole LOAD's estimate there
@@ -992,8 +987,10 @@ class ClockworkPolicy:
 
             # shared blocks already there are neither copied again nor freed to make room
             blocks = entry.blocks_on(dev.kind)
+            # under pressure only models cheaper to keep cold may go: found by their ranking
+            among = self._demand_on(view, dev, now).cheaper(dev.name, mine, now, CHEAPER_LIMIT) if pressed else None
             victims = dev.memory.victims(dev.memory.missing(nbytes, blocks), evictable=evictable,
-                                         wanted=wanted, keep=dev.memory.present(blocks))
+                                         wanted=wanted, keep=dev.memory.present(blocks), among=among)
             if victims is None:
                 continue
             ready = fmax(copy_free + load_s, tl.exec.free_at(now))
@@ -1029,7 +1026,7 @@ class ClockworkPolicy:
             if victim is not None:
                 yield Unload(victim.spec, dev.name)
         yield Load(entry.spec, dev.name, self._load_est(view, entry, dev.kind, dev))
-        self._moved(view, dev, entry, victims, now)
+        self._moved(view, dev, entry, victims)
         if _placed(view, key, dev):
             self.replicated_at[key] = now
         return True

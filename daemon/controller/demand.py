@@ -1,0 +1,214 @@
+"""How busy each device's resident models keep it: seconds of work per second, kept as they change.
+
+A device's demand is the sum, over the models placed on it, of each model's arrival rate times
+its cost per sample there (shared among its replicas: the `weight`). A LOAD is placed on the
+device with the least demand, so it is asked for every device each time a LOAD is planned.
+
+Arrival rates decay exponentially with one time constant for every model (estimates.RateMeter),
+so a rate that last changed at `at` is `rate * exp(-(now - at) / tau)`. Written against a
+common origin, `rate * exp((at - origin) / tau) * exp(-(now - origin) / tau)`, the first part
+(a model's `factor`) changes only when the model's rate does (an arrival) and the second is the
+same for all of them. So a device keeps the sum of factor x weight over its models: an arrival
+changes one term on each device the model is on, and a device's demand at any time is that sum
+times one exponential. This replaces a walk over every model on the device (hundreds at 10,000
+models), once per 50 ms per device, that made the cost of placing a LOAD grow with the models.
+
+Weights (estimates) are set when a model is placed, and made again from the estimates for all
+models of a device when its sum is older than `rebuild_every` (the sum's rounding error is
+reset then too). The origin moves forward when it falls `REBASE_AFTER` behind an arrival, before
+the factors could overflow.
+
+The same factors rank a device's models by cold cost (arrival rate x LOAD time: the copy work
+their cold starts would make). A LOAD under copy pressure may evict only models cheaper to keep
+cold than the one it loads; asked of every model on the device in LRU order, that rule made
+each LOAD walk all of them (O(models) per device, the controller's growth from 1,000 to 10,000
+models). In log form, `log(factor x load) + origin / tau` does not change with time (every rate
+decays alike) and only grows with arrivals, so a ranking made at a rebuild stays a lower bound:
+the models it puts under a bound, with those placed since, include every model under it now.
+
+Plain synchronous code with no I/O; the policy (policies/clockwork.py) feeds it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+REBASE_AFTER = 30.0  # time constants: factors grow as exp(elapsed / tau), ~1e13 at 30
+ROUNDING = 1e-9  # slack on a log-cost bound: the ranking and the policy's own test round differently
+
+
+def _log(x: float) -> float:
+    return math.log(x) if x > 0.0 else -math.inf
+
+
+class DeviceDemand:
+    def __init__(self, tau: float, rebuild_every: float) -> None:
+        self.tau = tau
+        self.rebuild_every = rebuild_every
+        self.origin = 0.0
+        self._factors: dict[str, float] = {}  # model -> rate * exp((at - origin) / tau)
+        self._weights: dict[str, dict[str, float]] = {}  # device -> model -> weight there
+        self._on: dict[str, list[str]] = {}  # model -> devices it has a weight on
+        self._sums: dict[str, float] = {}  # device -> sum of factor x weight over its models
+        self._built: dict[str, float] = {}  # device -> when its weights were last all made
+        self._loads: dict[str, float] = {}  # model -> seconds a LOAD of it takes
+        # device -> its models by log cold cost at the last rebuild (ascending), and the costs
+        self._ranked: dict[str, tuple[list[str], list[float]]] = {}
+        self._recent: dict[str, list[str]] = {}  # device -> models placed, or reloaded, since then
+
+    def arrived(self, key: str, rate: float, at: float) -> None:
+        """A model's rate is now `rate` as of `at` (it just had an arrival)."""
+        if (at - self.origin) / self.tau > REBASE_AFTER:
+            self._rebase(at)
+        factor = rate * math.exp((at - self.origin) / self.tau)
+        old = self._factors.get(key, 0.0)
+        self._factors[key] = factor
+        devices = self._on.get(key)
+        if devices is None:
+            return
+        delta = factor - old
+        sums, weights = self._sums, self._weights
+        for d in devices:
+            sums[d] += delta * weights[d][key]
+
+    def place(self, key: str, device: str, weight: float, load_s: float) -> None:
+        """`key` is on `device` with `weight` (seconds of work per sample there, per replica);
+        `load_s`: a LOAD of it takes that long."""
+        self._loads[key] = load_s
+        per = self._weights.get(device)
+        if per is None:
+            per = self._weights[device] = {}
+            self._sums[device] = 0.0
+            self._recent[device] = []
+        self._recent[device].append(key)
+        old = per.get(key)
+        if old is None:
+            on = self._on.get(key)
+            if on is None:
+                self._on[key] = [device]
+            else:
+                on.append(device)
+            old = 0.0
+        per[key] = weight
+        self._sums[device] += self._factors.get(key, 0.0) * (weight - old)
+
+    def remove(self, key: str, device: str) -> None:
+        """`key` left `device`."""
+        per = self._weights.get(device)
+        if per is None:
+            return
+        weight = per.pop(key, None)
+        if weight is None:
+            return
+        self._sums[device] -= self._factors.get(key, 0.0) * weight
+        on = self._on[key]
+        on.remove(device)
+        if not on:
+            del self._on[key]
+
+    def load_s(self, key: str) -> float:
+        """The LOAD time `key` was last placed or reloaded with; -1.0 if none."""
+        return self._loads.get(key, -1.0)
+
+    def cold_cost(self, key: str, now: float, load_s: float = -1.0) -> float:
+        """Copy seconds per second `key` would cost if every request found it cold: its rate at `now`
+        times a LOAD's time (`load_s`, or the last one it was placed or reloaded with; -1.0 if it
+        has none)."""
+        if load_s < 0.0:
+            known = self._loads.get(key)
+            if known is None:
+                return -1.0
+            load_s = known
+        f = self._factors.get(key)
+        if f is None:
+            return 0.0
+        return f * load_s * math.exp(-(now - self.origin) / self.tau)
+
+    def reloaded(self, key: str, load_s: float) -> None:
+        """A LOAD of `key` now takes `load_s` (a LOAD of it was measured)."""
+        old = self._loads.get(key)
+        self._loads[key] = load_s
+        if old is not None and load_s < old:  # (a lower cost may put it under a bound: look at it)
+            for d in self._on.get(key, ()):
+                self._recent[d].append(key)
+
+    def cheaper(self, device: str, bound: float, now: float, limit: int) -> list[str] | None:
+        """The models on `device` whose cold cost (rate x LOAD time) may be at most `bound` at
+        `now`: every one that is, and some that are not (arrived since the ranking); None when
+        there are more than `limit` of them (a walk in LRU order finds one sooner)."""
+        per = self._weights.get(device)
+        ranked = self._ranked.get(device)
+        if per is None or ranked is None:
+            return None
+        keys, costs = ranked
+        recent = self._recent[device]
+        cut = bisect.bisect_right(costs, _log(bound) + now / self.tau + ROUNDING)
+        if cut + len(recent) > limit:
+            return None
+        out: list[str] = []
+        seen: set[str] = set()
+        for i in range(cut):
+            k = keys[i]
+            if k in per and k not in seen:
+                seen.add(k)
+                out.append(k)
+        for k in recent:
+            if k in per and k not in seen:
+                seen.add(k)
+                out.append(k)
+        return out
+
+    def stale(self, device: str, now: float) -> bool:
+        """Whether `device`'s weights are due to be made again (`rebuild`)."""
+        built = self._built.get(device)
+        return built is None or now - built > self.rebuild_every
+
+    def rebuild(self, device: str, weights: dict[str, float], loads: dict[str, float], now: float) -> None:
+        """`device` holds exactly the models in `weights`, with these weights and LOAD times."""
+        for k in list(self._weights.get(device, ())):
+            if k not in weights:
+                self.remove(k, device)
+        for k, w in weights.items():
+            self.place(k, device, w, loads[k])
+        total = 0.0  # (made again from its terms: drops the rounding of many small updates)
+        factors = self._factors
+        shift = self.origin / self.tau
+        ranking: list[tuple[float, str]] = []
+        for k, w in weights.items():
+            f = factors.get(k, 0.0)
+            total += f * w
+            ranking.append((_log(f * loads[k]) + shift, k))
+        ranking.sort()
+        self._ranked[device] = ([k for _, k in ranking], [c for c, _ in ranking])
+        self._recent[device] = []
+        self._sums[device] = total
+        self._built[device] = now
+
+    def total(self, device: str, now: float) -> float:
+        """Seconds of work per second `device`'s models bring it at `now`."""
+        s = self._sums.get(device)
+        if s is None:
+            return 0.0
+        return s * math.exp(-(now - self.origin) / self.tau)
+
+    def part(self, key: str, device: str, now: float) -> float:
+        """One model's share of `total`."""
+        per = self._weights.get(device)
+        if per is None:
+            return 0.0
+        w = per.get(key)
+        f = self._factors.get(key)
+        if w is None or f is None:
+            return 0.0
+        return f * w * math.exp(-(now - self.origin) / self.tau)
+
+    def _rebase(self, origin: float) -> None:
+        scale = math.exp((self.origin - origin) / self.tau)
+        self.origin = origin
+        factors = self._factors
+        for k in factors:
+            factors[k] *= scale
+        sums = self._sums
+        for d in sums:
+            sums[d] *= scale
