@@ -30,7 +30,7 @@ from daemon.controller.decisions import Drop, Infer, Load, Release, Save, Step, 
 from daemon.controller.due import ActionDue, Due, RequestDue
 from daemon.controller.estimates import EXACT_ROW_KINDS, Estimator
 from daemon.controller.floats import fmax, fmin
-from daemon.controller.memory import Blocks, DeviceMemory
+from daemon.controller.memory import Blocks, CallableRules, DeviceMemory
 from daemon.controller.state import (
     FAILURE_COOLDOWN,
     LOAD_BACKOFF,
@@ -165,8 +165,8 @@ class Scheduler:
         for dev in devs:
             def evictable(k: str, d: DeviceState = dev) -> bool:
                 return d.busy[k] == 0 and k in self.models
-            victims = dev.memory.victims(nbytes, evictable=evictable,
-                                         wanted=lambda k: k in self.models and self.models[k].queue.requests > 0)
+            victims = dev.memory.victims(nbytes, CallableRules(
+                evictable, lambda k: k in self.models and self.models[k].queue.requests > 0))
             if victims is None:
                 continue
             for k in victims:

@@ -14,6 +14,7 @@ from collections import defaultdict
 
 from daemon.actions import Action, Result, ResultStatus
 from daemon.controller.decisions import Infer, Load, Save, Steps, Unload
+from daemon.controller.memory import CallableRules
 from daemon.controller.state import LATEST_GRACE, DeviceState
 from daemon.controller.view import ControllerView
 from daemon.model import ModelSpec
@@ -151,7 +152,7 @@ class ParityPlanner:
             def idle(k: str, d: DeviceState = dev) -> bool:
                 return d.busy[k] == 0
             victims = dev.memory.victims(dev.memory.missing(entry.weight_bytes, entry.blocks),
-                                         evictable=idle, wanted=wanted, keep=dev.memory.present(entry.blocks))
+                                         CallableRules(idle, wanted), keep=dev.memory.present(entry.blocks))
             if victims is None:
                 continue
             for k in victims:

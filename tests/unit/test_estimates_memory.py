@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from daemon.controller.estimates import Estimator, SlidingWindow
-from daemon.controller.memory import DeviceMemory, Residency
+from daemon.controller.memory import CallableRules, DeviceMemory, Residency
 
 
 def test_window_percentile_is_near_max_and_slides() -> None:
@@ -53,18 +53,18 @@ def test_memory_accounting_and_lru_victims() -> None:
     with pytest.raises(ValueError, match="needs 30 bytes"):
         m.reserve("d", 30)
     m.touch("a")  # LRU order is now b, c, a
-    assert m.victims(30, evictable=lambda k: True, wanted=lambda k: False) == ["b"]
+    assert m.victims(30, CallableRules(lambda k: True, lambda k: False)) == ["b"]
     # b is wanted (requests queued): idle models go first even if used more recently
-    assert m.victims(30, evictable=lambda k: True, wanted=lambda k: k == "b") == ["c"]
-    assert m.victims(60, evictable=lambda k: k != "c", wanted=lambda k: False) == ["b", "a"]
-    assert m.victims(200, evictable=lambda k: True, wanted=lambda k: False) is None  # over budget
-    assert m.victims(95, evictable=lambda k: k == "a", wanted=lambda k: False) is None
+    assert m.victims(30, CallableRules(lambda k: True, lambda k: k == "b")) == ["c"]
+    assert m.victims(60, CallableRules(lambda k: k != "c", lambda k: False)) == ["b", "a"]
+    assert m.victims(200, CallableRules(lambda k: True, lambda k: False)) is None  # over budget
+    assert m.victims(95, CallableRules(lambda k: k == "a", lambda k: False)) is None
     assert m.release("b") == 30
     assert m.free == 40
     m.reserve("d", 30)
     assert m.state("d") == Residency.LOADING
     assert not m.is_ready("d")
-    assert m.victims(10, evictable=lambda k: True, wanted=lambda k: False) == []
+    assert m.victims(10, CallableRules(lambda k: True, lambda k: False)) == []
 
 
 def _victims_by_full_walk(m: DeviceMemory, nbytes: int, evictable, wanted) -> list[str] | None:  # noqa: ANN001
@@ -124,10 +124,10 @@ def test_victims_from_size_classes_match_a_walk_over_every_model() -> None:
                 busy = set(rng.sample(keys, 10))
                 hot = set(rng.sample(keys, 15))
                 nbytes = rng.randint(1, 6000)
-                got = m.victims(nbytes, evictable=lambda k, b=busy: k not in b, wanted=lambda k, h=hot: k in h)
+                got = m.victims(nbytes, CallableRules(lambda k, b=busy: k not in b, lambda k, h=hot: k in h))
                 assert got == _victims_by_full_walk(m, nbytes, lambda k, b=busy: k not in b,
                                                     lambda k, h=hot: k in h), (seed, nbytes)
                 # told which models it may take (any superset of those evictable), the same answer
                 among = [k for k in keys if k not in busy or rng.random() < 0.3]
-                assert m.victims(nbytes, evictable=lambda k, b=busy: k not in b, wanted=lambda k, h=hot: k in h,
+                assert m.victims(nbytes, CallableRules(lambda k, b=busy: k not in b, lambda k, h=hot: k in h),
                                  among=rng.sample(among, len(among))) == got, (seed, nbytes)

@@ -9,7 +9,7 @@ import pytest
 
 from daemon.actions import ActionKind
 from daemon.config import ControllerSettings
-from daemon.controller.memory import DeviceMemory, Residency
+from daemon.controller.memory import CallableRules, DeviceMemory, Residency
 from daemon.controller.policies.clockwork import ClockworkPolicy
 from daemon.controller.policies.dynamic import DynamicBatchingPolicy
 from daemon.controller.scheduler import Scheduler
@@ -62,9 +62,9 @@ def test_eviction_counts_what_a_victim_really_frees() -> None:
     m.loaded("x")
     # 100 free; loading 200 unshared bytes needs 100 more. a alone frees only its head (50), so
     # the least recently used walk takes a, then b (whose release frees b's head and the backbone).
-    assert m.victims(200, evictable=lambda k: k != "x", wanted=lambda k: False) == ["a", "b"]
+    assert m.victims(200, CallableRules(lambda k: k != "x", lambda k: False)) == ["a", "b"]
     # x frees 50 alone; a and x together free 100
-    assert m.victims(200, evictable=lambda k: k != "b", wanted=lambda k: False) == ["a", "x"]
+    assert m.victims(200, CallableRules(lambda k: k != "b", lambda k: False)) == ["a", "x"]
 
 
 def test_blocks_the_newcomer_reuses_are_not_counted_as_freed() -> None:
@@ -75,8 +75,8 @@ def test_blocks_the_newcomer_reuses_are_not_counted_as_freed() -> None:
     need = m.missing(700, new)
     assert need == 100  # the backbone is there
     # evicting a frees its head only: the backbone stays for the newcomer
-    assert m.victims(need, evictable=lambda k: True, wanted=lambda k: False, keep=m.present(new)) == ["a"]
-    assert m.victims(need + 1, evictable=lambda k: True, wanted=lambda k: False, keep=m.present(new)) is None
+    assert m.victims(need, CallableRules(lambda k: True, lambda k: False), keep=m.present(new)) == ["a"]
+    assert m.victims(need + 1, CallableRules(lambda k: True, lambda k: False), keep=m.present(new)) is None
 
 
 def _frees(m: DeviceMemory, chosen: list[str], keep: frozenset[str]) -> int:
@@ -152,12 +152,12 @@ def test_victims_with_shared_blocks_match_releasing_each_candidate_set() -> None
                 hot = set(rng.sample(keys, 6))
                 keep = m.present(tuple(rng.sample(blocks, rng.randint(0, 2))))
                 nbytes = rng.randint(1, 3000)
-                got = m.victims(nbytes, evictable=lambda k, b=busy: k not in b, wanted=lambda k, h=hot: k in h,
+                got = m.victims(nbytes, CallableRules(lambda k, b=busy: k not in b, lambda k, h=hot: k in h),
                                 keep=keep)
                 want = _walk(m, nbytes, lambda k, b=busy: k not in b, lambda k, h=hot: k in h, keep)
                 assert got == want, (seed, nbytes)
                 among = [k for k in keys if k not in busy or rng.random() < 0.3]
-                assert m.victims(nbytes, evictable=lambda k, b=busy: k not in b, wanted=lambda k, h=hot: k in h,
+                assert m.victims(nbytes, CallableRules(lambda k, b=busy: k not in b, lambda k, h=hot: k in h),
                                  keep=keep, among=rng.sample(among, len(among))) == want, (seed, nbytes)
                 if got:
                     assert _frees(m, got, keep) >= nbytes - m.free

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -41,6 +42,7 @@ from daemon.controller.demand import DeviceDemand
 from daemon.controller.due import Due, KeyDue
 from daemon.controller.estimates import EXACT_ROW_KINDS, RATE_TAU, RateMeter
 from daemon.controller.floats import fmax, fmin
+from daemon.controller.memory import EvictionRules
 from daemon.controller.state import DeviceState, ModelEntry
 from daemon.controller.view import ControllerView
 from daemon.request import InferenceRequest
@@ -76,6 +78,47 @@ _Option = tuple[int, bool, int, float, str, DeviceState, list[str]]
 def _cost_kind(view: ControllerView) -> str:
     """The device kind a model's cold cost is reckoned on (its LOAD time there): the first device's."""
     return next(iter(view.devices.values())).kind
+
+
+class _LoadRules(EvictionRules):
+    """Which models a LOAD planned by `_place` may evict on a device (`busy`, `pressed` set per
+    device): none busy; for best-effort work alone (`lane_only`), none with work; a model with
+    requests waiting only for one in more demand; and under copy pressure (`pressed`) none that
+    costs more to keep cold than the model to load (`mine`): that only moves the cold starts."""
+
+    def __init__(self, policy: ClockworkPolicy, view: ControllerView, kind: str, lane_only: bool,
+                 now: float) -> None:
+        self.policy = policy
+        self.view = view
+        models = view.models  # (a dict, as the scheduler's, read directly; a Mapping's get is a generic call)
+        self.models: dict[str, ModelEntry] = models if isinstance(models, dict) else dict(models)
+        self.costs = policy._demand
+        self.kind = kind
+        self.lane_only = lane_only
+        self.now = now
+        self.mine = 0.0
+        self.busy: defaultdict[str, int] = defaultdict(int)
+        self.pressed = False
+
+    def wanted(self, key: str) -> bool:  # (work in its lane counts: evicting it for another lane model thrashes)
+        e = self.models.get(key)
+        return e is not None and (e.queue.requests > 0 or e.late.requests > 0)
+
+    def evictable(self, key: str) -> bool:
+        if self.busy[key] or (self.lane_only and self.wanted(key)):
+            return False
+        if self.wanted(key):
+            return self.demand(key) < self.mine
+        return not self.pressed or self.demand(key) <= self.mine
+
+    def demand(self, key: str) -> float:
+        """Its cold cost, from the demand tracker's rates and LOAD times (no estimate read)."""
+        c = self.costs.cold_cost(key, self.now)
+        if c < 0.0:  # placed since the tracker last looked at its device
+            e = self.models.get(key)
+            c = self.costs.cold_cost(key, self.now, self.policy._load_est(self.view, e, self.kind)) \
+                if e is not None else 0.0
+        return c
 
 
 def _option_before(a: _Option, b: _Option) -> bool:
@@ -938,26 +981,13 @@ class ClockworkPolicy:
         key, nbytes = entry.spec.key, entry.weight_bytes
         head = entry.queue.head()
 
-        def wanted(k: str) -> bool:  # (work in its lane counts: evicting it for another lane model thrashes)
-            e = view.models.get(k)
-            return e is not None and (e.queue.requests > 0 or e.late.requests > 0)
-
+        rules = _LoadRules(self, view, _cost_kind(view), head is None, now)
         # Never evict a model that costs more to keep cold than this one: that only moves the
         # cold starts, and makes more copy work than it saves.
-        dev_kind = _cost_kind(view)
-        costs = self._demand
-        mine = costs.cold_cost(key, now, self._load_est(view, entry, dev_kind))
-
-        def demand(k: str) -> float:  # (from the demand tracker's rates and LOAD times: no estimate read)
-            c = costs.cold_cost(k, now)
-            if c < 0.0:  # placed since the tracker last looked at its device
-                e = view.models.get(k)
-                c = costs.cold_cost(k, now, self._load_est(view, e, dev_kind)) if e is not None else 0.0
-            return c
+        mine = rules.mine = self._demand.cold_cost(key, now, self._load_est(view, entry, rules.kind))
 
         options: list[_Option] = []
         whole: dict[str, float] = {}  # kind -> a whole LOAD's estimate there
-        lane_only = head is None  # (loading for the best-effort lane alone)
         b1 = head.samples if head is not None else 1
         for dev in view.devices.values():
             if dev.memory.state(key) is not None or dev.memory.budget < nbytes or not dev.can_load(key, now):
@@ -978,19 +1008,13 @@ class ClockworkPolicy:
             urgent = head is not None and head.deadline - (copy_free + load_s + run_s) <= self.horizon
             pressed = meter is not None and meter.value(now) > COPY_PRESSURE and not urgent
 
-            def evictable(k: str, d: DeviceState = dev, p: bool = pressed) -> bool:
-                if d.busy[k] or (lane_only and wanted(k)):  # best-effort work never displaces a model with work
-                    return False
-                if wanted(k):  # it has requests waiting: only for a model in more demand
-                    return demand(k) < mine
-                return not p or demand(k) <= mine
-
+            rules.busy, rules.pressed = dev.busy, pressed
             # shared blocks already there are neither copied again nor freed to make room
             blocks = entry.blocks_on(dev.kind)
             # under pressure only models cheaper to keep cold may go: found by their ranking
             among = self._demand_on(view, dev, now).cheaper(dev.name, mine, now, CHEAPER_LIMIT) if pressed else None
-            victims = dev.memory.victims(dev.memory.missing(nbytes, blocks), evictable=evictable,
-                                         wanted=wanted, keep=dev.memory.present(blocks), among=among)
+            victims = dev.memory.victims(dev.memory.missing(nbytes, blocks), rules,
+                                         keep=dev.memory.present(blocks), among=among)
             if victims is None:
                 continue
             ready = fmax(copy_free + load_s, tl.exec.free_at(now))
@@ -1000,7 +1024,7 @@ class ClockworkPolicy:
             load = round(self._utilisation(view, dev, victims, now) * 10)
             in_demand = 0  # (loops, not sum/min/any over generators: compiled, per device per LOAD)
             for k in victims:
-                if wanted(k):
+                if rules.wanted(k):
                     in_demand += 1
             options.append((in_demand, len(victims) > 0, load, finish, dev.name, dev, victims))
         if not options:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from daemon.actions import Result
 from daemon.controller import sharing
 from daemon.controller.decisions import Drop, Infer, Load, Steps, Unload
+from daemon.controller.memory import CallableRules
 from daemon.controller.state import LATEST_GRACE, DeviceState, ModelEntry
 from daemon.controller.view import ControllerView
 from daemon.errors import Unavailable
@@ -186,8 +187,8 @@ class DynamicBatchingPolicy:
             def evictable(k: str, d: DeviceState = d) -> bool:
                 return d.busy[k] == 0 and not (lane_only and wanted(k))
             blocks = entry.blocks_on(d.kind)
-            victims = d.memory.victims(d.memory.missing(nbytes, blocks), evictable=evictable,
-                                       wanted=wanted, keep=d.memory.present(blocks))
+            victims = d.memory.victims(d.memory.missing(nbytes, blocks), CallableRules(evictable, wanted),
+                                       keep=d.memory.present(blocks))
             if victims is not None:
                 options.append((sum(wanted(k) for k in victims), len(victims), d.name, d, victims))
         if not options:
