@@ -298,13 +298,12 @@ class DeviceMemory:
         """The least recently used ready model nobody wants that frees `need` bytes on its own."""
         best: str | None = None
         best_at = 0
-        shared = self._blocks_of
         class_max = self._class_max
         for bits, cls in self._by_size.items():
             if (1 << bits) <= need or class_max[bits] < need:
                 continue  # every model of this class is smaller than need (and frees at most its size)
             for k in cls:  # least recently used first: its first fit is the class's answer
-                frees = self._models[k][1] if k not in shared else self._frees_with(k, {}, keep)
+                frees = self._frees(k, {}, keep)
                 # (`wanted` first: the cheaper test, and under overload most models are wanted,
                 # while a policy's `evictable` may weigh each one's demand)
                 if frees >= need and not rules.wanted(k) and rules.evictable(k):

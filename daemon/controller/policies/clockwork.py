@@ -105,9 +105,10 @@ class _LoadRules(EvictionRules):
         return e is not None and (e.queue.requests > 0 or e.late.requests > 0)
 
     def evictable(self, key: str) -> bool:
-        if self.busy[key] or (self.lane_only and self.wanted(key)):
+        wanted = self.wanted(key)
+        if self.busy[key] or (self.lane_only and wanted):
             return False
-        if self.wanted(key):
+        if wanted:
             return self.demand(key) < self.mine
         return not self.pressed or self.demand(key) <= self.mine
 
