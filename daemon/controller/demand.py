@@ -56,6 +56,10 @@ class DeviceDemand:
         # device -> its models by log cold cost at the last rebuild (ascending), and the costs
         self._ranked: dict[str, tuple[list[str], list[float]]] = {}
         self._recent: dict[str, list[str]] = {}  # device -> models placed, or reloaded, since then
+        # exp(-(now - origin) / tau) for the last `now` asked: a LOAD's placement asks it for every
+        # model a victim search looks at, and every device, all at one `now`
+        self._decay_now = math.nan
+        self._decay = 1.0
 
     def arrived(self, key: str, rate: float, at: float) -> None:
         """A model's rate is now `rate` as of `at` (it just had an arrival)."""
@@ -123,7 +127,13 @@ class DeviceDemand:
         f = self._factors.get(key)
         if f is None:
             return 0.0
-        return f * load_s * math.exp(-(now - self.origin) / self.tau)
+        return f * load_s * self._decay_at(now)
+
+    def _decay_at(self, now: float) -> float:
+        if now != self._decay_now:
+            self._decay = math.exp(-(now - self.origin) / self.tau)
+            self._decay_now = now
+        return self._decay
 
     def reloaded(self, key: str, load_s: float) -> None:
         """A LOAD of `key` now takes `load_s` (a LOAD of it was measured)."""
@@ -190,7 +200,7 @@ class DeviceDemand:
         s = self._sums.get(device)
         if s is None:
             return 0.0
-        return s * math.exp(-(now - self.origin) / self.tau)
+        return s * self._decay_at(now)
 
     def part(self, key: str, device: str, now: float) -> float:
         """One model's share of `total`."""
@@ -201,11 +211,12 @@ class DeviceDemand:
         f = self._factors.get(key)
         if w is None or f is None:
             return 0.0
-        return f * w * math.exp(-(now - self.origin) / self.tau)
+        return f * w * self._decay_at(now)
 
     def _rebase(self, origin: float) -> None:
         scale = math.exp((self.origin - origin) / self.tau)
         self.origin = origin
+        self._decay_now = math.nan
         factors = self._factors
         for k in factors:
             factors[k] *= scale

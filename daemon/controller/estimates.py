@@ -21,20 +21,47 @@ RATE_TAU = 1.0  # seconds: the time constant of the arrival-rate estimate
 
 
 class SlidingWindow:
-    __slots__ = ("_cache", "_samples", "_times", "max_age")
+    __slots__ = ("_q", "_q_value", "_samples", "_size", "_sorted", "_times", "max_age")
 
     def __init__(self, size: int = DEFAULT_WINDOW, max_age: float = DEFAULT_MAX_AGE) -> None:
         # (maxlen passed by position: a keyword makes compiled code build a dict for the call, one
         # window per model, batch size and device: thousands at 10,000 models)
         self._samples: deque[float] = deque((), size)  # noqa: RUF037
         self._times: deque[float] = deque((), size)  # noqa: RUF037
-        self._cache: dict[float, float] = {}
+        # The same samples in ascending order, kept as they come and go: a percentile is read after
+        # every new sample (once per result), where sorting the window each time cost ~1k
+        # instructions of the ~4k an estimate took.
+        self._sorted: list[float] = []
+        self._size = size
+        self._q = -1.0  # the quantile read last since the samples changed (-1: none), and its value
+        self._q_value = 0.0
         self.max_age = max_age
 
     def add(self, x: float, t: float = 0.0) -> None:
-        self._samples.append(x)
+        if x != x:
+            return  # a NaN measures nothing (and would leave the order undefined)
+        samples = self._samples
+        full = len(samples) == self._size
+        old = samples[0] if full else 0.0
+        samples.append(x)  # (a full deque drops its oldest)
         self._times.append(t)
-        self._cache.clear()
+        if full:
+            self._unsort(old)
+        s = self._sorted
+        i = len(s)
+        while i > 0 and s[i - 1] > x:
+            i -= 1
+        s.insert(i, x)
+        self._q = -1.0
+
+    def _unsort(self, x: float) -> None:
+        """`x` left the window: out of the sorted samples too."""
+        s = self._sorted
+        for i in range(len(s)):
+            if s[i] == x:
+                del s[i]
+                return
+        self._sorted = sorted(self._samples)  # (not reached: every sample is in the order)
 
     def __len__(self) -> int:
         return len(self._samples)
@@ -48,10 +75,11 @@ class SlidingWindow:
         return bool(self._times) and now - self._times[-1] <= self.max_age
 
     def expire(self, now: float) -> None:
-        while self._times and now - self._times[0] > self.max_age:
-            self._times.popleft()
-            self._samples.popleft()
-            self._cache.clear()
+        times, samples = self._times, self._samples
+        while times and now - times[0] > self.max_age:
+            times.popleft()
+            self._unsort(samples.popleft())
+            self._q = -1.0
 
     def current(self, now: float, q: float) -> tuple[float, float] | None:
         """The q-quantile of the samples recent enough to count at `now`, and when the oldest of them
@@ -66,15 +94,14 @@ class SlidingWindow:
 
     def percentile(self, q: float) -> float:
         """The interpolated q-quantile; with 10 samples, q=0.99 is nearly the max."""
-        hit = self._cache.get(q)
-        if hit is not None:
-            return hit
-        s = sorted(self._samples)
+        if q == self._q:
+            return self._q_value
+        s = self._sorted
         pos = q * (len(s) - 1)
         lo = math.floor(pos)
         hi = min(lo + 1, len(s) - 1)
         value = s[lo] + (s[hi] - s[lo]) * (pos - lo)
-        self._cache[q] = value
+        self._q, self._q_value = q, value
         return value
 
 
@@ -100,24 +127,25 @@ class Estimator:
         # tuple key was built, hashed and compared on every call, several times per request)
         self._memo: dict[str, dict[str, list[tuple[float | None, float] | None]]] = {}
         self._versions: dict[str, int] = {}  # per model: changes whenever one of its estimates may have
-        self._infer: dict[tuple[str, int, str], SlidingWindow] = {}
+        # model -> device (or kind) -> row count -> its window; nested for the memo's reason
+        self._infer: dict[str, dict[str, dict[int, SlidingWindow]]] = {}
         self._load: dict[tuple[str, str], SlidingWindow] = {}
         # LOADs that found part of the model's blocks on the device already (their time is mostly
         # the fixed cost of binding, not copying): kept apart from full LOADs
         self._partial_load: dict[tuple[str, str], SlidingWindow] = {}
         self._setup_load: dict[tuple[str, str], SlidingWindow] = {}  # LOADs that also captured graphs
-        self._seeds: dict[tuple[str, int, str], float] = {}
+        self._seeds: dict[str, dict[str, dict[int, float]]] = {}  # model -> kind -> row count -> seconds
 
     def version(self, model: str) -> int:
         """Changes whenever an estimate of `model` may have: lets callers keep values derived from them."""
         return self._versions.get(model, 0)
 
-    def _invalidate(self, model: str, key: tuple[str, int, str] | None = None) -> None:
-        if key is not None:
+    def _invalidate(self, model: str, where: str | None = None, batch: int = -1) -> None:
+        if where is not None:
             per = self._memo.get(model)
-            rows = per.get(key[2]) if per is not None else None
-            if rows is not None and 0 <= key[1] < len(rows):
-                rows[key[1]] = None
+            rows = per.get(where) if per is not None else None
+            if rows is not None and 0 <= batch < len(rows):
+                rows[batch] = None
         else:
             self._memo.pop(model, None)
         self._versions[model] = self._versions.get(model, 0) + 1
@@ -127,6 +155,12 @@ class Estimator:
         known = sorted(timings.items())
         if not known:
             return
+        per = self._seeds.get(model)
+        if per is None:
+            per = self._seeds[model] = {}
+        seeds = per.get(kind)
+        if seeds is None:
+            seeds = per[kind] = {}
         for b in range(1, max(batch_sizes) + 1):
             lower = [(k, v) for k, v in known if k <= b]
             upper = [(k, v) for k, v in known if k >= b]
@@ -138,17 +172,23 @@ class Estimator:
                 v = v0 * b / k0
             else:
                 v = upper[0][1]
-            self._seeds[(model, b, kind)] = v
+            seeds[b] = v
         self._invalidate(model)
 
     def observe_infer(self, model: str, batch: int, kind: str, seconds: float, device: str | None = None) -> None:
         """A measured run, kept per device (a straggling device must not make its peers look slow)."""
-        key = (model, batch, device or kind)
-        w = self._infer.get(key)
+        where = device or kind
+        per = self._infer.get(model)
+        if per is None:
+            per = self._infer[model] = {}
+        rows = per.get(where)
+        if rows is None:
+            rows = per[where] = {}
+        w = rows.get(batch)
         if w is None:
-            w = self._infer[key] = SlidingWindow(self.window, self.max_age)
+            w = rows[batch] = SlidingWindow(self.window, self.max_age)
         w.add(seconds, self.now)
-        self._invalidate(model, key)  # only this window changed
+        self._invalidate(model, where, batch)  # only this window changed
 
     def observe_load(self, model: str, kind: str, seconds: float, share: float = 1.0, set_up: bool = False) -> None:
         """A LOAD that copied `share` of the model's bytes (the rest was on the device already);
@@ -169,7 +209,7 @@ class Estimator:
         """The estimate and the time until which it holds if nothing new is observed."""
         where = device or kind
         if batch < 0:  # (no row to keep it in; never asked in practice)
-            return self._infer_now(model, batch, kind, (model, batch, where))
+            return self._infer_now(model, batch, kind, where)
         per = self._memo.get(model)
         if per is None:
             per = self._memo[model] = {}
@@ -182,23 +222,31 @@ class Estimator:
                 return hit
         else:
             rows.extend([None] * (batch + 1 - len(rows)))
-        out = self._infer_now(model, batch, kind, (model, batch, where))
+        out = self._infer_now(model, batch, kind, where)
         rows[batch] = out
         return out
 
-    def _infer_now(self, model: str, batch: int, kind: str, key: tuple[str, int, str]
-                   ) -> tuple[float | None, float]:
-        w = self._infer.get(key)
-        now = self.now
+    def _infer_now(self, model: str, batch: int, kind: str, where: str) -> tuple[float | None, float]:
+        w: SlidingWindow | None = None
+        per = self._infer.get(model)
+        if per is not None:
+            windows = per.get(where)
+            if windows is not None:
+                w = windows.get(batch)
         if w is not None and len(w):
-            hit = w.current(now, self.percentile)
+            hit = w.current(self.now, self.percentile)
             if hit is not None:
                 return hit[0], hit[1] + self.max_age  # until a sample ages out
-            seed = self._seeds.get((model, batch, kind))
+            seed = self._seed(model, kind, batch)
             if seed is not None:  # nothing recent: the profile, not a stale slow sample
                 return seed, math.inf
             return w.percentile(self.percentile), math.inf
-        return self._seeds.get((model, batch, kind)), math.inf
+        return self._seed(model, kind, batch), math.inf
+
+    def _seed(self, model: str, kind: str, batch: int) -> float | None:
+        per = self._seeds.get(model)
+        seeds = per.get(kind) if per is not None else None
+        return seeds.get(batch) if seeds is not None else None
 
     def load(self, model: str, kind: str, share: float = 1.0) -> float | None:
         """A LOAD copying `share` of the model's bytes: a full LOAD's time scaled to the share (the
@@ -218,9 +266,8 @@ class Estimator:
 
     def forget(self, model: str) -> None:
         self._invalidate(model)
-        for d in (self._infer, self._seeds):
-            for k in [k for k in d if k[0] == model]:
-                del d[k]
+        self._infer.pop(model, None)
+        self._seeds.pop(model, None)
         for loads in (self._load, self._partial_load, self._setup_load):
             for lk in [lk for lk in loads if lk[0] == model]:
                 del loads[lk]

@@ -37,6 +37,11 @@ class EvictionRules:
     def evictable(self, key: str) -> bool:
         return True
 
+    def evictable_idle(self, key: str) -> bool:
+        """`evictable` for a model `wanted` said no to (a search asks `wanted` first: a policy may
+        skip asking again)."""
+        return self.evictable(key)
+
 
 class CallableRules(EvictionRules):
     """Rules from two callables (tests, and searches too rare to need their own class)."""
@@ -238,7 +243,7 @@ class DeviceMemory:
                 continue
             if rules.wanted(k):
                 in_demand.append(k)
-            elif rules.evictable(k):
+            elif rules.evictable_idle(k):
                 chosen.append(k)
                 need -= self._frees(k, dropped, keep)
                 if need <= 0:
@@ -255,7 +260,7 @@ class DeviceMemory:
         for _, k in order:
             if rules.wanted(k):
                 in_demand.append(k)
-            elif rules.evictable(k):
+            elif rules.evictable_idle(k):
                 if self._frees(k, {}, keep) >= need:
                     return [k]  # (the least recently used that frees enough alone, as _alone)
                 idle.append(k)
@@ -299,16 +304,38 @@ class DeviceMemory:
         best: str | None = None
         best_at = 0
         class_max = self._class_max
-        for bits, cls in self._by_size.items():
+        used_at = self._used_at
+        blocks_of = self._blocks_of
+        models = self._models
+        by_size = self._by_size
+        # Classes whose models may free enough, by when their least recently used model was used,
+        # oldest first: once a class has an answer, a class whose every model was used later is
+        # passed over, and a walk stops at the first model used later (each class is in LRU order).
+        # Under copy pressure most models a walk meets are refused, so this is most of its work.
+        heads: list[int] = []
+        classes: list[int] = []
+        for bits, cls in by_size.items():
             if (1 << bits) <= need or class_max[bits] < need:
                 continue  # every model of this class is smaller than need (and frees at most its size)
-            for k in cls:  # least recently used first: its first fit is the class's answer
-                frees = self._frees(k, {}, keep)
+            for k in cls:
+                at = used_at[k]
+                i = len(heads)
+                heads.append(at)
+                classes.append(bits)
+                while i > 0 and heads[i - 1] > at:  # (insertion: a handful of classes)
+                    heads[i], classes[i] = heads[i - 1], classes[i - 1]
+                    i -= 1
+                heads[i], classes[i] = at, bits
+                break
+        for bits in classes:
+            for k in by_size[bits]:  # least recently used first: its first fit is the class's answer
+                at = used_at[k]
+                if best is not None and at >= best_at:
+                    break  # (the rest of the class was used later still: none can be the answer)
+                frees = models[k][1] if k not in blocks_of else self._frees_with(k, {}, keep)
                 # (`wanted` first: the cheaper test, and under overload most models are wanted,
                 # while a policy's `evictable` may weigh each one's demand)
-                if frees >= need and not rules.wanted(k) and rules.evictable(k):
-                    at = self._used_at[k]
-                    if best is None or at < best_at:
-                        best, best_at = k, at
+                if frees >= need and not rules.wanted(k) and rules.evictable_idle(k):
+                    best, best_at = k, at
                     break
         return best

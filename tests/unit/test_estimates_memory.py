@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from daemon.controller.estimates import Estimator, SlidingWindow
@@ -15,6 +18,36 @@ def test_window_percentile_is_near_max_and_slides() -> None:
     for _ in range(10):
         w.add(2.0)  # the old samples slide out
     assert w.percentile(0.99) == 2.0
+
+
+def test_window_keeps_its_samples_in_order_as_they_come_and_go() -> None:
+    """The window keeps its samples sorted as they are added, slide out and age out: every
+    percentile read equals the one of the samples left, sorted afresh (ties and repeats too)."""
+    rng = random.Random(7)
+    for size in (1, 2, 3, 10):
+        w = SlidingWindow(size, max_age=0.5)
+        kept: list[tuple[float, float]] = []  # (time, value), oldest first
+        t = 0.0
+        for _ in range(3000):
+            t += rng.choice((0.0, 0.01, 0.2, 0.7))
+            if rng.random() < 0.7:
+                x = float(rng.randint(0, 6)) if rng.random() < 0.5 else rng.random()
+                w.add(x, t)
+                kept = (kept + [(t, x)])[-size:]
+            else:
+                got = w.current(t, q := rng.choice((0.5, 0.9, 0.99)))
+                kept = [(at, x) for at, x in kept if t - at <= 0.5] if kept and t - kept[-1][0] <= 0.5 else kept
+                if not kept or t - kept[-1][0] > 0.5:
+                    assert got is None
+                    continue
+                s = sorted(x for _, x in kept)
+                pos = q * (len(s) - 1)
+                lo = math.floor(pos)
+                hi = min(lo + 1, len(s) - 1)
+                assert got == (s[lo] + (s[hi] - s[lo]) * (pos - lo), kept[0][0])
+    w = SlidingWindow(3)
+    w.add(math.nan)  # measures nothing
+    assert len(w) == 0
 
 
 def test_estimator_seeds_interpolate_then_observations_win() -> None:

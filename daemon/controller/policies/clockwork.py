@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -73,6 +72,9 @@ def _placed(view: ControllerView, key: str, but: DeviceState | None = None) -> b
 
 
 _Option = tuple[int, bool, int, float, str, DeviceState, list[str]]
+# a device a LOAD could go to, before its victim search: evicts at all, load (tenths), finish, name,
+# the device, and when its LOAD and first run would end
+_Candidate = tuple[bool, int, float, str, DeviceState, float]
 
 
 def _cost_kind(view: ControllerView) -> str:
@@ -97,7 +99,9 @@ class _LoadRules(EvictionRules):
         self.lane_only = lane_only
         self.now = now
         self.mine = 0.0
-        self.busy: defaultdict[str, int] = defaultdict(int)
+        # (a device's busy counts: read with get, which adds no key; typed dict, not defaultdict, so
+        # that compiled code reads it as one)
+        self.busy: dict[str, int] = {}
         self.pressed = False
 
     def wanted(self, key: str) -> bool:  # (work in its lane counts: evicting it for another lane model thrashes)
@@ -106,10 +110,15 @@ class _LoadRules(EvictionRules):
 
     def evictable(self, key: str) -> bool:
         wanted = self.wanted(key)
-        if self.busy[key] or (self.lane_only and wanted):
+        if self.busy.get(key, 0) or (self.lane_only and wanted):
             return False
         if wanted:
             return self.demand(key) < self.mine
+        return not self.pressed or self.demand(key) <= self.mine
+
+    def evictable_idle(self, key: str) -> bool:
+        if self.busy.get(key, 0):
+            return False
         return not self.pressed or self.demand(key) <= self.mine
 
     def demand(self, key: str) -> float:
@@ -134,6 +143,16 @@ def _option_before(a: _Option, b: _Option) -> bool:
     if a[3] != b[3]:
         return a[3] < b[3]
     return a[4] < b[4]
+
+
+def _candidate_before(a: _Candidate, b: _Candidate) -> bool:
+    if a[0] != b[0]:
+        return a[0] < b[0]
+    if a[1] != b[1]:
+        return a[1] < b[1]
+    if a[2] != b[2]:
+        return a[2] < b[2]
+    return a[3] < b[3]
 
 
 @dataclass(slots=True)
@@ -987,7 +1006,9 @@ class ClockworkPolicy:
         # cold starts, and makes more copy work than it saves.
         mine = rules.mine = self._demand.cold_cost(key, now, self._load_est(view, entry, rules.kind))
 
-        options: list[_Option] = []
+        # Every device that could take it, with what orders them short of a victim search: any
+        # eviction at all, the device's load (tenths), when it could finish, its name.
+        candidates: list[_Candidate] = []
         whole: dict[str, float] = {}  # kind -> a whole LOAD's estimate there
         b1 = head.samples if head is not None else 1
         for dev in view.devices.values():
@@ -997,43 +1018,62 @@ class ClockworkPolicy:
             copy_free = tl.copy.free_at(now)
             if copy_free >= now + self.horizon:
                 continue  # its copy lane is busy: plan the load later
-            meter = self.copy_busy.get(dev.name)
-            # Under copy pressure a load evicts no model in more demand, unless its head request
-            # must load now or never: waiting for pressure to ease would starve it to its deadline.
             if entry.blocks_on(dev.kind):  # (the bytes it lacks differ by device)
                 load_s = self._load_est(view, entry, dev.kind, dev)
             else:  # the same on every device of a kind: estimated once per kind
                 known = whole.get(dev.kind)
                 load_s = whole[dev.kind] = known if known is not None else self._load_est(view, entry, dev.kind, dev)
             run_s = self._est_on(view, key, b1, dev)
-            urgent = head is not None and head.deadline - (copy_free + load_s + run_s) <= self.horizon
-            pressed = meter is not None and meter.value(now) > COPY_PRESSURE and not urgent
-
-            rules.busy, rules.pressed = dev.busy, pressed
+            finish = fmax(copy_free + load_s, tl.exec.free_at(now)) + run_s
             # shared blocks already there are neither copied again nor freed to make room
+            short = dev.memory.missing(nbytes, entry.blocks_on(dev.kind)) > dev.memory.free
+            # Spread demand: the device with the least work per second on it (in steps of 10% of a
+            # device), then the one that can serve this model soonest. (The work its victims
+            # bring leaves with them; they are idle or the least wanted, so it is counted: knowing
+            # it would take a victim search on every device, the most of a LOAD's cost at 10,000
+            # models, where this order takes one on the first device that evicts nothing in demand.)
+            c: _Candidate = (short, round(self._utilisation(view, dev, [], now) * 10), finish, dev.name, dev,
+                             copy_free + load_s + run_s)
+            i = len(candidates)
+            candidates.append(c)
+            while i > 0 and _candidate_before(c, candidates[i - 1]):  # (insertion: a handful of devices)
+                candidates[i] = candidates[i - 1]
+                i -= 1
+            candidates[i] = c
+        if not candidates:
+            return False
+        best: _Option | None = None
+        finish = math.inf  # the soonest any LOAD could serve it: of options found, and devices not searched
+        for n, (short, load, at, name, dev, done) in enumerate(candidates):
+            meter = self.copy_busy.get(name)
+            # Under copy pressure a load evicts no model in more demand, unless its head request
+            # must load now or never: waiting for pressure to ease would starve it to its deadline.
+            urgent = head is not None and head.deadline - done <= self.horizon
+            pressed = meter is not None and meter.value(now) > COPY_PRESSURE and not urgent
+            rules.busy, rules.pressed = dev.busy, pressed
             blocks = entry.blocks_on(dev.kind)
             # under pressure only models cheaper to keep cold may go: found by their ranking
-            among = self._demand_on(view, dev, now).cheaper(dev.name, mine, now, CHEAPER_LIMIT) if pressed else None
+            among = self._demand_on(view, dev, now).cheaper(name, mine, now, CHEAPER_LIMIT) if pressed else None
             victims = dev.memory.victims(dev.memory.missing(nbytes, blocks), rules,
                                          keep=dev.memory.present(blocks), among=among)
             if victims is None:
                 continue
-            ready = fmax(copy_free + load_s, tl.exec.free_at(now))
-            finish = ready + run_s
-            # Spread demand: the device with the least work per second already on it (in steps of
-            # 10% of a device), then the one that can serve this model soonest.
-            load = round(self._utilisation(view, dev, victims, now) * 10)
+            if at < finish:
+                finish = at
             in_demand = 0  # (loops, not sum/min/any over generators: compiled, per device per LOAD)
             for k in victims:
                 if rules.wanted(k):
                     in_demand += 1
-            options.append((in_demand, len(victims) > 0, load, finish, dev.name, dev, victims))
-        if not options:
+            option: _Option = (in_demand, short, load, at, name, dev, victims)
+            if best is None or _option_before(option, best):
+                best = option
+            if in_demand == 0:  # (no device after it in this order can do better)
+                for rest in candidates[n + 1:]:
+                    if rest[2] < finish:
+                        finish = rest[2]
+                break
+        if best is None:
             return False
-        finish = options[0][3]
-        for o in options:
-            if o[3] < finish:
-                finish = o[3]
         if head is not None and not _placed(view, key):
             # Cold: a head that even the best LOAD cannot save is answered now; the load still
             # goes ahead if anyone behind it can make it.
@@ -1041,10 +1081,6 @@ class ClockworkPolicy:
                 yield Drop(h)
             if entry.queue.head() is None:
                 return False
-        best = options[0]
-        for o in options:  # (the least by o[:5], as min() with a key: a loop over fields, compiled)
-            if _option_before(o, best):
-                best = o
         *_, dev, victims = best
         for k in victims:
             victim = view.models.get(k)
