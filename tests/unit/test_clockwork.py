@@ -166,6 +166,26 @@ def test_a_model_with_waiting_requests_is_not_evicted_for_one_in_less_demand() -
     assert "LOAD" not in kinds(h.step())  # a has more demand: b waits rather than evicting it
 
 
+def test_a_load_passes_over_the_least_loaded_device_when_nothing_there_may_go() -> None:
+    """Devices are ordered before any victim search (least load first); one whose models may not
+    go (busy) is passed over for the next, where the idle model is evicted."""
+    h = cw(devices=2, budget=150)
+    a, c = add(h, "a", nbytes=100), add(h, "c", nbytes=100)
+    b = add(h, "b", max_batch=1, profile={1: 50 * MS}, nbytes=100)
+    h.use(a)
+    h.use(b)
+    placed = {m.name: d for m in (a, b) for d, dev in h.sched.devices.items() if dev.memory.state(m.key)}
+    assert placed == {"a": "cpu:0", "b": "cpu:1"}
+    for _ in range(200):  # a brings its device more work per second than b brings its own
+        h.use(a)
+    h.request(b, timeout=1.0)
+    assert kinds(h.step()) == ["INFER"]  # b runs on cpu:1 for 50 ms: busy, it may not be evicted
+    h.request(c, timeout=1.0)
+    acts = h.step()
+    assert [(x.kind.name, x.model.name, x.device) for x in acts[:2]] == [("UNLOAD", "a", "cpu:0"),
+                                                                        ("LOAD", "c", "cpu:0")]
+
+
 def test_a_hot_model_is_replicated_onto_another_device() -> None:
     h = cw(devices=2, budget=1000)
     spec = add(h, "hot", max_batch=4, profile={1: 5 * MS, 4: 20 * MS})  # 200 samples/s per device

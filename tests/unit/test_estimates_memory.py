@@ -33,7 +33,7 @@ def test_window_keeps_its_samples_in_order_as_they_come_and_go() -> None:
             if rng.random() < 0.7:
                 x = float(rng.randint(0, 6)) if rng.random() < 0.5 else rng.random()
                 w.add(x, t)
-                kept = (kept + [(t, x)])[-size:]
+                kept = [*kept, (t, x)][-size:]
             else:
                 got = w.current(t, q := rng.choice((0.5, 0.9, 0.99)))
                 kept = [(at, x) for at, x in kept if t - at <= 0.5] if kept and t - kept[-1][0] <= 0.5 else kept
