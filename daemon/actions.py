@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from daemon.request import InferenceRequest
 
 # A LOAD moves at least this many bytes per second; one slower than that (plus the hang timeout)
 # is a hung device, for the executor's device waits and for the controller's hung-action watch.
-LOAD_FLOOR_BPS = 1e9
+LOAD_FLOOR_BPS: Final = 1e9
 
 
 class ActionKind(IntEnum):

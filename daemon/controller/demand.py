@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import bisect
 import math
+from typing import Final
 
-REBASE_AFTER = 30.0  # time constants: factors grow as exp(elapsed / tau), ~1e13 at 30
-ROUNDING = 1e-9  # slack on a log-cost bound: the ranking and the policy's own test round differently
+REBASE_AFTER: Final = 30.0  # time constants: factors grow as exp(elapsed / tau), ~1e13 at 30
+ROUNDING: Final = 1e-9  # slack on a log-cost bound: the ranking and the policy's own test round differently
 
 
 def _log(x: float) -> float:

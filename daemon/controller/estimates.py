@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import Final
 
-EXACT_ROW_KINDS = frozenset({"cpu", "sim"})  # devices that run exactly the filled rows of a batch
-DEFAULT_WINDOW = 10
-DEFAULT_PERCENTILE = 0.99
-DEFAULT_MAX_AGE = 1.0  # seconds: older samples no longer count (a transient slowdown is forgotten)
-RATE_TAU = 1.0  # seconds: the time constant of the arrival-rate estimate
+EXACT_ROW_KINDS: Final = frozenset({"cpu", "sim"})  # devices that run exactly the filled rows of a batch
+DEFAULT_WINDOW: Final = 10
+DEFAULT_PERCENTILE: Final = 0.99
+DEFAULT_MAX_AGE: Final = 1.0  # seconds: older samples no longer count (a transient slowdown is forgotten)
+RATE_TAU: Final = 1.0  # seconds: the time constant of the arrival-rate estimate
 
 
 class SlidingWindow:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from daemon.controller.estimates import EXACT_ROW_KINDS
 from daemon.controller.policies.clockwork import LOAD_BANDWIDTH_GUESS
@@ -19,7 +19,7 @@ from daemon.model import ModelSpec
 if TYPE_CHECKING:
     from daemon.controller.scheduler import Scheduler
 
-COLD_UNKNOWN_S = 1e9  # no live device: a node that cannot run anything is never the earliest
+COLD_UNKNOWN_S: Final = 1e9  # no live device: a node that cannot run anything is never the earliest
 
 
 def expected_finish(sched: Scheduler, spec: ModelSpec, samples: int, now: float) -> float:

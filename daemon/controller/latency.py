@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from daemon.actions import Action, ActionKind
 from daemon.controller.estimates import RateMeter
@@ -50,7 +50,7 @@ class Why(enum.Enum):
     LOADED = "loaded"  # arrivals fast enough that runs here would take over MAX_LOOP_SHARE of the loop
 
 
-MAX_LOOP_SHARE = 0.5  # of the loop's time, at most, for runs on the latency path (at the arrival rate)
+MAX_LOOP_SHARE: Final = 0.5  # of the loop's time, at most, for runs on the latency path (at the arrival rate)
 
 
 class LatencyPath:

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from enum import IntEnum
+from typing import Final
 
 Blocks = tuple[tuple[str, int], ...]  # a model's distinct weight blocks: (content id, bytes)
-_NONE: frozenset[str] = frozenset()
+_NONE: Final[frozenset[str]] = frozenset()
 
 
 class Residency(IntEnum):

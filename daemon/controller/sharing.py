@@ -13,6 +13,7 @@ Pure code: a read-only view in, the requests to add out.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Final
 
 from daemon.controller.state import EXTENT_KINDS, DeviceState, ModelEntry
 from daemon.controller.view import ControllerView
@@ -20,8 +21,8 @@ from daemon.model import ModelSpec
 from daemon.request import InferenceRequest
 from daemon.runtime.program import prefix_key, tail_key
 
-MAX_MEMBERS = 16  # models in one cross-model batch besides its lead (each adds a tail call)
-SCAN = 64  # candidate models looked at for one batch (a pass must stay cheap with thousands)
+MAX_MEMBERS: Final = 16  # models in one cross-model batch besides its lead (each adds a tail call)
+SCAN: Final = 64  # candidate models looked at for one batch (a pass must stay cheap with thousands)
 
 Members = list[tuple[ModelSpec, list[InferenceRequest]]]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Final
 
 from daemon.actions import Action
 from daemon.controller.memory import Blocks, DeviceMemory
@@ -17,15 +18,15 @@ from daemon.model import ModelSpec
 from daemon.request import InferenceRequest
 from daemon.runtime.devices import Device
 
-LATEST_GRACE = 0.002  # an action may start this much after the plan before it is refused
-FAILURE_COOLDOWN = 1.0  # seconds a model's INFERs keep off a device where one failed (if another holds it)
+LATEST_GRACE: Final = 0.002  # an action may start this much after the plan before it is refused
+FAILURE_COOLDOWN: Final = 1.0  # seconds a model's INFERs keep off a device where one failed (if another holds it)
 LOAD_BACKOFF = (1.0, 30.0)  # a model whose LOAD failed keeps off that device 1, 2, 4 ... at most 30 s
-NO_MEMORY_RETRIES = 3  # LOADs refused for memory in a row before the device is backed off like a failure
-MAX_FAILURES = 2  # a request whose INFER failed this often is answered with the error
-OVERDUE_GRACE = 0.005  # an INFER not back this long after its requests' deadline: answer them 504
+NO_MEMORY_RETRIES: Final = 3  # LOADs refused for memory in a row before the device is backed off like a failure
+MAX_FAILURES: Final = 2  # a request whose INFER failed this often is answered with the error
+OVERDUE_GRACE: Final = 0.005  # an INFER not back this long after its requests' deadline: answer them 504
 # Device kinds whose backend holds weights by extent (runtime/cuda.py): a plan's shared leading
 # stage is one block there, held once, and the rest of a model is its own
-EXTENT_KINDS = frozenset({"cuda", "emucuda"})
+EXTENT_KINDS: Final = frozenset({"cuda", "emucuda"})
 
 
 @dataclass(slots=True, eq=False)

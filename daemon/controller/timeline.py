@@ -11,10 +11,11 @@ started `lag` ago, which makes a hung device look free and piles work onto it).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
 from daemon.controller.floats import fmax
 
-DEFAULT_LAG = 0.010
+DEFAULT_LAG: Final = 0.010
 
 
 @dataclass(slots=True)

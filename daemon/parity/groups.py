@@ -35,6 +35,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Final
 
 import numpy as np
 
@@ -44,9 +45,9 @@ from daemon.model import ModelSpec
 from daemon.parity.codes import decode_member
 from daemon.request import RequestStatus
 
-DECODE_MARGIN = 0.0005  # reconstruct this long before a deadline if the original is not back
-MAX_OPEN_GROUPS = 16  # per model and batch size: bounds the state one busy device can leave
-STRAGGLER_SLACK = 0.001  # a member this much (and 50% of a normal run) past a normal run is a straggler
+DECODE_MARGIN: Final = 0.0005  # reconstruct this long before a deadline if the original is not back
+MAX_OPEN_GROUPS: Final = 16  # per model and batch size: bounds the state one busy device can leave
+STRAGGLER_SLACK: Final = 0.001  # a member this much (and 50% of a normal run) past a normal run is a straggler
 
 
 class ActionRole(IntEnum):

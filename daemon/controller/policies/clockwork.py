@@ -31,7 +31,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Final, cast
 
 from daemon.actions import ActionKind, Result
 from daemon.controller import due as dues
@@ -46,20 +46,20 @@ from daemon.controller.state import DeviceState, ModelEntry
 from daemon.controller.view import ControllerView
 from daemon.request import InferenceRequest
 
-LATEST_GRACE = 0.001  # the least room an action's window gets after its planned start
-LOAD_BANDWIDTH_GUESS = 4e9  # bytes/s, for a model's first LOAD before any is measured
-COPY_PRESSURE = 0.5  # copy-lane utilisation above which a load must not evict a model in more demand
-REPLICA_UTILISATION = 0.7  # replicate once demand exceeds this share of the devices' throughput
-REPLICA_COOLDOWN = 0.1  # seconds between replications of one model
-REPLICA_DROPS = 5.0  # requests/s dropped because its devices were too slow or busy: replicate (SMART)
-SLOW_DEVICE = 1.5  # a device whose recent runs of a model exceed its profile this much is running slow
-BIND_LEAD = 0.0003  # a batch is chosen this long before it should start (the executor's wake-up)
-MAX_WAIT_OF_SLO = 0.1  # a batch never waits to fill longer than this share of the model's SLO
-MIN_FILL = 8.0  # samples a wait must be expected to bring before a batch waits at all
-COLD_CHECKS = 4  # cold models a pass checks for heads no LOAD can save while every copy lane is busy
-UTIL_REBUILD = 2.0  # seconds a device's demand weights (its models' costs per sample) are reused
-CHEAPER_LIMIT = 64  # candidates from the cold-cost ranking past which a victim search walks in LRU order
-LANE_SLICE = 0.005  # a best-effort batch is cut to run at most this long (one row at least): on-time
+LATEST_GRACE: Final = 0.001  # the least room an action's window gets after its planned start
+LOAD_BANDWIDTH_GUESS: Final = 4e9  # bytes/s, for a model's first LOAD before any is measured
+COPY_PRESSURE: Final = 0.5  # copy-lane utilisation above which a load must not evict a model in more demand
+REPLICA_UTILISATION: Final = 0.7  # replicate once demand exceeds this share of the devices' throughput
+REPLICA_COOLDOWN: Final = 0.1  # seconds between replications of one model
+REPLICA_DROPS: Final = 5.0  # requests/s dropped because its devices were too slow or busy: replicate (SMART)
+SLOW_DEVICE: Final = 1.5  # a device whose recent runs of a model exceed its profile this much is running slow
+BIND_LEAD: Final = 0.0003  # a batch is chosen this long before it should start (the executor's wake-up)
+MAX_WAIT_OF_SLO: Final = 0.1  # a batch never waits to fill longer than this share of the model's SLO
+MIN_FILL: Final = 8.0  # samples a wait must be expected to bring before a batch waits at all
+COLD_CHECKS: Final = 4  # cold models a pass checks for heads no LOAD can save while every copy lane is busy
+UTIL_REBUILD: Final = 2.0  # seconds a device's demand weights (its models' costs per sample) are reused
+CHEAPER_LIMIT: Final = 64  # candidates from the cold-cost ranking past which a victim search walks in LRU order
+LANE_SLICE: Final = 0.005  # a best-effort batch is cut to run at most this long (one row at least): on-time
 # work that arrives meanwhile waits for it, since a device runs one batch at a time
 
 
