@@ -55,6 +55,7 @@ from daemon.api.link import (
     READY,
     REGIONS,
     REPLY,
+    SEEN,
     STATE,
     STOP,
     SUBMIT,
@@ -108,6 +109,7 @@ class WorkerHandle:
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.started = time.monotonic()
         self.on_finish: Callable[[InferenceRequest], None] = lambda r: None  # set by FrontendWorkers
+        self.seen = -1  # the catalog generation the worker said it answers from (SEEN)
 
 
 class FrontendWorkers:
@@ -137,6 +139,7 @@ class FrontendWorkers:
         self._tick: asyncio.TimerHandle | None = None
         self._sent: tuple[Any, ...] = ()
         self._generation = -1
+        self._seen = asyncio.Event()  # a worker acknowledged a catalog, or one was lost: look again
         self._regions_generation = 0  # (a worker starts with the registry as it is: _start_worker)
         self.restarts = 0
         self.forwarded = 0  # calls workers forwarded here (management, statistics, users' inferences...)
@@ -195,7 +198,7 @@ class FrontendWorkers:
                          on_wedged=lambda: self._wedged(w)), sock=mine)
         w.link.send([HELLO, pickle.dumps(self.settings, protocol=pickle.HIGHEST_PROTOCOL), index, self.count,
                      self.http_host, self.http_port, self.grpc_host, self.grpc_port])
-        w.link.send([MODELS, catalog_snapshot(self.gateway)])
+        w.link.send([MODELS, catalog_snapshot(self.gateway), self.gateway.catalog.generation])
         w.link.send([REGIONS, self.gateway.shared_memory.snapshot()])
         w.link.send(self._state())
         log.info("frontend worker %d started (pid %d)", index, proc.pid)
@@ -218,6 +221,9 @@ class FrontendWorkers:
             task = w.calls.get(record[1])
             if task is not None:
                 task.cancel()  # e.g. a forwarded infer: awaiting Gateway.infer, it cancels the request
+        elif op == SEEN:
+            w.seen = record[1]
+            self._seen.set()
         elif op == READY:
             if not w.ready.done():
                 w.ready.set_result(None)
@@ -354,6 +360,27 @@ class FrontendWorkers:
         on each worker's link before that client can connect (the tick alone left a 5 ms window)."""
         self._push_registry()
 
+    async def catalog_seen(self, limit_s: float) -> bool:
+        """Wait until every live worker answers from the catalog as it is now (sent by
+        `sync_catalog`), at most `limit_s` seconds: READY=1 after a reload follows, and a client that
+        saw it must not find a worker still saying LOADING (a record on a worker's link is not yet
+        read: the worker may accept that client's connection and answer it first). False if a
+        worker had not said so in time."""
+        self._push_registry()
+        want = self._generation
+        deadline = time.monotonic() + limit_s
+        while True:
+            if all(w is None or w.link is None or w.seen >= want for w in self.workers):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._seen.clear()
+            try:
+                await asyncio.wait_for(self._seen.wait(), left)
+            except TimeoutError:
+                pass
+
     def _push_registry(self) -> None:
         """The catalog and the shared-memory registry, to every worker, each if it changed."""
         regions = self.gateway.shared_memory
@@ -364,7 +391,7 @@ class FrontendWorkers:
         if gen == self._generation:
             return
         self._generation = gen
-        self._send_all([MODELS, catalog_snapshot(self.gateway)])
+        self._send_all([MODELS, catalog_snapshot(self.gateway), gen])
 
     def _send_all(self, record: list[Any]) -> None:
         for w in self.workers:
@@ -398,6 +425,7 @@ class FrontendWorkers:
         (nothing reads its region after that but requests already on a device, which keep it
         mapped), reap it off the loop and, unless the daemon is stopping, start another."""
         w.link = None
+        self._seen.set()  # (a wait for every worker's SEEN no longer waits for this one)
         requests, w.requests = list(w.requests.values()), {}
         for req in requests:
             self.gateway.cancel(req)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,7 +106,8 @@ class ModelManager:
     def __init__(self, settings: Settings, catalog: ModelCatalog, controller: ControllerService,
                  executors: dict[str, Executor], devices: Sequence[Device], programs: dict[str, Program],
                  host_pins: HostPins, notifier: Notifier, clock: Clock, *, spawn: Spawn,
-                 phase: Callable[[], State], status_line: Callable[[], str]) -> None:
+                 phase: Callable[[], State], status_line: Callable[[], str],
+                 catalog_seen: Callable[[], Awaitable[None]] | None = None) -> None:
         self.settings = settings
         self.catalog = catalog
         self.controller = controller
@@ -119,6 +120,7 @@ class ModelManager:
         self._spawn = spawn  # a task the daemon tracks: cancelled on shutdown, its failure logged
         self._phase = phase
         self._status_line = status_line  # systemd's READY=1 status after a reload
+        self._catalog_seen = catalog_seen  # awaited before it: every frontend answers from the new catalog
         self._served: dict[str, Served] = {}  # version key -> what the scheduler serves under it
         self._unloaded: set[str] = set()  # model names unloaded through the API: reloads leave them out
         self.lock = asyncio.Lock()  # reloads, loads and unloads run one at a time
@@ -183,7 +185,11 @@ class ModelManager:
                 changes = Changes(failed={"repository": str(e)})
             finally:
                 if self.state == State.RUNNING:  # never READY=1 after STOPPING=1
-                    self.notifier.ready(self._status_line())
+                    line = self._status_line()
+                    if self._catalog_seen is not None:
+                        await self._catalog_seen()
+                    if self.state == State.RUNNING:
+                        self.notifier.ready(line)
         for key, why in changes.failed.items():
             log.error("reload: %s: %s", key, why)
         log.info("reload done: %s", changes.summary())

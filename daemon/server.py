@@ -59,6 +59,7 @@ log = logging.getLogger("escapement.server")
 
 EXECUTOR_STOP_S = 5.0  # at shutdown, how long executors may take to finish their running actions, together
 WORKER_STOP_S = 5.0  # and the worker threads (model reads, warm-ups) their jobs
+CATALOG_SEEN_S = 2.0  # after a reload, how long READY=1 waits for every frontend worker to take the new catalog
 
 
 def read_admin_token(inline: str, path: str) -> str:
@@ -212,7 +213,8 @@ class Daemon:
             + (f", {d.workspace / 2**20:.0f} MiB of it workspace)" if d.workspace else ")") for d in self.devices))
         self._models = ModelManager(s, self.catalog, self.controller, self.executors, self.devices, self.programs,
                                     self.host_pins, self.notifier, self.clock, spawn=self._spawn,
-                                    phase=lambda: self.state, status_line=self._status_line)
+                                    phase=lambda: self.state, status_line=self._status_line,
+                                    catalog_seen=self._catalog_seen)
         self._gateway = Gateway(s, self.catalog, self.controller, clock=self.clock, overload=self.overload,
                                 request_memory=self.request_memory, models=self._models, executors=self.executors,
                                 health=self.health, admin_token=self.admin_token)
@@ -275,6 +277,11 @@ class Daemon:
         if not hung:
             return None
         return "; ".join(f"{dev}: {why}" for dev, why in sorted(hung.items()))
+
+    async def _catalog_seen(self) -> None:
+        """Every frontend worker answers from the catalog as it is now (before READY=1 of a reload)."""
+        if self.frontends is not None and not await self.frontends.catalog_seen(CATALOG_SEEN_S):
+            log.warning("a frontend worker did not confirm the new model catalog within %.1f s", CATALOG_SEEN_S)
 
     def _status_line(self) -> str:
         """systemd's STATUS= with READY=1; the frontend workers get the catalog it announces first."""

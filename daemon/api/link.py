@@ -13,7 +13,9 @@ reading side too: the unpacker holds at most `max_record` bytes of one record.
 
 Records (arrays; "->" controller to worker, "<-" worker to controller):
   -> HELLO    [HELLO, settings (pickle), worker index, workers, http host, http port, grpc host, grpc port]
-  -> MODELS   [MODELS, catalog snapshot (pickle)]            the served models changed
+  -> MODELS   [MODELS, catalog snapshot (pickle), generation]  the served models changed
+  <- SEEN     [SEEN, generation]   the worker now answers from that catalog (READY=1 after a
+                                   reload waits for every worker's: daemon/frontends.py)
   -> STATE    [STATE, overloaded, lag_s, ready, lost_devices]  health or overload changed
   -> REGIONS  [REGIONS, [[name, key, offset, byte_size, st_dev, st_ino], ...]]  the shared-memory
               registry changed (the worker serves those regions itself: daemon/api/sharedmem.py)
@@ -45,7 +47,7 @@ import msgpack
 
 log = logging.getLogger("escapement.workers")
 
-HELLO, MODELS, STATE, SUBMIT, CANCEL, DONE, CALL, REPLY, DRAIN, STOP, READY, ABORT, REGIONS = range(13)
+HELLO, MODELS, STATE, SUBMIT, CANCEL, DONE, CALL, REPLY, DRAIN, STOP, READY, ABORT, REGIONS, SEEN = range(14)
 
 MAX_BUFFER = 256 << 20  # unsent bytes to one peer before it counts as wedged
 

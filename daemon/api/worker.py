@@ -40,7 +40,7 @@ from daemon.api.budget import Lease
 from daemon.api.grpc_v2 import GrpcFrontend
 from daemon.api.http import HttpFrontend
 from daemon.api.httpserver import Request, Response, Router
-from daemon.api.link import DONE, DRAIN, HELLO, MODELS, READY, REGIONS, REPLY, STATE, STOP, Link
+from daemon.api.link import DONE, DRAIN, HELLO, MODELS, READY, REGIONS, REPLY, SEEN, STATE, STOP, Link
 from daemon.api.remote import RemoteController, RemoteGateway, catalog_from, error_from
 from daemon.api.sharedmem import region_names
 from daemon.api.slots import SlotPool, pool_bytes, pool_classes
@@ -218,6 +218,8 @@ class Worker:
             self._early.append(record)
         elif op == MODELS:
             self.gateway.catalog = catalog_from(record[1])
+            if self.link is not None:
+                self.link.send([SEEN, record[2]])  # (a client that saw READY=1 finds this catalog here)
         elif op == REGIONS:
             self.gateway.regions.apply(record[1])
         elif op == STATE:
