@@ -222,8 +222,7 @@ class FrontendWorkers:
             if task is not None:
                 task.cancel()  # e.g. a forwarded infer: awaiting Gateway.infer, it cancels the request
         elif op == SEEN:
-            w.seen = record[1]
-            self._seen.set()
+            self.worker_seen(w, record[1])
         elif op == READY:
             if not w.ready.done():
                 w.ready.set_result(None)
@@ -359,6 +358,11 @@ class FrontendWorkers:
         a reload), and a client that saw it must not find a worker still saying LOADING: the record is
         on each worker's link before that client can connect (the tick alone left a 5 ms window)."""
         self._push_registry()
+
+    def worker_seen(self, w: WorkerHandle, generation: int) -> None:
+        """Worker `w` answers from the catalog of `generation` (its SEEN)."""
+        w.seen = max(w.seen, generation)
+        self._seen.set()
 
     async def catalog_seen(self, limit_s: float) -> bool:
         """Wait until every live worker answers from the catalog as it is now (sent by
