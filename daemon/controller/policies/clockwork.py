@@ -41,7 +41,7 @@ from daemon.controller.demand import DeviceDemand
 from daemon.controller.due import Due, KeyDue
 from daemon.controller.estimates import EXACT_ROW_KINDS, RATE_TAU, RateMeter
 from daemon.controller.floats import fmax, fmin
-from daemon.controller.memory import EvictionRules
+from daemon.controller.memory import Blocks, EvictionRules
 from daemon.controller.state import DeviceState, ModelEntry
 from daemon.controller.view import ControllerView
 from daemon.request import InferenceRequest
@@ -73,8 +73,8 @@ def _placed(view: ControllerView, key: str, but: DeviceState | None = None) -> b
 
 _Option = tuple[int, bool, int, float, str, DeviceState, list[str]]
 # a device a LOAD could go to, before its victim search: evicts at all, load (tenths), finish, name,
-# the device, and when its LOAD and first run would end
-_Candidate = tuple[bool, int, float, str, DeviceState, float]
+# the device, when its LOAD and first run would end, the bytes it lacks, the model's blocks there
+_Candidate = tuple[bool, int, float, str, DeviceState, float, int, Blocks]
 
 
 def _cost_kind(view: ControllerView) -> str:
@@ -930,17 +930,13 @@ class ClockworkPolicy:
             meter = self.drops[key] = RateMeter()
         meter.add(1, now)
 
-    def _utilisation(self, view: ControllerView, dev: DeviceState, leaving: list[str], now: float) -> float:
+    def _utilisation(self, view: ControllerView, dev: DeviceState, now: float) -> float:
         """Seconds of work per second the models on `dev` bring it (their arrival rates times their
-        cost per sample at their largest batch, shared among their replicas), without `leaving`.
-        Kept as arrivals come (controller/demand.py); the costs are made again for every model
-        on the device when they are UTIL_REBUILD old, which also takes in models placed other
-        than by this policy's LOADs (preloads, reservations) and drops those unplaced."""
-        demand = self._demand_on(view, dev, now)
-        total = demand.total(dev.name, now)
-        for k in leaving:  # (a loop, not sum over a generator: compiled, as often as a LOAD looks at a device)
-            total -= demand.part(k, dev.name, now)
-        return total
+        cost per sample at their largest batch, shared among their replicas). Kept as arrivals
+        come (controller/demand.py); the costs are made again for every model on the device when
+        they are UTIL_REBUILD old, which also takes in models placed other than by this policy's
+        LOADs (preloads, reservations) and drops those unplaced."""
+        return self._demand_on(view, dev, now).total(dev.name, now)
 
     def _demand_on(self, view: ControllerView, dev: DeviceState, now: float) -> DeviceDemand:
         """The demand tracker, its weights and cold-cost ranking for `dev` made again if stale."""
@@ -1018,7 +1014,8 @@ class ClockworkPolicy:
             copy_free = tl.copy.free_at(now)
             if copy_free >= now + self.horizon:
                 continue  # its copy lane is busy: plan the load later
-            if entry.blocks_on(dev.kind):  # (the bytes it lacks differ by device)
+            blocks = entry.blocks_on(dev.kind)
+            if blocks:  # (the bytes it lacks differ by device)
                 load_s = self._load_est(view, entry, dev.kind, dev)
             else:  # the same on every device of a kind: estimated once per kind
                 known = whole.get(dev.kind)
@@ -1026,14 +1023,15 @@ class ClockworkPolicy:
             run_s = self._est_on(view, key, b1, dev)
             finish = fmax(copy_free + load_s, tl.exec.free_at(now)) + run_s
             # shared blocks already there are neither copied again nor freed to make room
-            short = dev.memory.missing(nbytes, entry.blocks_on(dev.kind)) > dev.memory.free
+            lacks = dev.memory.missing(nbytes, blocks)
+            short = lacks > dev.memory.free
             # Spread demand: the device with the least work per second on it (in steps of 10% of a
             # device), then the one that can serve this model soonest. (The work its victims
             # bring leaves with them; they are idle or the least wanted, so it is counted: knowing
             # it would take a victim search on every device, the most of a LOAD's cost at 10,000
             # models, where this order takes one on the first device that evicts nothing in demand.)
-            c: _Candidate = (short, round(self._utilisation(view, dev, [], now) * 10), finish, dev.name, dev,
-                             copy_free + load_s + run_s)
+            c: _Candidate = (short, round(self._utilisation(view, dev, now) * 10), finish, dev.name, dev,
+                             copy_free + load_s + run_s, lacks, blocks)
             i = len(candidates)
             candidates.append(c)
             while i > 0 and _candidate_before(c, candidates[i - 1]):  # (insertion: a handful of devices)
@@ -1044,18 +1042,16 @@ class ClockworkPolicy:
             return False
         best: _Option | None = None
         finish = math.inf  # the soonest any LOAD could serve it: of options found, and devices not searched
-        for n, (short, load, at, name, dev, done) in enumerate(candidates):
+        for n, (short, load, at, name, dev, done, lacks, blocks) in enumerate(candidates):
             meter = self.copy_busy.get(name)
             # Under copy pressure a load evicts no model in more demand, unless its head request
             # must load now or never: waiting for pressure to ease would starve it to its deadline.
             urgent = head is not None and head.deadline - done <= self.horizon
             pressed = meter is not None and meter.value(now) > COPY_PRESSURE and not urgent
             rules.busy, rules.pressed = dev.busy, pressed
-            blocks = entry.blocks_on(dev.kind)
             # under pressure only models cheaper to keep cold may go: found by their ranking
             among = self._demand_on(view, dev, now).cheaper(name, mine, now, CHEAPER_LIMIT) if pressed else None
-            victims = dev.memory.victims(dev.memory.missing(nbytes, blocks), rules,
-                                         keep=dev.memory.present(blocks), among=among)
+            victims = dev.memory.victims(lacks, rules, keep=dev.memory.present(blocks), among=among)
             if victims is None:
                 continue
             if at < finish:
