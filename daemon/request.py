@@ -45,6 +45,7 @@ _ids = itertools.count(1)
 @dataclass(slots=True, eq=False)
 class InferenceRequest:
     model: ModelSpec
+    key: str  # model.key, read on every step of its path (compiled: a field read, not a lookup)
     inputs: tuple[np.ndarray, ...]  # in the model's input order, each [samples, *sample_shape]
     samples: int
     arrival: float
@@ -86,6 +87,7 @@ class InferenceRequest:
                  queue_seq: int = 0, failures: int = 0, klass: RequestClass = RequestClass.HARD,
                  late: bool = False, give_up_at: float = float("inf"), lane_bytes: int = 0) -> None:
         self.model = model
+        self.key = model.key
         self.inputs = inputs
         self.samples = samples
         self.arrival = arrival

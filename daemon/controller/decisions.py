@@ -118,3 +118,8 @@ Step = Infer | Load | Unload | Drop | Save | Release
 # and may return a flag to its caller (what that means is the generator's own contract: a
 # bool, or None when it has nothing to say, which a bare `return` or the end gives).
 Steps = Generator[Step, Action | None, Any]
+# Steps decided all at once, none needing the action another issued: applied in order, each before
+# the next (the view a later one meets is current), with no generator to resume. A pass that ends
+# after yielding ends in a StopIteration the scheduler catches (~6k instructions compiled, issue 12),
+# most of a lone request's scheduling when it is the model's whole batch.
+Planned = list[Step]

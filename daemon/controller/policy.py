@@ -14,7 +14,7 @@ from typing import Protocol
 
 from daemon.actions import Result
 from daemon.config import ControllerSettings
-from daemon.controller.decisions import Steps
+from daemon.controller.decisions import Planned, Steps
 from daemon.controller.state import ModelEntry
 from daemon.controller.view import ControllerView
 from daemon.request import InferenceRequest
@@ -23,8 +23,9 @@ from daemon.request import InferenceRequest
 class Policy(Protocol):
     name: str
 
-    def schedule(self, view: ControllerView, now: float) -> Steps | tuple[()]:
-        """The decisions of one pass; `()` when there is nothing to decide (cheaper than a generator)."""
+    def schedule(self, view: ControllerView, now: float) -> Steps | Planned | tuple[()]:
+        """The decisions of one pass; `()` when there is nothing to decide (cheaper than a generator),
+        a list when they are known before the first is applied (`Planned`)."""
         ...
 
     def next_wakeup(self, view: ControllerView, now: float) -> float | None: ...

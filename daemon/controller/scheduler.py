@@ -26,7 +26,7 @@ from daemon.actions import LOAD_FLOOR_BPS, Action, ActionKind, Failure, Result, 
 from daemon.config import ControllerSettings
 from daemon.controller import due as dues
 from daemon.controller.classes import max_queue
-from daemon.controller.decisions import Drop, Infer, Load, Release, Save, Step, Steps, Unload
+from daemon.controller.decisions import Drop, Infer, Load, Planned, Release, Save, Step, Steps, Unload
 from daemon.controller.due import ActionDue, Due, RequestDue
 from daemon.controller.estimates import EXACT_ROW_KINDS, Estimator
 from daemon.controller.floats import fmax, fmin
@@ -236,7 +236,7 @@ class Scheduler:
     def submit(self, req: InferenceRequest, now: float) -> None:
         """Admit a request or raise the error to answer with at once."""
         self.estimator.now = now
-        entry = self.models.get(req.model.key)
+        entry = self.models.get(req.key)
         if entry is None:
             raise NotFound(f"unknown model {req.model.name} version {req.model.version}")
         if req.samples > entry.spec.max_batch_size:  # the frontends check this; no batch could hold it
@@ -245,7 +245,7 @@ class Scheduler:
         if self.lost == len(self.devices):
             raise Unavailable("every device of this daemon has failed: " + "; ".join(
                 f"{d.name}: {d.failed}" for d in self.devices.values()))
-        if entry.load_failures and not self.placed_on.get(entry.spec.key):
+        if entry.load_failures and not self.placed_on.get(entry.key):
             self._refuse_backing_off(entry, now)
         if self.pending >= self.settings.max_pending:
             self._counts["refused_overload"] += 1
@@ -302,13 +302,13 @@ class Scheduler:
                     f"{(req.deadline - now) * 1e3:.1f} ms away; retry later", retry_after_s=max(1.0, done)), now)
         self._admit(req, nbytes)
         entry.queue.push(req)
-        self._active.add(req.model.key)
+        self._active.add(req.key)
         dues.push(self._expiry, RequestDue(req.deadline - best, req))
         self.policy.on_submit(self, req, now)
 
     def _admit(self, req: InferenceRequest, nbytes: int) -> None:
         """`nbytes`: a request that is not hard holds its inputs' bytes of the best-effort lane's budget."""
-        req.cold_start = req.model.key not in self.ready_on
+        req.cold_start = req.key not in self.ready_on
         self._admitted += 1
         if req.cold_start:
             self._cold_starts += 1
@@ -329,7 +329,7 @@ class Scheduler:
         dues.push(self._giveup, RequestDue(req.give_up_at, req))
         req.status = RequestStatus.QUEUED
         entry.late.push(req)
-        self.late_keys.add(entry.spec.key)
+        self.late_keys.add(entry.key)
         self.policy.on_late(self, entry, now)
 
     def late_work(self) -> list[ModelEntry]:
@@ -348,7 +348,7 @@ class Scheduler:
         has waiting, on time and in its lane (a lane that nobody loads would wait out its maximum)."""
         if entry.queue.requests:
             self.policy.on_queued(self, entry, now)
-        if entry.late.requests and not self.placed_on.get(entry.spec.key):
+        if entry.late.requests and not self.placed_on.get(entry.key):
             self.policy.on_late(self, entry, now)
 
     def _give_up(self, now: float) -> None:
@@ -372,7 +372,7 @@ class Scheduler:
 
     def _refuse_backing_off(self, entry: ModelEntry, now: float) -> None:
         """A model whose LOADs failed is refused while every device backs off from it."""
-        key = entry.spec.key
+        key = entry.key
         healthy = [d for d in self.devices.values() if not d.failed]
         if healthy and not any(d.can_load(key, now) for d in healthy):
             wait = min(d.load_backoff[key] for d in healthy) - now
@@ -422,7 +422,7 @@ class Scheduler:
     def _drain_rate(self, entry: ModelEntry) -> float:
         """Samples per second the devices holding a model ready could run of it at most (each at its
         most efficient batch size, nothing else); 0 when none holds it."""
-        key = entry.spec.key
+        key = entry.key
         ready = self.ready_on.get(key)
         if not ready:
             return 0.0
@@ -448,9 +448,8 @@ class Scheduler:
         """The shortest time `req` could take on an idle device with its model loaded."""
         # (No memo of its own: every result of the model changes it, and the estimator memoizes each
         # estimate it reads until that one changes.)
-        est, spec, samples = self.estimator, req.model, req.samples
-        key = spec.key
-        padded = spec.batch_size_for(samples)
+        est, samples, key = self.estimator, req.samples, req.key
+        padded = 0  # the batch size that holds it, for kinds that run whole batches (found once)
         best = math.inf
         # The devices holding the model (their recent runs), and each kind's profile: what any other
         # device would run it in once loaded (a device's own runs count only while it holds it).
@@ -459,14 +458,26 @@ class Scheduler:
             devices = self.devices
             for name in ready:
                 kind = devices[name].kind
-                e = est.infer_until(key, samples if kind in EXACT_ROW_KINDS else padded, kind, name)[0]
+                rows = samples
+                if kind not in EXACT_ROW_KINDS:
+                    padded = padded or self._padded(req)
+                    rows = padded
+                e = est.infer_until(key, rows, kind, name)[0]
                 if e is not None and e < best:
                     best = e
         for kind in self.kinds:
-            e = est.infer_until(key, samples if kind in EXACT_ROW_KINDS else padded, kind)[0]
+            rows = samples
+            if kind not in EXACT_ROW_KINDS:
+                padded = padded or self._padded(req)
+                rows = padded
+            e = est.infer_until(key, rows, kind)[0]
             if e is not None and e < best:
                 best = e
         return best if best < math.inf else 0.0
+
+    def _padded(self, req: InferenceRequest) -> int:
+        entry = self.models.get(req.key)
+        return entry.batch_size_for(req.samples) if entry is not None else req.model.batch_size_for(req.samples)
 
     def _infer_est(self, spec: ModelSpec, samples: int, kind: str, device: str | None = None) -> float | None:
         rows = samples if kind in EXACT_ROW_KINDS else spec.batch_size_for(samples)
@@ -499,12 +510,17 @@ class Scheduler:
         self._drive(self.policy.schedule(self, now), now)
         return self._take()
 
-    def _drive(self, steps: Steps | tuple[()], now: float) -> None:
+    def _drive(self, steps: Steps | Planned | tuple[()], now: float) -> None:
         """`_run` for a policy's pass, whose return value nobody reads. Most passes decide nothing:
         such a pass ends at the first `next`, which (given a default) raises nothing, where ending
         inside `_run`'s try costs a caught StopIteration and its traceback (~6k instructions
-        compiled). A pass that yields is sent each step's action back, as `_run` does."""
+        compiled). A pass that yields is sent each step's action back, as `_run` does; a list
+        (`Planned`) is applied in order, with nothing to send back or end."""
         if not steps:
+            return
+        if isinstance(steps, list):
+            for planned in steps:
+                self.apply(planned, now)
             return
         assert not isinstance(steps, tuple)
         step = next(steps, None)
@@ -542,7 +558,8 @@ class Scheduler:
             if step.group:
                 return self._issue_group(step, dev, now)
             return self.issue_infer(step.spec, dev, step.requests, step.batch_size, now, earliest=now,
-                                    latest=step.latest, expected=step.expected, best_effort=step.best_effort)
+                                    latest=step.latest, expected=step.expected, best_effort=step.best_effort,
+                                    entry=entry)
         if t is Drop:
             assert isinstance(step, Drop)
             req = step.request
@@ -614,7 +631,7 @@ class Scheduler:
             self._drop_queued(req)
             self._finish(req, RequestStatus.FAILED, self.deadline_error(req, now), now)
         else:
-            entry = self.models[req.model.key]
+            entry = self.models[req.key]
             entry.queue.take(req)  # (its inputs stay: it still runs)
             self._to_lane(req, entry, now)
 
@@ -670,7 +687,7 @@ class Scheduler:
     def _drop_queued(self, req: InferenceRequest) -> None:
         """A queued request finished in place: its queue entry goes lazily, its tensors at once (a
         cancelled request's memory must not wait for its entry to reach the top of a heap)."""
-        entry = self.models[req.model.key]
+        entry = self.models[req.key]
         (entry.late if req.late else entry.queue).discard(req)
         req.inputs = ()
 
@@ -724,7 +741,11 @@ class Scheduler:
         return action
 
     def issue_infer(self, spec: ModelSpec, dev: DeviceState, requests: list[InferenceRequest], batch_size: int,
-                    now: float, earliest: float, latest: float, expected: float, best_effort: bool = False) -> Action:
+                    now: float, earliest: float, latest: float, expected: float, best_effort: bool = False,
+                    entry: ModelEntry | None = None) -> Action:
+        """An INFER of `requests` (taken from their queue) on `dev`; `entry`: the model's, if at hand."""
+        if entry is None:
+            entry = self.models[spec.key]
         samples = 0
         due = math.inf
         running = RequestStatus.RUNNING
@@ -734,7 +755,7 @@ class Scheduler:
             samples += r.samples
             if r.deadline < due:
                 due = r.deadline
-        key = spec.key
+        key = entry.key
         dev.infer_inflight += 1
         dev.busy[key] += 1
         dev.memory.touch(key)
@@ -744,9 +765,9 @@ class Scheduler:
         action = Action(ActionKind.INFER, spec, dev.name, earliest, latest, expected, batch_size, requests,
                         expected_start=earliest, best_effort=best_effort)
         self.issue(action, now, dev, due)
-        self.models[key].running += samples
+        entry.running += samples
         self._running[action.id] = [(key, samples)]
-        if spec.parity is not None and not best_effort:  # (ParM protects on-time work only)
+        if entry.protected and not best_effort:  # (ParM protects on-time work only)
             self._run(self.parm.issued(self, action, now), now)
         return action
 

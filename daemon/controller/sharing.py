@@ -66,7 +66,7 @@ def extend(view: ControllerView, dev: DeviceState, lead: ModelEntry, taken: list
     prefix, cap = lead.prefix, lead.spec.max_batch_size
     rows = sum(r.samples for r in taken)
     deadline = min(r.deadline for r in taken)
-    tails: list[tuple[str, int]] = [(lead.spec.key, rows)]
+    tails: list[tuple[str, int]] = [(lead.key, rows)]
     if rows >= cap or cost(view, dev, prefix, rows, tails) is None:
         return None
     heads: list[tuple[float, str, ModelEntry]] = []
@@ -111,7 +111,7 @@ def extend(view: ControllerView, dev: DeviceState, lead: ModelEntry, taken: list
 def candidates(view: ControllerView, lead: ModelEntry) -> list[str]:
     """Models with queued work that share `lead`'s prefix (for policies that keep no index of their
     own, as clockwork does: one pass over the models with work)."""
-    return [e.spec.key for e in view.active() if e.prefix == lead.prefix and e is not lead]
+    return [e.key for e in view.active() if e.prefix == lead.prefix and e is not lead]
 
 
 def allowed(dev: DeviceState, lead: ModelEntry) -> bool:

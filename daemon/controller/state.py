@@ -97,6 +97,26 @@ class ModelEntry:
     running: int = 0  # samples of its INFERs in flight (they run before anything queued)
     prefix: str = ""  # a plan of stages: its leading stage's identity (shared with other models), else ""
     max_queued: int = 0  # the most requests it may hold queued, on time and in its lane (classes.max_queue)
+    # Of `spec`, read on every request's path: copied here, where compiled code reads a field
+    # directly, from a ModelSpec (interpreted) where each read is a generic attribute lookup
+    # (~200 instructions) and `batch_size_for` an interpreted call (~900).
+    key: str = field(init=False, default="")
+    protected: bool = field(init=False, default=False)  # it has a parity model (ParM)
+    max_batch_size: int = field(init=False, default=0)
+    _size_for: tuple[int, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        spec = self.spec
+        self.key = spec.key
+        self.protected = spec.parity is not None
+        self.max_batch_size = spec.max_batch_size
+        self._size_for = tuple(spec.batch_size_for(n) for n in range(1, spec.max_batch_size + 1))
+
+    def batch_size_for(self, samples: int) -> int:
+        """`spec.batch_size_for`, compiled."""
+        if 0 < samples <= self.max_batch_size:
+            return self._size_for[samples - 1]
+        return self.spec.batch_size_for(samples)  # (its answer for 0, its error above the maximum)
 
     def blocks_on(self, kind: str) -> Blocks:
         """Its blocks as a device of `kind` holds them (by content, or by shared stage)."""

@@ -22,6 +22,13 @@ from daemon.model import ModelSpec
 
 _log10 = math.log10
 _INV_LOW: Final = 1e7  # 1 / Histogram.LOW
+_MAX_BUCKET: Final = 3200  # above the bucket of the largest double (1.8e308 / 1e-7: 3,152)
+
+
+def floats(xs: list[float]) -> np.ndarray:
+    """A list of floats as an array: `np.array` of a list finds each item's type and shape first
+    (~60 ns an item), `fromiter` with the dtype given only unboxes it (~35)."""
+    return np.fromiter(xs, np.float64, len(xs))
 
 
 class Histogram:
@@ -77,8 +84,12 @@ class Histogram:
         for mask, sign, into in ((xs >= self.LOW, 1.0, self.pos), (xs <= -self.LOW, -1.0, self.neg)):
             vals = xs[mask]
             if vals.size:
-                bs, ns = np.unique((np.log10(sign * vals * _INV_LOW) * 10).astype(np.int64), return_counts=True)
-                for b, n in zip(bs.tolist(), ns.tolist(), strict=True):
+                # bucket numbers are small (< 3,200 for any finite double; inf is clipped to the
+                # last): counted by bincount, not sorted by unique (a fifth of the time per flush)
+                bs = np.minimum((np.log10(sign * vals * _INV_LOW) * 10).astype(np.int64), _MAX_BUCKET)
+                ns = np.bincount(bs)
+                found = np.flatnonzero(ns)
+                for b, n in zip(found.tolist(), ns[found].tolist(), strict=True):
                     into[b] = into.get(b, 0) + n
         self.zero += int(((xs < self.LOW) & (xs > -self.LOW)).sum())
 
@@ -147,18 +158,18 @@ class Buckets:
         self.total = 0.0
 
     def add(self, x: float) -> None:
-        # the first bound >= x (Prometheus's `le`), as bisect_left finds it; searched here because,
-        # compiled, this loop compares unboxed floats where a call of bisect_left parses its
-        # arguments generically (~700 instructions; several times per request)
-        bounds = self.bounds
-        lo, hi = 0, len(bounds)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if bounds[mid] < x:
-                lo = mid + 1
-            else:
-                hi = mid
-        self.counts[lo] += 1
+        # the first bound >= x (Prometheus's `le`, as bisect_left finds it), by a scan from the
+        # lowest bound: compiled, a step is one unboxed compare, and values sit in the low buckets
+        # (a latency of milliseconds is the fifth); a binary search's index arithmetic cost more
+        # (~550 instructions an add, five adds a request: issue 12's callgrind), as did
+        # `bisect_left`'s generic argument parsing (~700)
+        i = 0
+        for bound in self.bounds:
+            if x <= bound:
+                break
+            i += 1
+        counts = self.counts
+        counts[i] = counts[i] + 1  # (not `+=`: compiled, that is a generic in-place add)
         self.count += 1
         self.total += x
 

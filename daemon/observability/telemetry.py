@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-import numpy as np
-
 from daemon.actions import Action, ActionKind, Result, ResultStatus
 from daemon.errors import DeadlineExceeded, EscapementError
 from daemon.model import ModelSpec
@@ -32,6 +30,7 @@ from daemon.observability.stats import (
     Histogram,
     ModelStats,
     failure_reason,
+    floats,
 )
 from daemon.observability.trace import TraceWriter
 from daemon.request import InferenceRequest, RequestClass, RequestStatus
@@ -253,9 +252,9 @@ class Telemetry:
             slack.append(deadline - finished)
             m.failures[failure_reason(error)] += 1
             m.slo_missed += 1
-        self._slack.add_many(np.array(slack))
-        self._latency.add_many(np.array(latency))
-        self._queue_time.add_many(np.array(queued_all))
+        self._slack.add_many(floats(slack))
+        self._latency.add_many(floats(latency))
+        self._queue_time.add_many(floats(queued_all))
 
     def _count_actions(self, acts: list[_Done]) -> None:
         lateness: list[float] = []
@@ -300,11 +299,11 @@ class Telemetry:
                     self.model(a.model).load_failures[a.device] += 1
             elif ok and kind == unload:
                 self.model(a.model).unloads[a.device] += 1
-        self._lateness.add_many(np.array(lateness))
-        self._start_error.add_many(np.array(start_error))
-        self._duration_error.add_many(np.array(duration_error))
+        self._lateness.add_many(floats(lateness))
+        self._start_error.add_many(floats(start_error))
+        self._duration_error.add_many(floats(duration_error))
         for k, v in prediction.items():
-            self._prediction_error[k].add_many(np.array(v))
+            self._prediction_error[k].add_many(floats(v))
 
     def _executed(self, a: Action, begin: float, end: float, infer_s: float, n: int) -> None:
         """An INFER that ran: one execution of its batch size, and its times for each of the `n`

@@ -36,7 +36,7 @@ from typing import Final, cast
 from daemon.actions import ActionKind, Result
 from daemon.controller import due as dues
 from daemon.controller import sharing
-from daemon.controller.decisions import Drop, Infer, Load, Steps, Unload
+from daemon.controller.decisions import Drop, Infer, Load, Planned, Steps, Unload
 from daemon.controller.demand import DeviceDemand
 from daemon.controller.due import Due, KeyDue
 from daemon.controller.estimates import EXACT_ROW_KINDS, RATE_TAU, RateMeter
@@ -255,7 +255,7 @@ class ClockworkPolicy:
         return t
 
     def on_submit(self, view: ControllerView, req: InferenceRequest, now: float) -> None:
-        key = req.model.key
+        key = req.key
         meter = self.rates.get(key)
         if meter is None:
             meter = self.rates[key] = RateMeter()
@@ -277,8 +277,8 @@ class ClockworkPolicy:
         """The one device a model is ready on, where its lone request could be planned without a
         pass (see `_settle_fresh`); None where the pass must decide: several devices to choose
         among, ParM groups, a shared prefix to batch with other models."""
-        ready = view.ready_on.get(entry.spec.key)
-        if ready is None or len(ready) != 1 or entry.spec.parity is not None or (entry.prefix and self.cross_model):
+        ready = view.ready_on.get(entry.key)
+        if ready is None or len(ready) != 1 or entry.protected or (entry.prefix and self.cross_model):
             return None
         for name in ready:
             return view.devices[name]
@@ -299,7 +299,7 @@ class ClockworkPolicy:
         dev = self._alone(view, entry)
         if dev is None:
             return False
-        key, name = entry.spec.key, dev.name
+        key, name = entry.key, dev.name
         w = self.work.get(name)
         if name in self._dirty or name not in self._dev_wake or w is None or len(w.live) != 1:
             return False
@@ -328,7 +328,7 @@ class ClockworkPolicy:
             self._dev_wake[name] = bind
         return True
 
-    def _settle_fresh(self, view: ControllerView, now: float) -> list[Infer]:
+    def _settle_fresh(self, view: ControllerView, now: float) -> Planned:
         """The batches the pass would plan for this step's new lone requests, planned without it.
 
         A request that arrived to an empty queue of a model ready on one device only, where no
@@ -356,7 +356,7 @@ class ClockworkPolicy:
                 self.on_queued(view, entry, now)
                 continue
             mine[dev.name] = (entry, req, dev)
-        out: list[Infer] = []
+        out: Planned = []
         for chosen in mine.values():
             if chosen is None:
                 continue
@@ -373,7 +373,7 @@ class ClockworkPolicy:
                     now: float) -> Infer | None:
         """`_dispatch`'s batch for a lone request on a device with no other work; None where the
         pass must decide."""
-        key, spec = entry.spec.key, entry.spec
+        key, spec = entry.key, entry.spec
         if dev.failed or not dev.healthy_for(key, now) or not dev.memory.is_ready(key):
             return None
         start = dev.timeline.exec.free_at(now)
@@ -384,13 +384,13 @@ class ClockworkPolicy:
             return None  # it cannot make it here: the pass answers it
         if self.batch_wait > 0 and self._bind_at(view, entry, dev, start, now) > now:
             return None  # a fuller batch soon: the pass waits for it
-        return Infer(spec, dev.name, [req], spec.batch_size_for(req.samples),
+        return Infer(spec, dev.name, [req], entry.batch_size_for(req.samples),
                      fmax(req.deadline - run, start + LATEST_GRACE), run)
 
     def on_queued(self, view: ControllerView, entry: ModelEntry, now: float,
                   req: InferenceRequest | None = None) -> None:
         """A model gained queued work (an arrival, requests returned, its weights evicted)."""
-        key = entry.spec.key
+        key = entry.key
         head = req if req is not None and req.queue_seq else entry.queue.head()
         if head is None:
             return
@@ -414,7 +414,7 @@ class ClockworkPolicy:
             self._replica_check.add(key)
 
     def on_late(self, view: ControllerView, entry: ModelEntry, now: float) -> None:
-        key = entry.spec.key
+        key = entry.key
         ready = view.ready_on.get(key)
         if ready:
             self._dirty.update(ready)
@@ -431,10 +431,10 @@ class ClockworkPolicy:
                 meter.add(result.end - result.begin, now)
             entry = view.models.get(action.model.key)
             if entry is not None:  # (a measured LOAD may change its cold cost)
-                self._demand.reloaded(entry.spec.key, self._load_est(view, entry, _cost_kind(view)))
+                self._demand.reloaded(entry.key, self._load_est(view, entry, _cost_kind(view)))
             if entry is not None and entry.queue.requests:
                 self.on_queued(view, entry, now)  # ready here now, or cold again
-            if entry is not None and entry.late.requests and not view.placed_on.get(entry.spec.key):
+            if entry is not None and entry.late.requests and not view.placed_on.get(entry.key):
                 self.on_late(view, entry, now)  # its LOAD failed: the lane's work needs another
         elif action.kind == ActionKind.INFER:
             # A device that finished a batch needs a pass only if it has work indexed, or lane work
@@ -458,23 +458,17 @@ class ClockworkPolicy:
 
     # ---------------------------------------------------------------- the step
 
-    def schedule(self, view: ControllerView, now: float) -> Steps | tuple[()]:
+    def schedule(self, view: ControllerView, now: float) -> Steps | Planned | tuple[()]:
         planned = self._settle_fresh(view, now) if self._fresh else None
         if not (self._dirty or self.cold or self._replica_check or self._lane_cold) and \
                 self._earliest_wake() > now:
-            # nothing changed since the last pass but lone requests, and no device's time has come
-            return self._just(planned) if planned else ()
+            # nothing changed since the last pass but lone requests, and no device's time has come:
+            # their batches, as a list (no generator to resume and end)
+            return planned if planned else ()
         return self._pass(view, now, planned)
 
-    @staticmethod
-    def _just(planned: list[Infer]) -> Steps:
-        # (a loop, not `yield from`: the scheduler sends each step's action back, which a list's
-        # iterator cannot take)
-        for step in planned:  # noqa: UP028
-            yield step
-
-    def _pass(self, view: ControllerView, now: float, planned: list[Infer] | None = None) -> Steps:
-        for step in planned or ():  # noqa: UP028 (as _just; each on a device the pass then finds busy)
+    def _pass(self, view: ControllerView, now: float, planned: Planned | None = None) -> Steps:
+        for step in planned or ():  # noqa: UP028 (the scheduler sends each step's action back, which a list's iterator cannot take; each on a device the pass then finds busy)
             yield step
         # Inference first: a model whose LOAD just finished gets its batch (and is then busy)
         # before any other LOAD may look for room.
@@ -495,7 +489,7 @@ class ClockworkPolicy:
         """`_est` on a device (the common case: several times per request)."""
         kind = dev.kind
         est = view.estimator.infer_until(key, samples if kind in EXACT_ROW_KINDS else
-                                         view.models[key].spec.batch_size_for(samples), kind, dev.name)[0]
+                                         view.models[key].batch_size_for(samples), kind, dev.name)[0]
         return est if est is not None else view.estimate(key, samples, dev)
 
     def _load_est(self, view: ControllerView, entry: ModelEntry, kind: str, dev: DeviceState | None = None) -> float:
@@ -503,7 +497,7 @@ class ClockworkPolicy:
         nbytes = entry.weight_bytes
         if dev is not None and nbytes and (blocks := entry.blocks_on(dev.kind)):
             nbytes = dev.memory.missing(nbytes, blocks)
-        est = view.estimator.load(entry.spec.key, kind, nbytes / entry.weight_bytes if entry.weight_bytes else 1.0)
+        est = view.estimator.load(entry.key, kind, nbytes / entry.weight_bytes if entry.weight_bytes else 1.0)
         return est if est is not None else nbytes / LOAD_BANDWIDTH_GUESS
 
     # ---------------------------------------------------------------- inference
@@ -560,7 +554,7 @@ class ClockworkPolicy:
         best: tuple[int, float] | None = None
         chosen: ModelEntry | None = None
         for entry in lane:
-            key = entry.spec.key
+            key = entry.key
             head = entry.late.head()
             if head is None or not dev.memory.is_ready(key):
                 continue
@@ -795,7 +789,7 @@ class ClockworkPolicy:
             return None
         for k in [k for k in cands if (e := view.models.get(k)) is None or not e.queue.requests]:
             cands.discard(k)
-        if not cands or cands == {entry.spec.key}:
+        if not cands or cands == {entry.key}:
             return None
         return sharing.extend(view, dev, entry, taken, start, cands, now)
 
@@ -817,7 +811,7 @@ class ClockworkPolicy:
         wait = fmin(self.batch_wait, entry.spec.slo_s * MAX_WAIT_OF_SLO)
         if wait <= 0:
             return now
-        key, cap = entry.spec.key, entry.spec.max_batch_size
+        key, cap = entry.key, entry.spec.max_batch_size
         queued = entry.queue.samples
         meter = self.rates.get(key)
         rate = meter.value(now) if meter is not None else 0.0
@@ -958,14 +952,14 @@ class ClockworkPolicy:
     def _weight(self, view: ControllerView, entry: ModelEntry, dev: DeviceState, replicas: int) -> float:
         """Seconds of work one sample of `entry` brings `dev`, at its largest batch, per replica."""
         b = entry.spec.max_batch_size
-        return self._est_on(view, entry.spec.key, b, dev) / b / (replicas or 1)
+        return self._est_on(view, entry.key, b, dev) / b / (replicas or 1)
 
     def _moved(self, view: ControllerView, dev: DeviceState, entry: ModelEntry, victims: list[str]) -> None:
         """A LOAD of `entry` replacing `victims` on `dev`: its demand, updated."""
         demand = self._demand
         for k in victims:
             demand.remove(k, dev.name)
-        key = entry.spec.key
+        key = entry.key
         demand.place(key, dev.name, self._weight(view, entry, dev, len(view.placed_on.get(key, ()))),
                      self._load_est(view, entry, _cost_kind(view)))
 
@@ -979,7 +973,7 @@ class ClockworkPolicy:
     def _needs_replica(self, view: ControllerView, entry: ModelEntry, placed: list[DeviceState], now: float) -> bool:
         """More arrivals than its devices can serve, or requests dropped because they were too
         slow or busy (Clockwork's SMART scheduler replicates after drops the same way)."""
-        key = entry.spec.key
+        key = entry.key
         if now - self.replicated_at.get(key, -math.inf) < REPLICA_COOLDOWN:
             return False
         drops = self.drops.get(key)
@@ -994,7 +988,7 @@ class ClockworkPolicy:
 
     def _place(self, view: ControllerView, entry: ModelEntry, now: float) -> Steps:
         """Issue a LOAD of `entry` (and the UNLOADs that make room for it); True if one was issued."""
-        key, nbytes = entry.spec.key, entry.weight_bytes
+        key, nbytes = entry.key, entry.weight_bytes
         head = entry.queue.head()
 
         rules = _LoadRules(self, view, _cost_kind(view), head is None, now)

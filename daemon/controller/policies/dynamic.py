@@ -54,7 +54,7 @@ class DynamicBatchingPolicy:
         self._wake = None
         lane = view.late_work()
         for entry in view.active() + [e for e in lane if not e.queue.requests]:
-            if not any(d.memory.state(entry.spec.key) is not None for d in view.devices.values()):
+            if not any(d.memory.state(entry.key) is not None for d in view.devices.values()):
                 yield from self._place(view, entry, now)
         for dev in view.devices.values():
             while dev.infer_inflight == 0:
@@ -72,7 +72,7 @@ class DynamicBatchingPolicy:
         best: ModelEntry | None = None
         best_arrival = float("inf")
         for entry in view.active():
-            key = entry.spec.key
+            key = entry.key
             if not dev.memory.is_ready(key):
                 continue
             if not dev.healthy_for(key, now) and any(
@@ -168,7 +168,7 @@ class DynamicBatchingPolicy:
             for r in list(entry.queue):
                 yield Drop(r, err)
             return
-        fits = [d for d in fits if d.can_load(entry.spec.key, now)]
+        fits = [d for d in fits if d.can_load(entry.key, now)]
         free = [d for d in fits if d.memory.free >= d.memory.missing(nbytes, entry.blocks_on(d.kind))]
         if free:
             dev = min(free, key=lambda d: (d.infer_inflight + d.load_inflight, -d.memory.free))
