@@ -86,7 +86,7 @@ class Histogram:
             if vals.size:
                 # bucket numbers are small (< 3,200 for any finite double; inf is clipped to the
                 # last): counted by bincount, not sorted by unique (a fifth of the time per flush)
-                bs = np.minimum((np.log10(sign * vals * _INV_LOW) * 10).astype(np.int64), _MAX_BUCKET)
+                bs = np.minimum(np.log10(sign * vals * _INV_LOW) * 10, _MAX_BUCKET).astype(np.int64)
                 ns = np.bincount(bs)
                 found = np.flatnonzero(ns)
                 for b, n in zip(found.tolist(), ns[found].tolist(), strict=True):

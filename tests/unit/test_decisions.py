@@ -4,7 +4,7 @@ changes the state a policy reads."""
 from __future__ import annotations
 
 from daemon.actions import ActionKind, Result
-from daemon.controller.decisions import Drop, Infer, Load, Steps
+from daemon.controller.decisions import Drop, Infer, Load, Planned, Steps
 from daemon.controller.state import ModelEntry
 from daemon.controller.view import ControllerView
 from daemon.errors import DeadlineExceeded, Unavailable
@@ -97,3 +97,30 @@ def test_a_drop_may_carry_its_own_error() -> None:
     r = h.request(spec, timeout=0.5)
     h.step()
     assert isinstance(r.error, Unavailable) and str(r.error) == "no device can hold it"
+
+
+def test_a_planned_list_is_applied_in_order_each_before_the_next() -> None:
+    class Listed(Scripted):
+        """Runs every queued request alone, decided all at once and returned as a list."""
+
+        def schedule(self, view: ControllerView, now: float) -> Planned:  # type: ignore[override]
+            out: Planned = []
+            for entry in view.active():
+                if view.ready_on.get(entry.key):
+                    out.extend(Infer(entry.spec, "cpu:0", [r], 1, r.deadline, 1 * MS) for r in entry.queue)
+            return out
+
+    h = Harness(policy=Listed())
+    spec = h.add(make_spec())
+    h.preload(spec, 1)
+    a = h.request(spec, timeout=0.5)
+    b = h.request(spec, timeout=0.5)
+    infers = h.step()
+    assert [x.requests for x in infers] == [[a], [b]]  # in the list's order
+    assert a.status == b.status == RequestStatus.RUNNING
+    assert h.sched.models[spec.key].queue.requests == 0
+    lane = h.sched.devices["cpu:0"].timeline.exec
+    assert set(lane.outstanding) == {x.id for x in infers}
+    h.result(infers[0])
+    h.result(infers[1])
+    assert a.ok and b.ok
