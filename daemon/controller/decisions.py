@@ -123,3 +123,8 @@ Steps = Generator[Step, Action | None, Any]
 # after yielding ends in a StopIteration the scheduler catches (~6k instructions compiled, issue 12),
 # most of a lone request's scheduling when it is the model's whole batch.
 Planned = list[Step]
+# A policy's pass that may end by yielding None as its last statement: the scheduler stops there
+# and drops it without resuming it, where running off its end would raise the StopIteration the
+# scheduler catches. (A compiled generator dropped while suspended runs nothing more, not even a
+# `finally`; an interpreted one is closed. Nothing may follow that last yield.)
+Pass = Generator[Step | None, Action | None, Any]

@@ -10,43 +10,45 @@ even if nothing else happens. It never changes the state it reads.
 
 from __future__ import annotations
 
-from typing import Protocol
+from mypy_extensions import mypyc_attr
 
 from daemon.actions import Result
 from daemon.config import ControllerSettings
-from daemon.controller.decisions import Planned, Steps
+from daemon.controller.decisions import Pass, Planned, Steps
 from daemon.controller.state import ModelEntry
 from daemon.controller.view import ControllerView
 from daemon.request import InferenceRequest
 
 
-class Policy(Protocol):
-    name: str
+# A base class, not a Protocol: compiled, the scheduler then calls its hooks through a table
+# rather than as generic method calls (~400 instructions each, ~6 a request; see view.py). A
+# policy written in plain Python (a test's) subclasses it too.
+@mypyc_attr(allow_interpreted_subclasses=True)
+class Policy:
+    name: str = ""
 
-    def schedule(self, view: ControllerView, now: float) -> Steps | Planned | tuple[()]:
+    def schedule(self, view: ControllerView, now: float) -> Steps | Pass | Planned | tuple[()]:
         """The decisions of one pass; `()` when there is nothing to decide (cheaper than a generator),
-        a list when they are known before the first is applied (`Planned`)."""
-        ...
+        a list when they are known before the first is applied (`Planned`); a pass may end with
+        `yield None` (`Pass`)."""
+        raise NotImplementedError
 
-    def next_wakeup(self, view: ControllerView, now: float) -> float | None: ...
+    def next_wakeup(self, view: ControllerView, now: float) -> float | None:
+        raise NotImplementedError
 
     def on_submit(self, view: ControllerView, req: InferenceRequest, now: float) -> None:
         """A request was admitted (after it joined its queue)."""
-        ...
 
     def on_queued(self, view: ControllerView, entry: ModelEntry, now: float) -> None:
         """A model gained queued work other than by an arrival: requests returned to its queue, or
         its weights left the last device holding them while it has work."""
-        ...
 
     def on_result(self, view: ControllerView, result: Result, now: float) -> None:
         """An action's result came back (after the scheduler applied it)."""
-        ...
 
     def on_late(self, view: ControllerView, entry: ModelEntry, now: float) -> None:
         """A request joined its model's best-effort lane (`entry.late`): to be served, oldest first, in
         device time no on-time work needs, with `Infer(..., best_effort=True)`."""
-        ...
 
 
 def make_policy(settings: ControllerSettings) -> Policy:

@@ -26,7 +26,7 @@ from daemon.actions import LOAD_FLOOR_BPS, Action, ActionKind, Failure, Result, 
 from daemon.config import ControllerSettings
 from daemon.controller import due as dues
 from daemon.controller.classes import max_queue
-from daemon.controller.decisions import Drop, Infer, Load, Planned, Release, Save, Step, Steps, Unload
+from daemon.controller.decisions import Drop, Infer, Load, Pass, Planned, Release, Save, Step, Steps, Unload
 from daemon.controller.due import ActionDue, Due, RequestDue
 from daemon.controller.estimates import EXACT_ROW_KINDS, Estimator
 from daemon.controller.floats import fmax, fmin
@@ -41,6 +41,7 @@ from daemon.controller.state import (
     DeviceState,
     ModelEntry,
 )
+from daemon.controller.view import ControllerView
 from daemon.errors import (
     BadRequest,
     DeadlineExceeded,
@@ -68,7 +69,7 @@ log = logging.getLogger("escapement.controller")
 DRAIN_WINDOW = 1.0
 DRAIN_MIN_SPAN = 0.2
 
-class Scheduler:
+class Scheduler(ControllerView):
     def __init__(self, devices: list[Device], policy: Policy, settings: ControllerSettings,
                  estimator: Estimator | None = None, telemetry: Telemetry | None = None,
                  hung_after_s: float = 30.0) -> None:
@@ -510,11 +511,12 @@ class Scheduler:
         self._drive(self.policy.schedule(self, now), now)
         return self._take()
 
-    def _drive(self, steps: Steps | Planned | tuple[()], now: float) -> None:
+    def _drive(self, steps: Steps | Pass | Planned | tuple[()], now: float) -> None:
         """`_run` for a policy's pass, whose return value nobody reads. Most passes decide nothing:
         such a pass ends at the first `next`, which (given a default) raises nothing, where ending
         inside `_run`'s try costs a caught StopIteration and its traceback (~6k instructions
-        compiled). A pass that yields is sent each step's action back, as `_run` does; a list
+        compiled). A pass that yields is sent each step's action back, as `_run` does, and one
+        that ends with `yield None` (`Pass`) is dropped there, not resumed to its end; a list
         (`Planned`) is applied in order, with nothing to send back or end."""
         if not steps:
             return
@@ -529,6 +531,8 @@ class Scheduler:
         try:
             while True:
                 step = steps.send(self.apply(step, now))
+                if step is None:
+                    return
         except StopIteration:
             return
 

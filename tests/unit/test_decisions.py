@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from daemon.actions import ActionKind, Result
 from daemon.controller.decisions import Drop, Infer, Load, Planned, Steps
+from daemon.controller.policy import Policy
 from daemon.controller.state import ModelEntry
 from daemon.controller.view import ControllerView
 from daemon.errors import DeadlineExceeded, Unavailable
@@ -12,7 +13,7 @@ from daemon.request import InferenceRequest, RequestStatus
 from tests.unit.harness import MS, Harness, make_spec
 
 
-class Scripted:
+class Scripted(Policy):
     """A policy that loads its one model, then runs every queued request alone, and records what
     the view showed it after each step."""
 

@@ -36,12 +36,13 @@ from typing import Final, cast
 from daemon.actions import ActionKind, Result
 from daemon.controller import due as dues
 from daemon.controller import sharing
-from daemon.controller.decisions import Drop, Infer, Load, Planned, Steps, Unload
+from daemon.controller.decisions import Drop, Infer, Load, Pass, Planned, Steps, Unload
 from daemon.controller.demand import DeviceDemand
 from daemon.controller.due import Due, KeyDue
 from daemon.controller.estimates import EXACT_ROW_KINDS, RATE_TAU, RateMeter
 from daemon.controller.floats import fmax, fmin
 from daemon.controller.memory import Blocks, EvictionRules
+from daemon.controller.policy import Policy
 from daemon.controller.state import DeviceState, ModelEntry
 from daemon.controller.view import ControllerView
 from daemon.request import InferenceRequest
@@ -204,7 +205,7 @@ class WorkIndex:
         return len(self.live)
 
 
-class ClockworkPolicy:
+class ClockworkPolicy(Policy):
     name = "clockwork"
 
     def __init__(self, schedule_ahead: float = 0.005, batch_wait: float = 0.0, cross_model: bool = True,
@@ -458,7 +459,7 @@ class ClockworkPolicy:
 
     # ---------------------------------------------------------------- the step
 
-    def schedule(self, view: ControllerView, now: float) -> Steps | Planned | tuple[()]:
+    def schedule(self, view: ControllerView, now: float) -> Pass | Planned | tuple[()]:
         planned = self._settle_fresh(view, now) if self._fresh else None
         if not (self._dirty or self.cold or self._replica_check or self._lane_cold) and \
                 self._earliest_wake() > now:
@@ -467,7 +468,7 @@ class ClockworkPolicy:
             return planned if planned else ()
         return self._pass(view, now, planned)
 
-    def _pass(self, view: ControllerView, now: float, planned: Planned | None = None) -> Steps:
+    def _pass(self, view: ControllerView, now: float, planned: Planned | None = None) -> Pass:
         for step in planned or ():  # noqa: UP028 (the scheduler sends each step's action back, which a list's iterator cannot take; each on a device the pass then finds busy)
             yield step
         # Inference first: a model whose LOAD just finished gets its batch (and is then busy)
@@ -475,6 +476,7 @@ class ClockworkPolicy:
         yield from self._plan_inference(view, now)
         if (self.cold or self._replica_check or self._lane_cold) and (yield from self._plan_memory(view, now)):
             yield from self._plan_inference(view, now)
+        yield None  # the end: the scheduler drops the pass here (no StopIteration; see decisions.Pass)
 
     # ---------------------------------------------------------------- estimates
 

@@ -20,6 +20,7 @@ from daemon.actions import Result
 from daemon.controller import sharing
 from daemon.controller.decisions import Drop, Infer, Load, Steps, Unload
 from daemon.controller.memory import CallableRules
+from daemon.controller.policy import Policy
 from daemon.controller.state import LATEST_GRACE, DeviceState, ModelEntry
 from daemon.controller.view import ControllerView
 from daemon.errors import Unavailable
@@ -27,7 +28,7 @@ from daemon.model import ModelSpec
 from daemon.request import InferenceRequest
 
 
-class DynamicBatchingPolicy:
+class DynamicBatchingPolicy(Policy):
     name = "dynamic"
 
     def __init__(self, max_queue_delay: float = 0.0, cross_model: bool = True) -> None:
