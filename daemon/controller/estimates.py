@@ -10,7 +10,6 @@ Until a row count has been measured, it is interpolated from the profile.
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 from typing import Final
 
@@ -22,13 +21,17 @@ RATE_TAU: Final = 1.0  # seconds: the time constant of the arrival-rate estimate
 
 
 class SlidingWindow:
-    __slots__ = ("_q", "_q_value", "_samples", "_size", "_sorted", "_times", "max_age")
+    __slots__ = ("_head", "_n", "_q", "_q_value", "_samples", "_size", "_sorted", "_times", "max_age")
 
     def __init__(self, size: int = DEFAULT_WINDOW, max_age: float = DEFAULT_MAX_AGE) -> None:
-        # (maxlen passed by position: a keyword makes compiled code build a dict for the call, one
-        # window per model, batch size and device: thousands at 10,000 models)
-        self._samples: deque[float] = deque((), size)  # noqa: RUF037
-        self._times: deque[float] = deque((), size)  # noqa: RUF037
+        # The last `size` samples and when each was taken, oldest at `_head`, in two rings of
+        # lists: compiled, a deque's append, popleft and index are generic method calls (~250
+        # instructions each, several per result), a list's item is read and written directly.
+        size = max(size, 1)
+        self._samples: list[float] = [0.0] * size
+        self._times: list[float] = [0.0] * size
+        self._head = 0
+        self._n = 0
         # The same samples in ascending order, kept as they come and go: a percentile is read after
         # every new sample (once per result), where sorting the window each time cost ~1k
         # instructions of the ~4k an estimate took.
@@ -41,13 +44,21 @@ class SlidingWindow:
     def add(self, x: float, t: float = 0.0) -> None:
         if x != x:
             return  # a NaN measures nothing (and would leave the order undefined)
-        samples = self._samples
-        full = len(samples) == self._size
-        old = samples[0] if full else 0.0
-        samples.append(x)  # (a full deque drops its oldest)
-        self._times.append(t)
-        if full:
-            self._unsort(old)
+        samples, n, size = self._samples, self._n, self._size
+        if n == size:  # full: the oldest makes room
+            head = self._head
+            self._unsort(samples[head])
+            samples[head] = x
+            self._times[head] = t
+            head += 1
+            self._head = 0 if head == size else head
+        else:
+            i = self._head + n
+            if i >= size:
+                i -= size
+            samples[i] = x
+            self._times[i] = t
+            self._n = n + 1
         s = self._sorted
         i = len(s)
         while i > 0 and s[i - 1] > x:
@@ -62,36 +73,43 @@ class SlidingWindow:
             if s[i] == x:
                 del s[i]
                 return
-        self._sorted = sorted(self._samples)  # (not reached: every sample is in the order)
+
+    def _newest_time(self) -> float:
+        i = self._head + self._n - 1
+        return self._times[i - self._size if i >= self._size else i]
 
     def __len__(self) -> int:
-        return len(self._samples)
+        return self._n
 
     @property
     def oldest(self) -> float:
-        return self._times[0]
+        if not self._n:
+            raise IndexError("an empty window has no oldest sample")
+        return self._times[self._head]
 
     def fresh(self, now: float) -> bool:
         """Whether any sample is recent enough to count."""
-        return bool(self._times) and now - self._times[-1] <= self.max_age
+        return self._n > 0 and now - self._newest_time() <= self.max_age
 
     def expire(self, now: float) -> None:
-        times, samples = self._times, self._samples
-        while times and now - times[0] > self.max_age:
-            times.popleft()
-            self._unsort(samples.popleft())
+        times, size = self._times, self._size
+        while self._n and now - times[self._head] > self.max_age:
+            head = self._head
+            self._unsort(self._samples[head])
+            head += 1
+            self._head = 0 if head == size else head
+            self._n -= 1
             self._q = -1.0
 
     def current(self, now: float, q: float) -> tuple[float, float] | None:
         """The q-quantile of the samples recent enough to count at `now`, and when the oldest of them
         was taken; None when no sample is recent. (fresh, expire, percentile and oldest in one call:
         once per result.)"""
-        times = self._times
-        if not times or now - times[-1] > self.max_age:
+        if not self._n or now - self._newest_time() > self.max_age:
             return None
-        if now - times[0] > self.max_age:
+        if now - self._times[self._head] > self.max_age:
             self.expire(now)
-        return self.percentile(q), times[0]
+        return self.percentile(q), self._times[self._head]
 
     def percentile(self, q: float) -> float:
         """The interpolated q-quantile; with 10 samples, q=0.99 is nearly the max."""

@@ -861,10 +861,12 @@ class Scheduler(ControllerView):
 
     def on_result(self, result: Result, now: float) -> Decision:
         self.estimator.now = now
-        action = self.inflight.pop(result.action.id, None)
+        inflight, action_id = self.inflight, result.action.id
+        action = inflight.get(action_id)  # (get and del: see LaneTimeline.done)
         if action is None:
             log.error("result for an unknown action %r", result.action)
             return self._take()
+        del inflight[action_id]
         dev = self.devices[action.device]
         kind = action.kind
         if kind == ActionKind.INFER:
@@ -886,8 +888,12 @@ class Scheduler(ControllerView):
         return self._take()
 
     def _not_running(self, action_id: int) -> None:
+        counted = self._running.get(action_id)  # (get and del: see LaneTimeline.done)
+        if counted is None:
+            return
+        del self._running[action_id]
         models = self.models
-        for key, samples in self._running.pop(action_id, ()):
+        for key, samples in counted:
             entry = models.get(key)
             if entry is not None:
                 entry.running -= samples

@@ -199,7 +199,8 @@ class WorkIndex:
         return None
 
     def discard(self, key: str) -> None:
-        self.live.pop(key, None)
+        if key in self.live:  # (not pop(key, None): see LaneTimeline.done)
+            del self.live[key]
 
     def __len__(self) -> int:
         return len(self.live)
