@@ -861,12 +861,10 @@ class Scheduler(ControllerView):
 
     def on_result(self, result: Result, now: float) -> Decision:
         self.estimator.now = now
-        inflight, action_id = self.inflight, result.action.id
-        action = inflight.get(action_id)  # (get and del: see LaneTimeline.done)
+        action = self.inflight.pop(result.action.id, None)
         if action is None:
             log.error("result for an unknown action %r", result.action)
             return self._take()
-        del inflight[action_id]
         dev = self.devices[action.device]
         kind = action.kind
         if kind == ActionKind.INFER:
@@ -888,12 +886,8 @@ class Scheduler(ControllerView):
         return self._take()
 
     def _not_running(self, action_id: int) -> None:
-        counted = self._running.get(action_id)  # (get and del: see LaneTimeline.done)
-        if counted is None:
-            return
-        del self._running[action_id]
         models = self.models
-        for key, samples in counted:
+        for key, samples in self._running.pop(action_id, ()):
             entry = models.get(key)
             if entry is not None:
                 entry.running -= samples

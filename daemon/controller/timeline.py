@@ -54,12 +54,9 @@ class LaneTimeline:
     def done(self, action_id: int, end: float) -> None:
         """An action finished (or was refused) at `end`: what remains begins there."""
         outstanding = self.outstanding
-        # (get and del, not pop(key, None): compiled, a pop with a default is a generic method
-        # call, ~600 instructions, where these are dict operations)
-        d = outstanding.get(action_id)
+        d = outstanding.pop(action_id, None)
         if d is None:
             return
-        del outstanding[action_id]
         if outstanding:
             self.total = fmax(0.0, self.total - d)
             if action_id == self.head_id:

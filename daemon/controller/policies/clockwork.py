@@ -199,7 +199,7 @@ class WorkIndex:
         return None
 
     def discard(self, key: str) -> None:
-        if key in self.live:  # (not pop(key, None): see LaneTimeline.done)
+        if key in self.live:  # (not pop(key, None): compiled, a pop with a default is a generic call)
             del self.live[key]
 
     def __len__(self) -> int:
