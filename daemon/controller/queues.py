@@ -9,12 +9,27 @@ pushed with, so a request pushed again after an action was refused is never ther
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections.abc import Iterator
+from typing import Final
 
 from daemon.request import InferenceRequest, RequestStatus
 
-_seq = itertools.count(1)
+
+class _Sequence:
+    """Numbers for queue entries, unique across every queue (a request moves between a model's
+    queue and its lane). A compiled counter: `next()` of an `itertools.count` is a generic call."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last = 0
+
+    def next(self) -> int:
+        self.last += 1
+        return self.last
+
+
+_SEQ: Final = _Sequence()
 
 
 class ModelQueue:
@@ -39,7 +54,7 @@ class ModelQueue:
         return e[3].status == RequestStatus.QUEUED and e[3].queue_seq == e[2]
 
     def push(self, req: InferenceRequest) -> None:
-        req.queue_seq = seq = next(_seq)
+        req.queue_seq = seq = _SEQ.next()
         heapq.heappush(self._heap, (req.rank, req.arrival if self._by_arrival else req.deadline, seq, req))
         if not self.requests:
             self.max_rank, self.max_deadline = req.rank, req.deadline

@@ -49,8 +49,8 @@ FLUSH_AT: Final = 2048  # finished requests or results held before they are coun
 
 # What `request` and `action` record, typed: compiled, a flush then reads each field as what it is,
 # where fields of `Any` made every compare, subtraction and attribute read a generic call.
-_Finished = tuple[ModelSpec, RequestClass, RequestStatus, EscapementError | None, float, float, float, float,
-                  int, bool]  # spec, class, status, error, arrival, finished, deadline, dispatched, samples, late
+_Finished = tuple[ModelSpec, str, RequestClass, RequestStatus, EscapementError | None, float, float, float, float,
+                  int, bool]  # spec, key, class, status, error, arrival, finished, deadline, dispatched, samples, late
 _Done = tuple[Action, ResultStatus, float, float, float, float, int]  # status, ready, begin, end, duration, running
 
 
@@ -152,8 +152,8 @@ class Telemetry:
 
     def request(self, req: InferenceRequest) -> None:
         """A request finished (answered, failed or cancelled)."""
-        self._reqs.append((req.model, req.klass, req.status, req.error, req.arrival, req.finished_at, req.deadline,
-                           req.dispatched_at, req.samples, req.late))
+        self._reqs.append((req.model, req.key, req.klass, req.status, req.error, req.arrival, req.finished_at,
+                           req.deadline, req.dispatched_at, req.samples, req.late))
         if self.trace is not None:
             self.trace.write({"ev": "request", "id": req.id, "model": req.model.key, "samples": req.samples,
                               "arrival": req.arrival, "deadline": req.deadline, "finish": req.finished_at,
@@ -211,8 +211,10 @@ class Telemetry:
         queued_all: list[float] = []
         models = self._models
         cancelled, succeeded = RequestStatus.CANCELLED, RequestStatus.SUCCEEDED
-        for spec, klass, status, error, arrival, finished, deadline, dispatched, samples, late in reqs:
-            m = models.get(spec.key)  # (looked up here: a bound method held and called is a generic call)
+        for spec, key, klass, status, error, arrival, finished, deadline, dispatched, samples, late in reqs:
+            # (by the request's key: compiled, `spec.key` is a generic read of an interpreted class;
+            # looked up here: a bound method held and called is a generic call)
+            m = models.get(key)
             if m is None:
                 m = self.model(spec)
             if finished > m.last_inference:
