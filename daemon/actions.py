@@ -45,20 +45,37 @@ class Failure(IntEnum):
     DEVICE = 3  # the device is lost (a sticky CUDA error, a hang): nothing more goes there
 
 
-_ids = itertools.count(1)
+class _Ids:
+    """Action ids for the loop's thread: a compiled counter (`next()` of an `itertools.count` is a
+    generic call). Interpreted, an increment is not atomic: an action made on another thread (a
+    warm-up's, runtime/profiler.py) passes an id of its own range (WARMUP_IDS)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last = 0
+
+    def next(self) -> int:
+        self.last += 1
+        return self.last
+
+
+_IDS: Final = _Ids()
+WARMUP_IDS: Final = itertools.count(1 << 62)  # ids of actions made off the loop's thread
 
 
 @dataclass(slots=True, eq=False)
 class Action:
     kind: ActionKind
     model: ModelSpec
+    key: str  # model.key, read on every step of its path (compiled: a field read, not a lookup)
     device: str
     earliest: float
     latest: float
     expected_duration: float = 0.0
     batch_size: int = 0  # INFER: the batch size run; the requests' samples fill its first slots
     requests: list[InferenceRequest] = field(default_factory=list)
-    id: int = field(default_factory=lambda: next(_ids))
+    id: int = field(default_factory=_IDS.next)
     issued_at: float = 0.0
     expected_start: float = 0.0
     # A parity batch: the k members' requests, whose inputs the executor encodes with `encoder`.
@@ -75,6 +92,9 @@ class Action:
     program: Any = None
     resident: str = ""
     reply: Callable[[Result], None] | None = None
+    # INFER: its samples the controller counts as running for its model (Scheduler.issue_infer);
+    # 0 once they no longer do (its result came, or its device was lost before it did)
+    running: int = field(default=0, init=False)
     _samples: int = field(default=-1, init=False, repr=False)  # `samples`, once counted (-1: not yet)
 
     # (Written out, not generated: mypyc compiles a class's own __init__, but a dataclass's generated
@@ -87,13 +107,14 @@ class Action:
                  program: Any = None, resident: str = "", reply: Callable[[Result], None] | None = None) -> None:
         self.kind = kind
         self.model = model
+        self.key = model.key
         self.device = device
         self.earliest = earliest
         self.latest = latest
         self.expected_duration = expected_duration
         self.batch_size = batch_size
         self.requests = [] if requests is None else requests
-        self.id = id or next(_ids)  # (0: the next id)
+        self.id = id or _IDS.next()  # (0: the next id)
         self.issued_at = issued_at
         self.expected_start = expected_start
         self.coded = coded
@@ -104,6 +125,7 @@ class Action:
         self.program = program
         self.resident = resident
         self.reply = reply
+        self.running = 0
         self._samples = -1
 
     @property

@@ -80,6 +80,7 @@ class DeviceMemory:
         # leaves): a class none of whose models frees enough is passed over without a look at each
         self._class_max: dict[int, int] = {}
         self._used_at: dict[str, int] = {}
+        self._class_of: dict[str, dict[str, None]] = {}  # ready model -> its size class (touched per INFER)
         self._clock = 0
 
     @property
@@ -137,6 +138,7 @@ class DeviceMemory:
         if cls is None:
             cls = self._by_size[bits] = {}
         cls[key] = None
+        self._class_of[key] = cls
         if nbytes > self._class_max.get(bits, 0):
             self._class_max[bits] = nbytes
         self._used(key)
@@ -184,6 +186,7 @@ class DeviceMemory:
                 del self._by_size[nbytes.bit_length()]
                 self._class_max.pop(nbytes.bit_length(), None)  # (a class of 0-byte models has no max)
             del self._used_at[key]
+            del self._class_of[key]
         return freed
 
     def retire(self) -> None:
@@ -195,6 +198,7 @@ class DeviceMemory:
         self._by_size.clear()
         self._class_max.clear()
         self._used_at.clear()
+        self._class_of.clear()
         self.used = 0
         self.budget = 0
 
@@ -204,8 +208,8 @@ class DeviceMemory:
         if entry is not None:
             del models[key]  # (to the end: most recently used)
             models[key] = entry
-            if entry[0] == Residency.READY:
-                cls = self._by_size[entry[1].bit_length()]
+            cls = self._class_of.get(key)  # (ready: its class found directly, not by size and state)
+            if cls is not None:
                 del cls[key]
                 cls[key] = None
                 self._clock += 1  # (as _used: inline, once per INFER)

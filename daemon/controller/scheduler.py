@@ -101,7 +101,9 @@ class Scheduler(ControllerView):
         self.inflight: dict[int, Action] = {}
         self._active: set[str] = set()  # models that may have queued requests (pruned lazily)
         self._rates: dict[str, tuple[float, int, int, float]] = {}  # model -> drain rate, version, holders, until
-        self._running: dict[int, list[tuple[str, int]]] = {}  # INFER id -> (model, samples) counted in `running`
+        # cross-model INFER id -> (model, samples) counted in each member's `running` (a plain INFER
+        # keeps its count on itself: Action.running)
+        self._running_groups: dict[int, list[tuple[str, int]]] = {}
         # Where each model's weights are, derived from the devices' memory maps and kept with them.
         self.ready_on: dict[str, set[str]] = {}  # model key -> devices holding it ready
         self.placed_on: dict[str, set[str]] = {}  # model key -> devices holding or loading it
@@ -734,7 +736,7 @@ class Scheduler(ControllerView):
             if kind == ActionKind.LOAD:
                 action.expected_start = (dev or self.devices[action.device]).timeline.copy.add(
                     action.id, action.expected_duration, now)
-            entry = self.models.get(action.model.key)
+            entry = self.models.get(action.key)
             moved = entry.weight_bytes / LOAD_FLOOR_BPS if kind == ActionKind.LOAD and entry is not None else 0.0
         # when it counts as hung: its expected end, ten times over (as the executor's device waits),
         # a LOAD's bytes at the slowest rate a healthy device moves them, then hung_after_s
@@ -770,7 +772,7 @@ class Scheduler(ControllerView):
                         expected_start=earliest, best_effort=best_effort)
         self.issue(action, now, dev, due)
         entry.running += samples
-        self._running[action.id] = [(key, samples)]
+        action.running = samples
         if entry.protected and not best_effort:  # (ParM protects on-time work only)
             self._run(self.parm.issued(self, action, now), now)
         return action
@@ -808,7 +810,7 @@ class Scheduler(ControllerView):
         action = self.issue(Action(ActionKind.INFER, step.spec, dev.name, now, step.latest, step.expected,
                                    step.batch_size, requests, expected_start=now,
                                    group=tuple((spec, len(reqs)) for spec, reqs in members)), now, dev, due)
-        self._running[action.id] = counted
+        self._running_groups[action.id] = counted
         return action
 
     def _issue_extra(self, step: Infer, dev: DeviceState, now: float) -> Action:
@@ -885,17 +887,27 @@ class Scheduler(ControllerView):
         self.policy.on_result(self, result, now)
         return self._take()
 
-    def _not_running(self, action_id: int) -> None:
-        models = self.models
-        for key, samples in self._running.pop(action_id, ()):
-            entry = models.get(key)
+    def _not_running(self, action: Action) -> None:
+        """Its samples stop counting as running for their models (once: a lost device's INFERs
+        are let go before their results come back)."""
+        samples = action.running
+        if samples:
+            action.running = 0
+            entry = self.models.get(action.key)
             if entry is not None:
                 entry.running -= samples
+            return
+        if action.group:
+            models = self.models
+            for key, n in self._running_groups.pop(action.id, ()):
+                entry = models.get(key)
+                if entry is not None:
+                    entry.running -= n
 
     def _infer_done(self, action: Action, dev: DeviceState, result: Result, now: float) -> None:
-        self._not_running(action.id)
+        self._not_running(action)
         dev.infer_inflight -= 1
-        key = action.model.key
+        key = action.key
         if action.group:
             self._group_done(action, dev, result, now)
             return
@@ -997,7 +1009,7 @@ class Scheduler(ControllerView):
                 at += count
                 self._lost_requests(spec.key, part, action, result, now)
             return
-        self._lost_requests(action.model.key, action.requests, action, result, now)
+        self._lost_requests(action.key, action.requests, action, result, now)
 
     def _lost_requests(self, key: str, requests: list[InferenceRequest], action: Action, result: Result,
                        now: float) -> None:
@@ -1033,7 +1045,7 @@ class Scheduler(ControllerView):
 
     def _load_done(self, action: Action, dev: DeviceState, result: Result, now: float) -> None:
         dev.load_inflight -= 1
-        key = action.model.key
+        key = action.key
         dev.busy[key] -= 1
         entry = self.models.get(key)
         share = self._load_share.pop(action.id, 1.0)
@@ -1089,7 +1101,7 @@ class Scheduler(ControllerView):
         self._counts["devices_lost"] += 1
         for action in self.inflight.values():  # what runs there now runs before nothing (it may never return)
             if action.device == dev.name:
-                self._not_running(action.id)
+                self._not_running(action)
         log.critical("device %s is lost: %s; %d of %d devices left", dev.name, dev.failed,
                      len(self.devices) - self.lost, len(self.devices))
         held = dev.memory.models()

@@ -19,10 +19,26 @@ import numpy as np
 
 from daemon.errors import Cancelled, DeadlineExceeded, EscapementError, InternalError, Overloaded, Unavailable
 from daemon.model import ModelSpec
+from daemon.request import RequestClass
 
 _log10 = math.log10
 _INV_LOW: Final = 1e7  # 1 / Histogram.LOW
 _MAX_BUCKET: Final = 3200  # above the bucket of the largest double (1.8e308 / 1e-7: 3,152)
+
+
+# What became of a request, by its class (ModelStats.outcomes): on_time, late (answered after its
+# deadline), refused (at arrival), dropped (504: it could not make its hard deadline), expired
+# (504: it waited the longest a best-effort request may), failed, cancelled.
+OUTCOMES: Final = ("on_time", "late", "refused", "dropped", "expired", "failed", "cancelled")
+ON_TIME: Final = 0
+LATE: Final = 1
+REFUSED: Final = 2
+DROPPED: Final = 3
+EXPIRED: Final = 4
+FAILED: Final = 5
+CANCELLED: Final = 6
+N_OUTCOMES: Final = 7
+CLASS_NAMES: Final = tuple(k.name.lower() for k in RequestClass)  # by RequestClass value
 
 
 def floats(xs: list[float]) -> np.ndarray:
@@ -233,10 +249,10 @@ class ModelStats:
     admission. Requests refused earlier (malformed, unknown model, event loop overloaded) do not.
     """
 
-    __slots__ = ("batches", "classes", "compute_infer", "compute_input", "compute_output", "compute_time",
+    __slots__ = ("batches", "compute_infer", "compute_input", "compute_output", "compute_time",
                  "execution_count",
                  "fail", "failures", "inference_count", "last_inference", "latency", "load_failures", "loads",
-                 "queue", "queue_time", "slo_met", "slo_missed", "spec", "success", "unloads")
+                 "outcomes", "queue", "queue_time", "slo_met", "slo_missed", "spec", "success", "unloads")
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
@@ -261,10 +277,24 @@ class ModelStats:
         self.loads: defaultdict[str, int] = defaultdict(int)  # device -> completed LOADs
         self.load_failures: defaultdict[str, int] = defaultdict(int)
         self.unloads: defaultdict[str, int] = defaultdict(int)
-        # (request class, outcome) -> requests: on_time, late (answered after its deadline), refused
-        # (at arrival), dropped (504: it could not make its hard deadline), expired (504: it waited
-        # the longest a best-effort request may), failed, cancelled
-        self.classes: defaultdict[tuple[str, str], int] = defaultdict(int)
+        # Requests by class and outcome (OUTCOMES), at [class * len(OUTCOMES) + outcome]: a list of
+        # counts, not a dict keyed by (class, outcome) tuples (~1k instructions a request compiled)
+        self.outcomes = [0] * (len(CLASS_NAMES) * len(OUTCOMES))
+
+    def counted(self, klass: int, outcome: int) -> None:
+        """One more request of class `klass` (a RequestClass) ended with `outcome` (an OUTCOMES index)."""
+        i = klass * N_OUTCOMES + outcome
+        counts = self.outcomes
+        counts[i] = counts[i] + 1  # (not `+=`: compiled, that is a generic in-place add)
+
+    @property
+    def classes(self) -> defaultdict[tuple[str, str], int]:
+        """(request class, outcome) -> requests, for those that happened."""
+        out: defaultdict[tuple[str, str], int] = defaultdict(int)
+        for i, n in enumerate(self.outcomes):
+            if n:
+                out[(CLASS_NAMES[i // N_OUTCOMES], OUTCOMES[i % N_OUTCOMES])] = n
+        return out
 
 
 class DeviceStats:

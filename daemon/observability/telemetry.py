@@ -23,7 +23,14 @@ from daemon.actions import Action, ActionKind, Result, ResultStatus
 from daemon.errors import DeadlineExceeded, EscapementError
 from daemon.model import ModelSpec
 from daemon.observability.stats import (
+    CANCELLED,
+    DROPPED,
+    EXPIRED,
+    FAILED,
+    LATE,
     LATENESS_BOUNDS,
+    ON_TIME,
+    REFUSED,
     BatchStats,
     Buckets,
     DeviceStats,
@@ -33,34 +40,25 @@ from daemon.observability.stats import (
     floats,
 )
 from daemon.observability.trace import TraceWriter
-from daemon.request import InferenceRequest, RequestClass, RequestStatus
+from daemon.request import InferenceRequest, RequestStatus
 
 # (an enum's `.name` is a descriptor call: read once per action it costs more than the histogram)
 _KIND_NAMES: Final = {k: k.name for k in ActionKind}
 _STARTED: Final = frozenset({ResultStatus.OK, ResultStatus.FAILED})  # results of actions that ran
-_CLASS_NAMES: Final = {k: k.name.lower() for k in RequestClass}
-# (class, outcome) keys of ModelStats.classes for the outcomes of every answered request, made once
-# (a tuple built per request, hashed and compared, was ~300 instructions)
-_ON_TIME: Final = {k: (n, "on_time") for k, n in _CLASS_NAMES.items()}
-_LATE: Final = {k: (n, "late") for k, n in _CLASS_NAMES.items()}
 
 
 FLUSH_AT: Final = 2048  # finished requests or results held before they are counted (bounded memory)
-
-# What `request` and `action` record, typed: compiled, a flush then reads each field as what it is,
-# where fields of `Any` made every compare, subtraction and attribute read a generic call.
-_Finished = tuple[ModelSpec, str, RequestClass, RequestStatus, EscapementError | None, float, float, float, float,
-                  int, bool]  # spec, key, class, status, error, arrival, finished, deadline, dispatched, samples, late
-_Done = tuple[Action, ResultStatus, float, float, float, float, int]  # status, ready, begin, end, duration, running
 
 
 class Telemetry:
     """The controller's histograms and per-model/per-device statistics.
 
-    `request` and `action` are on every request's path, so they only record the few numbers
-    that matter in a tuple; `flush` counts what is pending in one pass (numpy for the global
-    histograms), and runs before anything is read and whenever FLUSH_AT tuples are waiting.
-    Per-request cost fell from ~11 µs to ~3 µs in the simulator (bench.scale_ab).
+    `request` and `action` are on every request's path. They count into the model's and the
+    device's statistics at once (compiled: a few additions and a short scan each) and keep the
+    few values the global, log-bucketed histograms need in lists; `flush` counts those in one
+    numpy pass, before any histogram is read and whenever FLUSH_AT requests or results are held.
+    (Earlier every finished request and result was kept as a tuple of its fields for the flush:
+    building, unpacking and freeing those cost more than counting them at once: issue 12.)
     """
 
     def __init__(self, trace: TraceWriter | None = None) -> None:
@@ -79,13 +77,23 @@ class Telemetry:
         self._models: dict[str, ModelStats] = {}  # model key -> its statistics, kept after it is removed
         self._devices: dict[str, DeviceStats] = {}
         self.trace = trace
-        self._reqs: list[_Finished] = []
-        self._acts: list[_Done] = []
+        # values for the global histograms, held until the next flush
+        self._slack_s: list[float] = []
+        self._latency_s: list[float] = []
+        self._queued_s: list[float] = []
+        self._lateness_s: list[float] = []
+        self._start_error_s: list[float] = []
+        self._duration_error_s: list[float] = []
+        self._infer_error_s: list[float] = []
+        self._load_error_s: list[float] = []
+        self._held_requests = 0  # requests and results recorded since the last flush
+        self._held_results = 0
 
     @property
     def pending(self) -> int:
-        """Requests and results recorded but not yet counted (at most FLUSH_AT of each)."""
-        return len(self._reqs) + len(self._acts)
+        """Requests and results recorded whose values the global histograms have not yet counted
+        (at most FLUSH_AT of each)."""
+        return self._held_requests + self._held_results
 
     # Readers see everything recorded so far.
     @property
@@ -152,14 +160,60 @@ class Telemetry:
 
     def request(self, req: InferenceRequest) -> None:
         """A request finished (answered, failed or cancelled)."""
-        self._reqs.append((req.model, req.key, req.klass, req.status, req.error, req.arrival, req.finished_at,
-                           req.deadline, req.dispatched_at, req.samples, req.late))
+        # (by the request's key: compiled, `spec.key` is a generic read of an interpreted class)
+        m = self._models.get(req.key)
+        if m is None:
+            m = self.model(req.model)
+        finished = req.finished_at
+        if finished > m.last_inference:
+            m.last_inference = finished
+        took = finished - req.arrival
+        status = req.status
+        klass = int(req.klass)
+        if status == RequestStatus.SUCCEEDED:
+            deadline = req.deadline
+            if finished <= deadline:
+                m.counted(klass, ON_TIME)
+                m.slo_met += 1
+            else:
+                m.counted(klass, LATE)
+                m.slo_missed += 1
+            self._slack_s.append(deadline - finished)
+            self._latency_s.append(took)
+            sp = m.success
+            sp.count += 1
+            sp.seconds += took
+            m.latency.add(took)
+            m.inference_count += req.samples
+            dispatched = req.dispatched_at
+            if dispatched:
+                queued = dispatched - req.arrival
+                self._queued_s.append(queued)
+                sp = m.queue
+                sp.count += 1
+                sp.seconds += queued
+                m.queue_time.add(queued)
+        else:
+            sp = m.fail
+            sp.count += 1
+            sp.seconds += took
+            if status == RequestStatus.CANCELLED:
+                m.counted(klass, CANCELLED)
+                m.failures["CANCELED"] += 1
+            else:
+                error = req.error
+                m.counted(klass, (EXPIRED if req.late else DROPPED) if isinstance(error, DeadlineExceeded)
+                          else FAILED)
+                self._slack_s.append(req.deadline - finished)
+                m.failures[failure_reason(error)] += 1
+                m.slo_missed += 1
         if self.trace is not None:
             self.trace.write({"ev": "request", "id": req.id, "model": req.model.key, "samples": req.samples,
                               "arrival": req.arrival, "deadline": req.deadline, "finish": req.finished_at,
                               "status": req.status.name, "met": req.ok and req.finished_at <= req.deadline,
                               "cold": req.cold_start, "error": req.error.status if req.error else None})
-        if len(self._reqs) >= FLUSH_AT:
+        self._held_requests += 1
+        if self._held_requests >= FLUSH_AT:
             self.flush()
 
     def refused(self, req: InferenceRequest, error: EscapementError, now: float) -> EscapementError:
@@ -167,7 +221,7 @@ class Telemetry:
         model, as Triton counts a request its scheduler rejects. Returns `error`, for `raise`."""
         m = self.model(req.model)
         m.last_inference = max(m.last_inference, now)
-        m.classes[(_CLASS_NAMES[req.klass], "refused")] += 1
+        m.counted(int(req.klass), REFUSED)
         m.fail.add(now - req.arrival)
         m.failures[failure_reason(error)] += 1
         m.slo_missed += 1
@@ -176,15 +230,55 @@ class Telemetry:
     def action(self, result: Result) -> None:
         """An action's result, before the controller acts on it."""
         a = result.action
-        running = 0
-        if a.kind == ActionKind.INFER and result.ok:
-            # the requests this result answers: still RUNNING now (not cancelled, not answered by a
-            # reconstruction); after this call the controller finishes them
-            st = RequestStatus.RUNNING
-            for r in a.requests:
-                if r.status == st:
-                    running += 1
-        self._acts.append((a, result.status, result.ready_at, result.begin, result.end, result.duration, running))
+        status = result.status
+        dev = self._devices.get(a.device)
+        if dev is None:
+            dev = self.device(a.device)
+        kind = a.kind
+        begin = result.begin
+        if status in _STARTED:
+            ready_at = result.ready_at
+            if ready_at:
+                late = begin - ready_at
+                self._lateness_s.append(late)
+                name = _KIND_NAMES[kind]
+                lane = dev.lateness.get(name)
+                if lane is None:
+                    lane = dev.lateness[name] = Buckets(LATENESS_BOUNDS)
+                lane.add(late)
+            if a.expected_start:
+                self._start_error_s.append(begin - a.expected_start)
+        ok = status == ResultStatus.OK
+        if kind == ActionKind.INFER:
+            if ok:
+                end = result.end
+                if a.expected_duration > 0:
+                    self._infer_error_s.append(abs(end - begin - a.expected_duration))
+                    err = (end - begin) / a.expected_duration - 1.0
+                    self._duration_error_s.append(err)
+                    dev.duration_error.add(err)
+                # the requests this result answers: still RUNNING now (not cancelled, not answered
+                # by a reconstruction); after this call the controller finishes them
+                running = 0
+                st = RequestStatus.RUNNING
+                for r in a.requests:
+                    if r.status == st:
+                        running += 1
+                self._executed(a, begin, end, result.duration, running)
+        elif kind == ActionKind.LOAD:
+            if ok:
+                end = result.end
+                if a.expected_duration > 0:
+                    self._load_error_s.append(abs(end - begin - a.expected_duration))
+                self._load_time.add(end - begin)
+                if result.duration > 0:  # the weight copy's own device time (CUDA events), within the LOAD
+                    self._load_copy.add(result.duration)
+                dev.load_time.add(end - begin)
+                self._model_of(a).loads[a.device] += 1
+            else:
+                self._model_of(a).load_failures[a.device] += 1
+        elif ok and kind == ActionKind.UNLOAD:
+            self._model_of(a).unloads[a.device] += 1
         if self.trace is not None:
             self.trace.write({"ev": "action", "id": a.id, "kind": a.kind.name, "model": a.model.key,
                               "device": a.device, "batch": a.batch_size, "samples": a.samples,
@@ -193,124 +287,40 @@ class Telemetry:
                               "ready": result.ready_at, "begin": result.begin, "end": result.end,
                               "duration": result.duration,  # the device's own time (CUDA events), if measured
                               "status": result.status.name, "error": result.error or None})
-        if len(self._acts) >= FLUSH_AT:
+        self._held_results += 1
+        if self._held_results >= FLUSH_AT:
             self.flush()
 
     def flush(self) -> None:
-        """Count every request and result recorded since the last flush."""
-        if self._reqs:
-            reqs, self._reqs = self._reqs, []
-            self._count_requests(reqs)
-        if self._acts:
-            acts, self._acts = self._acts, []
-            self._count_actions(acts)
+        """Count in the global histograms every request and result recorded since the last flush."""
+        if self._held_requests:
+            self._held_requests = 0
+            for into, xs in ((self._slack, self._slack_s), (self._latency, self._latency_s),
+                             (self._queue_time, self._queued_s)):
+                if xs:
+                    into.add_many(floats(xs))
+            self._slack_s, self._latency_s, self._queued_s = [], [], []
+        if self._held_results:
+            self._held_results = 0
+            for into, xs in ((self._lateness, self._lateness_s), (self._start_error, self._start_error_s),
+                             (self._duration_error, self._duration_error_s),
+                             (self._prediction_error["INFER"], self._infer_error_s),
+                             (self._prediction_error["LOAD"], self._load_error_s)):
+                if xs:
+                    into.add_many(floats(xs))
+            self._lateness_s, self._start_error_s, self._duration_error_s = [], [], []
+            self._infer_error_s, self._load_error_s = [], []
 
-    def _count_requests(self, reqs: list[_Finished]) -> None:
-        slack: list[float] = []
-        latency: list[float] = []
-        queued_all: list[float] = []
-        models = self._models
-        cancelled, succeeded = RequestStatus.CANCELLED, RequestStatus.SUCCEEDED
-        for spec, key, klass, status, error, arrival, finished, deadline, dispatched, samples, late in reqs:
-            # (by the request's key: compiled, `spec.key` is a generic read of an interpreted class;
-            # looked up here: a bound method held and called is a generic call)
-            m = models.get(key)
-            if m is None:
-                m = self.model(spec)
-            if finished > m.last_inference:
-                m.last_inference = finished
-            took = finished - arrival
-            if status == succeeded:
-                on_time = finished <= deadline
-                m.classes[_ON_TIME[klass] if on_time else _LATE[klass]] += 1
-                slack.append(deadline - finished)
-                latency.append(took)
-                sp = m.success
-                sp.count += 1
-                sp.seconds += took
-                m.latency.add(took)
-                m.inference_count += samples
-                if on_time:
-                    m.slo_met += 1
-                else:
-                    m.slo_missed += 1
-                if dispatched:
-                    queued = dispatched - arrival
-                    queued_all.append(queued)
-                    sp = m.queue
-                    sp.count += 1
-                    sp.seconds += queued
-                    m.queue_time.add(queued)
-                continue
-            sp = m.fail
-            sp.count += 1
-            sp.seconds += took
-            if status == cancelled:
-                m.classes[(_CLASS_NAMES[klass], "cancelled")] += 1
-                m.failures["CANCELED"] += 1
-                continue
-            what = ("expired" if late else "dropped") if isinstance(error, DeadlineExceeded) else "failed"
-            m.classes[(_CLASS_NAMES[klass], what)] += 1
-            slack.append(deadline - finished)
-            m.failures[failure_reason(error)] += 1
-            m.slo_missed += 1
-        self._slack.add_many(floats(slack))
-        self._latency.add_many(floats(latency))
-        self._queue_time.add_many(floats(queued_all))
-
-    def _count_actions(self, acts: list[_Done]) -> None:
-        lateness: list[float] = []
-        start_error: list[float] = []
-        duration_error: list[float] = []
-        prediction: dict[str, list[float]] = {"INFER": [], "LOAD": []}
-        infer, load, unload = ActionKind.INFER, ActionKind.LOAD, ActionKind.UNLOAD
-        ok_status = ResultStatus.OK
-        for a, status, ready_at, begin, end, duration, running in acts:
-            dev = self._devices.get(a.device) or self.device(a.device)
-            kind = a.kind
-            if status in _STARTED:
-                if ready_at:
-                    late = begin - ready_at
-                    lateness.append(late)
-                    name = _KIND_NAMES[kind]
-                    lane = dev.lateness.get(name)
-                    if lane is None:
-                        lane = dev.lateness[name] = Buckets(LATENESS_BOUNDS)
-                    lane.add(late)
-                if a.expected_start:
-                    start_error.append(begin - a.expected_start)
-            ok = status == ok_status
-            if kind == infer:
-                if ok:
-                    if a.expected_duration > 0:
-                        prediction["INFER"].append(abs(end - begin - a.expected_duration))
-                        err = (end - begin) / a.expected_duration - 1.0
-                        duration_error.append(err)
-                        dev.duration_error.add(err)
-                    self._executed(a, begin, end, duration, running)
-            elif kind == load:
-                if ok:
-                    if a.expected_duration > 0:
-                        prediction["LOAD"].append(abs(end - begin - a.expected_duration))
-                    self._load_time.add(end - begin)
-                    if duration > 0:  # the weight copy's own device time (CUDA events), within the LOAD
-                        self._load_copy.add(duration)
-                    dev.load_time.add(end - begin)
-                    self.model(a.model).loads[a.device] += 1
-                else:
-                    self.model(a.model).load_failures[a.device] += 1
-            elif ok and kind == unload:
-                self.model(a.model).unloads[a.device] += 1
-        self._lateness.add_many(floats(lateness))
-        self._start_error.add_many(floats(start_error))
-        self._duration_error.add_many(floats(duration_error))
-        for k, v in prediction.items():
-            self._prediction_error[k].add_many(floats(v))
+    def _model_of(self, a: Action) -> ModelStats:
+        m = self._models.get(a.key)
+        if m is None:
+            m = self.model(a.model)
+        return m
 
     def _executed(self, a: Action, begin: float, end: float, infer_s: float, n: int) -> None:
         """An INFER that ran: one execution of its batch size, and its times for each of the `n`
         requests it answered."""
-        m = self.model(a.model)
+        m = self._model_of(a)
         other_s = end - begin - infer_s  # input and output copies, host work
         if other_s < 0.0:  # (a compare, not max(): compiled, the builtin is a generic call)
             other_s = 0.0

@@ -166,7 +166,7 @@ class ParityPlanner:
         live = [r for r in action.requests if r.status == RequestStatus.RUNNING]
         if not live:
             return
-        key = action.model.key
+        key = action.key
         others = [d for d in view.devices.values() if d.name != action.device and d.memory.is_ready(key)]
         if not others:
             self.counters["partial_unprotected"] += 1

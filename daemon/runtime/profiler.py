@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from daemon.actions import Action, ActionKind, Result
+from daemon.actions import WARMUP_IDS, Action, ActionKind, Result
 from daemon.clock import Clock
 from daemon.files import read_regular
 from daemon.model import ModelSpec
@@ -345,7 +345,7 @@ def measure(executor: Executor, program: Program, clock: Clock, reps: int = 10, 
     def act(kind: ActionKind, **kw: Any) -> Action:
         now = clock.now()
         return Action(kind, spec, executor.device.name, now, now + 600, program=program, resident=holder,
-                      reply=results.post, **kw)
+                      reply=results.post, id=next(WARMUP_IDS), **kw)
 
     infer: dict[int, list[float]] = {}
     rng = np.random.default_rng(0)

@@ -431,7 +431,7 @@ class ClockworkPolicy(Policy):
                 if meter is None:
                     meter = self.copy_busy[action.device] = RateMeter()
                 meter.add(result.end - result.begin, now)
-            entry = view.models.get(action.model.key)
+            entry = view.models.get(action.key)
             if entry is not None:  # (a measured LOAD may change its cold cost)
                 self._demand.reloaded(entry.key, self._load_est(view, entry, _cost_kind(view)))
             if entry is not None and entry.queue.requests:
