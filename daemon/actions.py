@@ -104,10 +104,11 @@ class Action:
                  id: int = 0, issued_at: float = 0.0, expected_start: float = 0.0,
                  coded: list[list[InferenceRequest]] | None = None, encoder: str = "", replica_of: int = 0,
                  best_effort: bool = False, group: tuple[tuple[ModelSpec, int], ...] | None = None,
-                 program: Any = None, resident: str = "", reply: Callable[[Result], None] | None = None) -> None:
+                 program: Any = None, resident: str = "", reply: Callable[[Result], None] | None = None,
+                 key: str = "") -> None:
         self.kind = kind
         self.model = model
-        self.key = model.key
+        self.key = key or model.key  # (`key`: model.key where the caller has it; a generic read compiled)
         self.device = device
         self.earliest = earliest
         self.latest = latest

@@ -71,7 +71,7 @@ class SlidingWindow:
         s = self._sorted
         for i in range(len(s)):
             if s[i] == x:
-                del s[i]
+                s.pop(i)  # (not `del s[i]`: compiled, pop is a direct call, del a generic one)
                 return
 
     def _newest_time(self) -> float:
@@ -261,6 +261,16 @@ class Estimator:
                 return seed, math.inf
             return w.percentile(self.percentile), math.inf
         return self._seed(model, kind, batch), math.inf
+
+    def ran_on(self, model: str, device: str) -> bool:
+        """Whether runs of `model` on `device` were measured: if not, its estimates there are its
+        kind's profile (`profile`), the same on every such device."""
+        per = self._infer.get(model)
+        return per is not None and device in per
+
+    def profile(self, model: str, batch: int, kind: str) -> float | None:
+        """The profile's time for `batch` rows of `model` on a device of `kind` (None: unprofiled)."""
+        return self._seed(model, kind, batch)
 
     def _seed(self, model: str, kind: str, batch: int) -> float | None:
         per = self._seeds.get(model)

@@ -8,8 +8,8 @@ pushed with, so a request pushed again after an action was refused is never ther
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterator
+from heapq import heappop, heappush  # (module globals: a read of `heapq.x` is a generic attribute lookup compiled)
 from typing import Final
 
 from daemon.request import InferenceRequest, RequestStatus
@@ -55,7 +55,7 @@ class ModelQueue:
 
     def push(self, req: InferenceRequest) -> None:
         req.queue_seq = seq = _SEQ.next()
-        heapq.heappush(self._heap, (req.rank, req.arrival if self._by_arrival else req.deadline, seq, req))
+        heappush(self._heap, (req.rank, req.arrival if self._by_arrival else req.deadline, seq, req))
         if not self.requests:
             self.max_rank, self.max_deadline = req.rank, req.deadline
         else:
@@ -75,7 +75,7 @@ class ModelQueue:
     def _skip_dead(self) -> None:
         h = self._heap
         while h and not self._live(h[0]):
-            heapq.heappop(h)
+            heappop(h)
 
     def head(self) -> InferenceRequest | None:
         # (_skip_dead and _live inline: several times per request)
@@ -86,7 +86,7 @@ class ModelQueue:
             r = e[3]
             if r.status == queued and r.queue_seq == e[2]:
                 return r
-            heapq.heappop(h)
+            heappop(h)
         return None
 
     def discard(self, req: InferenceRequest) -> None:
@@ -96,7 +96,7 @@ class ModelQueue:
 
     def pop(self) -> InferenceRequest:
         self._skip_dead()
-        r = heapq.heappop(self._heap)[3]
+        r = heappop(self._heap)[3]
         r.queue_seq = 0
         self.samples -= r.samples
         self.requests -= 1
@@ -129,12 +129,12 @@ class ModelQueue:
         live = self._live
         size = len(heap)
         while frontier and len(out) < n:
-            entry, i = heapq.heappop(frontier)
+            entry, i = heappop(frontier)
             if live(entry):
                 out.append(entry[3])
             for c in (2 * i + 1, 2 * i + 2):
                 if c < size:
-                    heapq.heappush(frontier, (heap[c], c))
+                    heappush(frontier, (heap[c], c))
         return out
 
     def __iter__(self) -> Iterator[InferenceRequest]:

@@ -74,6 +74,7 @@ class Scheduler(ControllerView):
                  estimator: Estimator | None = None, telemetry: Telemetry | None = None,
                  hung_after_s: float = 30.0) -> None:
         self.settings = settings
+        self.max_pending = settings.max_pending  # (read per request: a plain attribute, not the settings')
         self.hung_after_s = hung_after_s
         self.policy = policy
         self.estimator = estimator or Estimator()
@@ -242,7 +243,7 @@ class Scheduler(ControllerView):
         entry = self.models.get(req.key)
         if entry is None:
             raise NotFound(f"unknown model {req.model.name} version {req.model.version}")
-        if req.samples > entry.spec.max_batch_size:  # the frontends check this; no batch could hold it
+        if req.samples > entry.max_batch_size:  # the frontends check this; no batch could hold it
             raise BadRequest(f"{req.samples} samples exceed model {req.model.name}'s max_batch_size "
                              f"{entry.spec.max_batch_size}")
         if self.lost == len(self.devices):
@@ -250,7 +251,7 @@ class Scheduler(ControllerView):
                 f"{d.name}: {d.failed}" for d in self.devices.values()))
         if entry.load_failures and not self.placed_on.get(entry.key):
             self._refuse_backing_off(entry, now)
-        if self.pending >= self.settings.max_pending:
+        if self.pending >= self.max_pending:
             self._counts["refused_overload"] += 1
             raise self.telemetry.refused(req, Overloaded(f"the daemon holds {self.pending} requests, its limit "
                                           "(controller.max_pending)"), now)
@@ -559,7 +560,8 @@ class Scheduler(ControllerView):
             dev = self.devices[step.device]
             if step.coded is not None or step.replica_of:
                 return self._issue_extra(step, dev, now)
-            entry = self.models[step.spec.key]
+            # (the key from a request: compiled, `spec.key` is a generic read of an interpreted class)
+            entry = self.models[step.requests[0].key if step.requests else step.spec.key]
             (entry.late if step.best_effort else entry.queue).take_all(step.requests)
             if step.group:
                 return self._issue_group(step, dev, now)
@@ -769,7 +771,7 @@ class Scheduler(ControllerView):
         self._infer_samples += samples
         self._infer_slots += batch_size
         action = Action(ActionKind.INFER, spec, dev.name, earliest, latest, expected, batch_size, requests,
-                        expected_start=earliest, best_effort=best_effort)
+                        expected_start=earliest, best_effort=best_effort, key=key)
         self.issue(action, now, dev, due)
         entry.running += samples
         action.running = samples

@@ -462,7 +462,8 @@ class ClockworkPolicy(Policy):
 
     def schedule(self, view: ControllerView, now: float) -> Pass | Planned | tuple[()]:
         planned = self._settle_fresh(view, now) if self._fresh else None
-        if not (self._dirty or self.cold or self._replica_check or self._lane_cold) and \
+        # (lengths, not truth values: compiled, a set's or a class's truth value is a generic call)
+        if not (len(self._dirty) or len(self.cold.live) or len(self._replica_check) or len(self._lane_cold)) and \
                 self._earliest_wake() > now:
             # nothing changed since the last pass but lone requests, and no device's time has come:
             # their batches, as a list (no generator to resume and end)
@@ -475,7 +476,8 @@ class ClockworkPolicy(Policy):
         # Inference first: a model whose LOAD just finished gets its batch (and is then busy)
         # before any other LOAD may look for room.
         yield from self._plan_inference(view, now)
-        if (self.cold or self._replica_check or self._lane_cold) and (yield from self._plan_memory(view, now)):
+        if (len(self.cold.live) or len(self._replica_check) or len(self._lane_cold)) and \
+                (yield from self._plan_memory(view, now)):
             yield from self._plan_inference(view, now)
         yield None  # the end: the scheduler drops the pass here (no StopIteration; see decisions.Pass)
 
@@ -846,7 +848,7 @@ class ClockworkPolicy(Policy):
             if self._needs_replica(view, entry, [view.devices[n] for n in placed], now):
                 wanted.append((head.deadline, 0.0, entry))
         self._replica_check.clear()
-        if not wanted and not self.cold and not self._lane_cold:
+        if not wanted and not len(self.cold.live) and not len(self._lane_cold):
             return False  # (most passes: a model gained work and needs no replica)
         wanted.sort(key=lambda w: w[:2])
         limit = now + self.horizon
@@ -885,7 +887,7 @@ class ClockworkPolicy(Policy):
                 break  # the rest are less urgent: looked at as lanes drain and loads land
         for key, deadline, minus_backlog in later:
             self.cold.push(key, deadline, minus_backlog)
-        if self._lane_cold and not self.cold and lanes_free:
+        if len(self._lane_cold) and not len(self.cold.live) and lanes_free:
             placed_any = (yield from self._place_lane(view, now)) or placed_any
         return placed_any
 
@@ -1003,6 +1005,8 @@ class ClockworkPolicy(Policy):
         # eviction at all, the device's load (tenths), when it could finish, its name.
         candidates: list[_Candidate] = []
         whole: dict[str, float] = {}  # kind -> a whole LOAD's estimate there
+        profiled: dict[str, float] = {}  # kind -> its first run's estimate on a device that never ran it
+        est = view.estimator
         b1 = head.samples if head is not None else 1
         for dev in view.devices.values():
             if dev.memory.state(key) is not None or dev.memory.budget < nbytes or not dev.can_load(key, now):
@@ -1017,7 +1021,14 @@ class ClockworkPolicy(Policy):
             else:  # the same on every device of a kind: estimated once per kind
                 known = whole.get(dev.kind)
                 load_s = whole[dev.kind] = known if known is not None else self._load_est(view, entry, dev.kind, dev)
-            run_s = self._est_on(view, key, b1, dev)
+            if est.ran_on(key, dev.name):
+                run_s = self._est_on(view, key, b1, dev)
+            else:  # its kind's profile, as `_est_on` finds it there: looked up once per kind
+                known = profiled.get(dev.kind)
+                if known is None:
+                    seed = est.profile(key, b1 if dev.kind in EXACT_ROW_KINDS else entry.batch_size_for(b1), dev.kind)
+                    known = profiled[dev.kind] = seed if seed is not None else view.estimate(key, b1, dev)
+                run_s = known
             finish = fmax(copy_free + load_s, tl.exec.free_at(now)) + run_s
             # shared blocks already there are neither copied again nor freed to make room
             lacks = dev.memory.missing(nbytes, blocks)
