@@ -39,7 +39,8 @@ def _counts(dt: DaemonThread) -> dict[Why, int]:
 
 
 def test_lone_requests_take_the_path_and_answer_the_same(test_daemon: DaemonThread) -> None:
-    before = _counts(test_daemon).get(Why.TAKEN, 0)
+    start = _counts(test_daemon)
+    before = start.get(Why.TAKEN, 0)
     counters = test_daemon.daemon.controller.scheduler.counters
     runs, cpu = counters["latency_path_runs"], counters["latency_path_cpu_ns"]
     xs = [np.full((1, 4), i, np.float32) for i in range(20)] + [np.arange(12, dtype=np.float32).reshape(3, 4)]
@@ -48,8 +49,14 @@ def test_lone_requests_take_the_path_and_answer_the_same(test_daemon: DaemonThre
             r = c.infer("tiny_pt2", {"INPUT__0": x})
             np.testing.assert_allclose(r.outputs["OUTPUT__0"], reference(x), rtol=1e-5)
     # (the first request of a model may find a LOAD or a warm-up still in flight)
-    taken = _counts(test_daemon).get(Why.TAKEN, 0) - before
-    assert taken >= len(xs) - 2
+    after = _counts(test_daemon)
+    taken = after.get(Why.TAKEN, 0) - before
+    # The path is also declined, rightly, where the load says so: a run estimated over the bound
+    # (SLOW) or arrivals fast enough that runs here would take most of the loop (LOADED, from the
+    # rate earlier tests left in this shared daemon). Both depend on this machine's speed and what
+    # ran before (the unit tests pin the switch down); any other reason for a lone request is a bug.
+    by_load = sum(after.get(w, 0) - start.get(w, 0) for w in (Why.SLOW, Why.LOADED))
+    assert taken >= 1 and taken + by_load >= len(xs) - 2, {w.value: after.get(w, 0) - start.get(w, 0) for w in Why}
     # every run on the path is counted, with the loop's CPU it took (what loop-cost subtracts)
     assert counters["latency_path_runs"] - runs == taken
     assert counters["latency_path_cpu_ns"] > cpu

@@ -10,10 +10,11 @@ import random
 import numpy as np
 import pytest
 
+from daemon.controller.policies.clockwork import ClockworkPolicy, _tenths
 from daemon.controller.state import ModelEntry
 from daemon.observability.stats import DURATION_ERROR_BOUNDS, LATENCY_BOUNDS, Buckets, Histogram, floats
 from daemon.request import InferenceRequest
-from tests.unit.harness import make_spec
+from tests.unit.harness import MS, Harness, make_spec
 
 
 @pytest.mark.parametrize("max_batch", [0, 1, 5, 8, 48])
@@ -60,3 +61,35 @@ def test_add_many_takes_an_infinite_value_into_its_last_bucket() -> None:
     h = Histogram()
     h.add_many(floats([0.5, math.inf]))
     assert h.count == 2 and sum(h.pos.values()) == 2 and max(h.pos) == 3200
+
+
+def test_tenths_rounds_as_round_does_halves_to_even() -> None:
+    rng = random.Random(3)
+    xs = [i / 20 for i in range(-400, 400)] + [rng.uniform(-100.0, 100.0) for _ in range(20000)]
+    xs += [0.0, -0.0, 0.05, 0.25, 0.35, 1e-300, 2.5e14]
+    for x in xs:
+        assert _tenths(x) == round(x * 10), x
+
+
+def test_an_estimate_on_a_device_that_never_ran_the_model_is_its_kinds_profile() -> None:
+    """What a LOAD's placement reads without a memo entry per device (`_est_unrun`) is what the
+    estimate on that device (`_est_on`) gives, before and after the model ran on another device."""
+    h = Harness(devices=3, budget=1000, policy=ClockworkPolicy())
+    spec = h.add(make_spec("m", max_batch=8), b1=1 * MS, bmax=5 * MS)
+    entry = h.sched.models[spec.key]
+    devs = list(h.sched.devices.values())
+
+    def check(unrun: list[str]) -> None:
+        for dev in devs:
+            ran = h.sched.estimator.ran_on(spec.key, dev.name)
+            assert ran == (dev.name not in unrun), dev.name
+            if not ran:
+                for n in (1, 3, 8):
+                    profiled = ClockworkPolicy._est_unrun(h.sched, entry, n, dev)  # noqa: SLF001 (what is tested)
+                    assert profiled == ClockworkPolicy._est_on(h.sched, spec.key, n, dev)  # noqa: SLF001
+
+    check([d.name for d in devs])
+    h.use(spec)  # it loads and runs on one device: that one has runs of it, the others only the profile
+    ran = [d.name for d in devs if h.sched.estimator.ran_on(spec.key, d.name)]
+    assert len(ran) == 1
+    check([d.name for d in devs if d.name not in ran])

@@ -75,7 +75,6 @@ def _placed(view: ControllerView, key: str, but: DeviceState | None = None) -> b
 _Option = tuple[int, bool, int, float, str, DeviceState, list[str]]
 # a device a LOAD could go to, before its victim search: evicts at all, load (tenths), finish, name,
 # the device, when its LOAD and first run would end, the bytes it lacks, the model's blocks there
-_Candidate = tuple[bool, int, float, str, DeviceState, float, int, Blocks]
 
 
 def _cost_kind(view: ControllerView) -> str:
@@ -146,14 +145,45 @@ def _option_before(a: _Option, b: _Option) -> bool:
     return a[4] < b[4]
 
 
+class _Candidate:
+    """A device a LOAD could go to, before its victim search: whether it must evict at all, its
+    load (tenths), when the LOAD's first run could finish, its name; when its LOAD and first run
+    would end, the bytes it lacks, the model's blocks there. (A record, not a tuple: compiled, its
+    fields stay unboxed, where a tuple boxed every float and unboxed it again at each comparison.)"""
+
+    __slots__ = ("blocks", "dev", "done", "finish", "lacks", "load", "name", "short")
+
+    def __init__(self, short: bool, load: int, finish: float, dev: DeviceState, done: float, lacks: int,
+                 blocks: Blocks) -> None:
+        self.short = short
+        self.load = load
+        self.finish = finish
+        self.name = dev.name
+        self.dev = dev
+        self.done = done
+        self.lacks = lacks
+        self.blocks = blocks
+
+
 def _candidate_before(a: _Candidate, b: _Candidate) -> bool:
-    if a[0] != b[0]:
-        return a[0] < b[0]
-    if a[1] != b[1]:
-        return a[1] < b[1]
-    if a[2] != b[2]:
-        return a[2] < b[2]
-    return a[3] < b[3]
+    if a.short != b.short:
+        return b.short
+    if a.load != b.load:
+        return a.load < b.load
+    if a.finish != b.finish:
+        return a.finish < b.finish
+    return a.name < b.name
+
+
+def _tenths(x: float) -> int:
+    """`round(x * 10)`, halves to even as `round` does: compiled, a call of the builtin is a generic
+    call (~1k instructions, once per device per LOAD planned)."""
+    y = x * 10
+    f = math.floor(y)
+    d = y - f  # (exact: y and f are within a unit of each other)
+    if d > 0.5 or (d == 0.5 and f % 2 == 1):
+        f += 1
+    return f
 
 
 @dataclass(slots=True)
@@ -496,6 +526,16 @@ class ClockworkPolicy(Policy):
         est = view.estimator.infer_until(key, samples if kind in EXACT_ROW_KINDS else
                                          view.models[key].batch_size_for(samples), kind, dev.name)[0]
         return est if est is not None else view.estimate(key, samples, dev)
+
+    @staticmethod
+    def _est_unrun(view: ControllerView, entry: ModelEntry, samples: int, dev: DeviceState) -> float:
+        """`_est_on` for a device that never ran the model (`Estimator.ran_on`): its kind's profile,
+        the same on every such device, read without a memo entry for the device (a LOAD's
+        placement asks it of every device, for models most of which never ran there)."""
+        kind = dev.kind
+        seed = view.estimator.profile(entry.key, samples if kind in EXACT_ROW_KINDS else
+                                      entry.batch_size_for(samples), kind)
+        return seed if seed is not None else view.estimate(entry.key, samples, dev)
 
     def _load_est(self, view: ControllerView, entry: ModelEntry, kind: str, dev: DeviceState | None = None) -> float:
         """A LOAD of `entry` (onto `dev`: only the bytes of the blocks it lacks are copied)."""
@@ -956,8 +996,11 @@ class ClockworkPolicy(Policy):
 
     def _weight(self, view: ControllerView, entry: ModelEntry, dev: DeviceState, replicas: int) -> float:
         """Seconds of work one sample of `entry` brings `dev`, at its largest batch, per replica."""
-        b = entry.spec.max_batch_size
-        return self._est_on(view, entry.key, b, dev) / b / (replicas or 1)
+        b = entry.max_batch_size
+        key = entry.key
+        run = self._est_on(view, key, b, dev) if view.estimator.ran_on(key, dev.name) else \
+            self._est_unrun(view, entry, b, dev)
+        return run / b / (replicas or 1)
 
     def _moved(self, view: ControllerView, dev: DeviceState, entry: ModelEntry, victims: list[str]) -> None:
         """A LOAD of `entry` replacing `victims` on `dev`: its demand, updated."""
@@ -1020,14 +1063,15 @@ class ClockworkPolicy(Policy):
                 load_s = self._load_est(view, entry, dev.kind, dev)
             else:  # the same on every device of a kind: estimated once per kind
                 known = whole.get(dev.kind)
-                load_s = whole[dev.kind] = known if known is not None else self._load_est(view, entry, dev.kind, dev)
+                if known is None:
+                    known = whole[dev.kind] = self._load_est(view, entry, dev.kind, dev)
+                load_s = known
             if est.ran_on(key, dev.name):
                 run_s = self._est_on(view, key, b1, dev)
             else:  # its kind's profile, as `_est_on` finds it there: looked up once per kind
                 known = profiled.get(dev.kind)
                 if known is None:
-                    seed = est.profile(key, b1 if dev.kind in EXACT_ROW_KINDS else entry.batch_size_for(b1), dev.kind)
-                    known = profiled[dev.kind] = seed if seed is not None else view.estimate(key, b1, dev)
+                    known = profiled[dev.kind] = self._est_unrun(view, entry, b1, dev)
                 run_s = known
             finish = fmax(copy_free + load_s, tl.exec.free_at(now)) + run_s
             # shared blocks already there are neither copied again nor freed to make room
@@ -1038,8 +1082,8 @@ class ClockworkPolicy(Policy):
             # bring leaves with them; they are idle or the least wanted, so it is counted: knowing
             # it would take a victim search on every device, the most of a LOAD's cost at 10,000
             # models, where this order takes one on the first device that evicts nothing in demand.)
-            c: _Candidate = (short, round(self._utilisation(view, dev, now) * 10), finish, dev.name, dev,
-                             copy_free + load_s + run_s, lacks, blocks)
+            c = _Candidate(short, _tenths(self._utilisation(view, dev, now)), finish, dev,
+                           copy_free + load_s + run_s, lacks, blocks)
             i = len(candidates)
             candidates.append(c)
             while i > 0 and _candidate_before(c, candidates[i - 1]):  # (insertion: a handful of devices)
@@ -1050,7 +1094,9 @@ class ClockworkPolicy(Policy):
             return False
         best: _Option | None = None
         finish = math.inf  # the soonest any LOAD could serve it: of options found, and devices not searched
-        for n, (short, load, at, name, dev, done, lacks, blocks) in enumerate(candidates):
+        for n, c in enumerate(candidates):
+            short, load, at, name, dev, done, lacks, blocks = c.short, c.load, c.finish, c.name, c.dev, c.done, \
+                c.lacks, c.blocks
             meter = self.copy_busy.get(name)
             # Under copy pressure a load evicts no model in more demand, unless its head request
             # must load now or never: waiting for pressure to ease would starve it to its deadline.
@@ -1073,8 +1119,8 @@ class ClockworkPolicy(Policy):
                 best = option
             if in_demand == 0:  # (no device after it in this order can do better)
                 for rest in candidates[n + 1:]:
-                    if rest[2] < finish:
-                        finish = rest[2]
+                    if rest.finish < finish:
+                        finish = rest.finish
                 break
         if best is None:
             return False
