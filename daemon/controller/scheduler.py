@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from daemon.config import ControllerSettings
 from daemon.controller import due as dues
 from daemon.controller.classes import max_queue
 from daemon.controller.decisions import Drop, Infer, Load, Pass, Planned, Release, Save, Step, Steps, Unload
-from daemon.controller.due import ActionDue, Due, RequestDue
+from daemon.controller.due import Due, action_due, action_of, request_due, request_of
 from daemon.controller.estimates import EXACT_ROW_KINDS, Estimator
 from daemon.controller.floats import fmax, fmin
 from daemon.controller.memory import Blocks, CallableRules, DeviceMemory
@@ -110,16 +110,16 @@ class Scheduler(ControllerView):
         self.placed_on: dict[str, set[str]] = {}  # model key -> devices holding or loading it
         self.pending = 0  # requests accepted and not yet finished
         self.lost = 0  # devices lost (a sticky error or a hang): nothing is placed there any more
-        self._expiry: list[Due] = []  # RequestDue: when a queued request would turn hopeless
+        self._expiry: list[Due] = []  # request_due: when a queued request would turn hopeless
         # The best-effort lane: models with lane requests (pruned lazily), when lane requests give up,
         # and the input bytes of requests that may wait there (every one not HARD), bounded.
         self.late_keys: set[str] = set()
-        self._giveup: list[Due] = []  # RequestDue
+        self._giveup: list[Due] = []  # request_due
         self.soft_bytes = 0
         # Every action in flight, once, by when it must be looked at again: an INFER's requests
         # overdue, or it counts as hung (the last field); one entry per action rather than one
         # per watch (a heap push and pop fewer per INFER).
-        self._watches: list[Due] = []  # ActionDue
+        self._watches: list[Due] = []  # action_due
         self.hung: dict[str, str] = {}  # device -> what hangs there (it never comes back in this process)
         self._decision = Decision()
         self._load_share: dict[int, float] = {}  # LOAD id -> the share of its model's bytes it copies
@@ -307,7 +307,7 @@ class Scheduler(ControllerView):
         self._admit(req, nbytes)
         entry.queue.push(req)
         self._active.add(req.key)
-        dues.push(self._expiry, RequestDue(req.deadline - best, req))
+        dues.push(self._expiry, request_due(req.deadline - best, req))
         self.policy.on_submit(self, req, now)
 
     def _admit(self, req: InferenceRequest, nbytes: int) -> None:
@@ -330,7 +330,7 @@ class Scheduler(ControllerView):
             self._counts["best_effort" if req.klass == RequestClass.BEST_EFFORT else "moved_late"] += 1
         # Armed on every entry: back from an INFER that did not run, its entry was dropped while it ran
         # (next_wakeup pops those of requests not queued), and nothing else would answer it by then.
-        dues.push(self._giveup, RequestDue(req.give_up_at, req))
+        dues.push(self._giveup, request_due(req.give_up_at, req))
         req.status = RequestStatus.QUEUED
         entry.late.push(req)
         self.late_keys.add(entry.key)
@@ -359,7 +359,7 @@ class Scheduler(ControllerView):
         """Lane requests that waited the longest a lane request may: 504, saying so."""
         heap = self._giveup
         while heap and heap[0].at <= now:
-            req = cast(RequestDue, dues.pop(heap)).req
+            req = request_of(dues.pop(heap))
             if req.status != RequestStatus.QUEUED or not req.late:
                 continue
             self._drop_queued(req)
@@ -599,11 +599,11 @@ class Scheduler(ControllerView):
         queued, inflight = RequestStatus.QUEUED, self.inflight
         expiry, giveup, watches = self._expiry, self._giveup, self._watches
         # (dues.pop called by name, not held in a local: compiled, that is a direct call)
-        while expiry and ((r := cast(RequestDue, expiry[0]).req).status != queued or r.late):
+        while expiry and ((r := request_of(expiry[0])).status != queued or r.late):
             dues.pop(expiry)
-        while giveup and ((r := cast(RequestDue, giveup[0]).req).status != queued or not r.late):
+        while giveup and ((r := request_of(giveup[0])).status != queued or not r.late):
             dues.pop(giveup)
-        while watches and cast(ActionDue, watches[0]).action.id not in inflight:
+        while watches and action_of(watches[0]).id not in inflight:
             dues.pop(watches)
         best = expiry[0].at if expiry else math.inf
         if watches and watches[0].at < best:
@@ -622,13 +622,13 @@ class Scheduler(ControllerView):
     def _expire(self, now: float) -> None:
         heap = self._expiry
         while heap and heap[0].at <= now:
-            req = cast(RequestDue, dues.pop(heap)).req
+            req = request_of(dues.pop(heap))
             if req.status != RequestStatus.QUEUED or req.late:
                 continue
             best = self.best_case(req)
             if now + best <= req.deadline:  # still feasible (the estimate improved since it was queued)
                 # strictly later than now, or a request exactly at its boundary would spin here
-                dues.push(heap, RequestDue(fmax(req.deadline - best, now + 1e-6), req))
+                dues.push(heap, request_due(fmax(req.deadline - best, now + 1e-6), req))
                 continue
             self._hopeless(req, now)
 
@@ -652,8 +652,8 @@ class Scheduler(ControllerView):
         answered by their deadlines or retried elsewhere, its LOADs no longer hold a preload."""
         heap, inflight = self._watches, self.inflight
         while heap and heap[0].at <= now:
-            watch = cast(ActionDue, dues.pop(heap))
-            action, hung_at = watch.action, watch.hung_at
+            watch = dues.pop(heap)
+            action, hung_at = action_of(watch), watch.hung_at
             if action.id not in inflight:
                 continue
             due_next = math.inf  # the earliest deadline of its requests still running, past the due ones
@@ -668,13 +668,13 @@ class Scheduler(ControllerView):
                 self._finish(r, RequestStatus.FAILED, DeadlineExceeded(
                     f"deadline missed: {action.device} did not answer in time"), now)
             if hung_at > now:
-                dues.push(heap, ActionDue(fmin(due_next, hung_at), action, hung_at))
+                dues.push(heap, action_due(fmin(due_next, hung_at), action, hung_at))
                 continue
             self._counts["actions_hung"] += 1
             self.declare_hung(action.device, f"{action.kind.name} of {action.model.key} has not returned for "
                               f"{now - action.issued_at:.1f} s", now)
             if due_next < math.inf:  # its requests are still answered by their deadlines
-                dues.push(heap, ActionDue(due_next, action, math.inf))
+                dues.push(heap, action_due(due_next, action, math.inf))
 
     def declare_hung(self, device: str, why: str, now: float) -> None:
         """`device` holds a thread that never returns: it is lost for this process."""
@@ -745,7 +745,7 @@ class Scheduler(ControllerView):
         start = now if now > action.earliest else action.earliest
         hung_at = start + 10 * action.expected_duration + moved + self.hung_after_s
         due += OVERDUE_GRACE
-        dues.push(self._watches, ActionDue(due if due < hung_at else hung_at, action, hung_at))
+        dues.push(self._watches, action_due(due if due < hung_at else hung_at, action, hung_at))
         return action
 
     def issue_infer(self, spec: ModelSpec, dev: DeviceState, requests: list[InferenceRequest], batch_size: int,
@@ -1034,7 +1034,7 @@ class Scheduler(ControllerView):
             if entry is not None and not r.late and now + (best := self.best_case(r)) <= r.deadline:
                 r.status = RequestStatus.QUEUED
                 # its expiry entry was dropped while it ran: armed again, or it is never found hopeless
-                dues.push(self._expiry, RequestDue(r.deadline - best, r))
+                dues.push(self._expiry, request_due(r.deadline - best, r))
                 retry.append(r)
             elif entry is not None and r.klass != RequestClass.HARD and now < r.give_up_at:
                 self._to_lane(r, entry, now)

@@ -249,7 +249,7 @@ def test_due_heaps_give_entries_in_heapq_order() -> None:
     import random
 
     from daemon.controller import due as dues
-    from daemon.controller.due import Due, KeyDue
+    from daemon.controller.due import Due, key_due
 
     rng = random.Random(7)
     ours: list[Due] = []
@@ -264,7 +264,7 @@ def test_due_heaps_give_entries_in_heapq_order() -> None:
             continue
         # few distinct times: most order is settled by the second time or by seq
         key = (float(rng.randrange(20)), float(rng.randrange(3)), seq)
-        dues.push(ours, KeyDue(key[0], key[1], key[2], "m"))
+        dues.push(ours, key_due(key[0], key[1], key[2], "m"))
         heapq.heappush(ref, key)
         assert (ours[0].at, ours[0].then, ours[0].seq) == ref[0]
     while ref:

@@ -31,14 +31,14 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Final, cast
+from typing import Final
 
 from daemon.actions import ActionKind, Result
 from daemon.controller import due as dues
 from daemon.controller import sharing
 from daemon.controller.decisions import Drop, Infer, Load, Pass, Planned, Steps, Unload
 from daemon.controller.demand import DeviceDemand
-from daemon.controller.due import Due, KeyDue
+from daemon.controller.due import Due, key_due
 from daemon.controller.estimates import EXACT_ROW_KINDS, RATE_TAU, RateMeter
 from daemon.controller.floats import fmax, fmin
 from daemon.controller.memory import Blocks, EvictionRules
@@ -196,7 +196,7 @@ class WorkIndex:
     a pass looks only at the few most urgent models instead of every model with work.
     """
 
-    heap: list[Due] = field(default_factory=list)  # KeyDue
+    heap: list[Due] = field(default_factory=list)  # key_due
     live: dict[str, tuple[float, float]] = field(default_factory=dict)  # model -> its entry's key
     pushed: int = 0  # entries pushed so far: ties of a key are taken first in, first out
 
@@ -206,12 +206,12 @@ class WorkIndex:
             return  # its live entry is at least as urgent: it is re-keyed when it reaches the top
         self.live[key] = (rank, t)
         self.pushed += 1
-        dues.push(self.heap, KeyDue(rank, t, self.pushed, key))
+        dues.push(self.heap, key_due(rank, t, self.pushed, key))
 
     def pop(self) -> tuple[float, float, str] | None:
         heap, live = self.heap, self.live
         while heap:
-            e = cast(KeyDue, dues.pop(heap))
+            e = dues.pop(heap)
             cur = live.get(e.key)
             if cur is not None and cur[0] == e.at and cur[1] == e.then:
                 del live[e.key]
@@ -221,7 +221,7 @@ class WorkIndex:
     def top(self) -> tuple[float, float] | None:
         heap, live = self.heap, self.live
         while heap:
-            e = cast(KeyDue, heap[0])
+            e = heap[0]
             cur = live.get(e.key)
             if cur is not None and cur[0] == e.at and cur[1] == e.then:
                 return cur
