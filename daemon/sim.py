@@ -104,6 +104,8 @@ class SimResult:
     wall_s: float
     scheduler: Scheduler
     device_busy: dict[str, float]
+    # INFER seconds per device of actions started between `count_from` and the last arrival
+    counted_busy: dict[str, float] = field(default_factory=dict)
 
     @property
     def slo_attainment(self) -> float:
@@ -192,6 +194,9 @@ class Simulation:
         CPU from virtual time `count_from` on: what went before warmed it up (every model seen, its
         estimates and statistics made), as a daemon that has run a while is."""
         self._count_from = count_from
+        for ex in self.executors.values():
+            ex.counted_from = count_from
+            ex.counted_until = float(times[-1]) if len(times) else count_from
         records, index = self._arrivals(times, targets, keys, classes, max_wait_s)
         end = (float(times[-1]) if len(times) else 0.0) + drain_s
         # As the daemon does once started: what the set-up made (and the simulator's own queue of
@@ -270,7 +275,8 @@ class Simulation:
                 self._wake_at = wake
                 self.at(max(wake, now), _nothing)
         return SimResult(records, end, self._cpu, time.perf_counter() - wall0, self.scheduler,
-                         {k: e.busy_s for k, e in self.executors.items()})
+                         {k: e.busy_s for k, e in self.executors.items()},
+                         {k: e.counted_busy_s for k, e in self.executors.items()})
 
 
 def _nothing() -> None:

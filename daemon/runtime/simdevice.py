@@ -87,6 +87,11 @@ class SimExecutor:
         self.resident: set[str] = set()
         self.used = 0
         self.busy_s = 0.0
+        # INFER seconds of actions started in [counted_from, counted_until): a run's measured window
+        # (its warm-up and drain left out)
+        self.counted_from = 0.0
+        self.counted_until = math.inf
+        self.counted_busy_s = 0.0
 
     def submit(self, action: Action) -> None:
         lane = self.lanes["infer" if action.kind == ActionKind.INFER else "load"]
@@ -128,7 +133,10 @@ class SimExecutor:
             return
         status, error, d, outputs, nbytes = self._work(action, now)
         lane.busy_until = now + d
-        self.busy_s += d if action.kind == ActionKind.INFER else 0.0
+        if action.kind == ActionKind.INFER:
+            self.busy_s += d
+            if self.counted_from <= now < self.counted_until:
+                self.counted_busy_s += d
 
         def finish() -> None:
             end = self.sim.clock.now()

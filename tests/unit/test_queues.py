@@ -17,7 +17,9 @@ def test_first_matches_a_full_sort_of_the_live_entries() -> None:
             q = ModelQueue(by_arrival)
             reqs = []
             for _ in range(rng.randint(0, 60)):
-                r = InferenceRequest(spec, (), 1, rng.random(), rng.random(), rank=rng.choice([1, 2, 10]))
+                # (deadlines and arrivals from a few values too: ties are ordered by sequence number)
+                t = rng.random() if seed % 2 else rng.choice([0.25, 0.5, 0.75])
+                r = InferenceRequest(spec, (), 1, t, rng.choice([t, rng.random()]), rank=rng.choice([1, 2, 10]))
                 q.push(r)
                 reqs.append(r)
             for r in rng.sample(reqs, len(reqs) // 3):  # some taken for a batch, some finished in place
