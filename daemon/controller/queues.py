@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from heapq import heappop, heappush  # (module globals: a read of `heapq.x` is a generic attribute lookup compiled)
-from typing import Final
+from typing import Final, final
 
 from daemon.request import InferenceRequest, RequestStatus
 
@@ -32,16 +32,30 @@ class _Sequence:
 _SEQ: Final = _Sequence()
 
 
-_Entry = tuple[int, float, int, InferenceRequest]  # rank, deadline (or arrival), sequence number, request
+@final
+class _Entry:
+    """A queued request's place: its rank, deadline (or arrival, in the best-effort lane) and the
+    sequence number it was pushed with. A compiled class ordered by `__lt__`, not a tuple: heapq
+    compares tuples item by item through generic calls, and `first` compares entries directly."""
 
+    __slots__ = ("key", "rank", "req", "seq")
 
-def _before(a: _Entry, b: _Entry) -> bool:
-    """Heap order of two queue entries (as their tuples compare; sequence numbers are unique)."""
-    if a[0] != b[0]:
-        return a[0] < b[0]
-    if a[1] != b[1]:
-        return a[1] < b[1]
-    return a[2] < b[2]
+    def __init__(self, rank: int, key: float, seq: int, req: InferenceRequest) -> None:
+        self.rank = rank
+        self.key = key
+        self.seq = seq
+        self.req = req
+
+    def __lt__(self, other: _Entry) -> bool:  # (as the tuple (rank, key, seq) orders; seq is unique)
+        if self.rank != other.rank:
+            return self.rank < other.rank
+        if self.key != other.key:
+            return self.key < other.key
+        return self.seq < other.seq
+
+    def live(self) -> bool:
+        r = self.req
+        return r.status == RequestStatus.QUEUED and r.queue_seq == self.seq
 
 
 def _push_index(heap: list[_Entry], frontier: list[int], i: int) -> None:
@@ -52,7 +66,7 @@ def _push_index(heap: list[_Entry], frontier: list[int], i: int) -> None:
     while k > 0:
         parent = (k - 1) >> 1
         p = frontier[parent]
-        if not _before(e, heap[p]):
+        if not e < heap[p]:
             break
         frontier[k] = p
         k = parent
@@ -72,9 +86,9 @@ def _pop_index(heap: list[_Entry], frontier: list[int]) -> int:
         c = 2 * k + 1
         if c >= size:
             break
-        if c + 1 < size and _before(heap[frontier[c + 1]], heap[frontier[c]]):
+        if c + 1 < size and heap[frontier[c + 1]] < heap[frontier[c]]:
             c += 1
-        if not _before(heap[frontier[c]], e):
+        if not heap[frontier[c]] < e:
             break
         frontier[k] = frontier[c]
         k = c
@@ -99,13 +113,9 @@ class ModelQueue:
     def __len__(self) -> int:
         return self.requests
 
-    @staticmethod
-    def _live(e: tuple[int, float, int, InferenceRequest]) -> bool:
-        return e[3].status == RequestStatus.QUEUED and e[3].queue_seq == e[2]
-
     def push(self, req: InferenceRequest) -> None:
         req.queue_seq = seq = _SEQ.next()
-        heappush(self._heap, (req.rank, req.arrival if self._by_arrival else req.deadline, seq, req))
+        heappush(self._heap, _Entry(req.rank, req.arrival if self._by_arrival else req.deadline, seq, req))
         if not self.requests:
             self.max_rank, self.max_deadline = req.rank, req.deadline
         else:
@@ -124,17 +134,17 @@ class ModelQueue:
 
     def _skip_dead(self) -> None:
         h = self._heap
-        while h and not self._live(h[0]):
+        while h and not h[0].live():
             heappop(h)
 
     def head(self) -> InferenceRequest | None:
-        # (_skip_dead and _live inline: several times per request)
+        # (_skip_dead and live() inline: several times per request)
         h = self._heap
         queued = RequestStatus.QUEUED
         while h:
             e = h[0]
-            r = e[3]
-            if r.status == queued and r.queue_seq == e[2]:
+            r = e.req
+            if r.status == queued and r.queue_seq == e.seq:
                 return r
             heappop(h)
         return None
@@ -146,7 +156,7 @@ class ModelQueue:
 
     def pop(self) -> InferenceRequest:
         self._skip_dead()
-        r = heappop(self._heap)[3]
+        r = heappop(self._heap).req
         r.queue_seq = 0
         self.samples -= r.samples
         self.requests -= 1
@@ -171,8 +181,8 @@ class ModelQueue:
         """Up to `n` live requests, most urgent first, without removing them: a best-first walk of
         the heap from its root (O(n log n) in what it returns, not in the queue's length, which a
         flood of best-effort requests can make long). Its frontier holds indices into the heap,
-        ordered by `_before` (compiled, a comparison of two entries' fields: heapq on tuples of
-        entries compared them generically, item by item, ~9k instructions per request returned)."""
+        ordered by their entries (compiled: with heapq on tuples of entries, compared item by item
+        through generic calls, it took ~9k instructions per request returned)."""
         heap = self._heap
         out: list[InferenceRequest] = []
         size = len(heap)
@@ -183,8 +193,8 @@ class ModelQueue:
         while frontier and len(out) < n:
             i = _pop_index(heap, frontier)
             e = heap[i]
-            r = e[3]
-            if r.status == queued and r.queue_seq == e[2]:
+            r = e.req
+            if r.status == queued and r.queue_seq == e.seq:
                 out.append(r)
             c = 2 * i + 1
             if c < size:
@@ -194,4 +204,4 @@ class ModelQueue:
         return out
 
     def __iter__(self) -> Iterator[InferenceRequest]:
-        return iter([e[3] for e in sorted(self._heap) if self._live(e)])
+        return iter([e.req for e in sorted(self._heap) if e.live()])

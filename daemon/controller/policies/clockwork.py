@@ -196,35 +196,41 @@ class WorkIndex:
     a pass looks only at the few most urgent models instead of every model with work.
     """
 
-    heap: list[Due] = field(default_factory=list)  # key_due
-    live: dict[str, tuple[float, float]] = field(default_factory=dict)  # model -> its entry's key
+    heap: list[Due] = field(default_factory=list)  # key_due: (rank, t) as (at, then)
+    # model -> its live entry (the last pushed; an older one in the heap with other keys is stale).
+    # Entries, not (rank, t) tuples: compiled, a tuple of floats is boxed to build and compared
+    # item by item through generic calls, several times per request under load.
+    live: dict[str, Due] = field(default_factory=dict)
     pushed: int = 0  # entries pushed so far: ties of a key are taken first in, first out
 
     def push(self, key: str, rank: float, t: float) -> None:
         cur = self.live.get(key)
-        if cur is not None and cur <= (rank, t):
+        if cur is not None and (cur.at < rank or (cur.at == rank and cur.then <= t)):
             return  # its live entry is at least as urgent: it is re-keyed when it reaches the top
-        self.live[key] = (rank, t)
         self.pushed += 1
-        dues.push(self.heap, key_due(rank, t, self.pushed, key))
+        e = key_due(rank, t, self.pushed, key)
+        self.live[key] = e
+        dues.push(self.heap, e)
 
-    def pop(self) -> tuple[float, float, str] | None:
+    def pop(self) -> Due | None:
+        """The most urgent live entry (its `at` the rank, `then` the time, `key` the model), removed."""
         heap, live = self.heap, self.live
         while heap:
             e = dues.pop(heap)
             cur = live.get(e.key)
-            if cur is not None and cur[0] == e.at and cur[1] == e.then:
+            if cur is not None and cur.at == e.at and cur.then == e.then:
                 del live[e.key]
-                return e.at, e.then, e.key
+                return e
         return None
 
-    def top(self) -> tuple[float, float] | None:
+    def top(self) -> Due | None:
+        """The most urgent live entry, left in place."""
         heap, live = self.heap, self.live
         while heap:
             e = heap[0]
             cur = live.get(e.key)
-            if cur is not None and cur[0] == e.at and cur[1] == e.then:
-                return cur
+            if cur is not None and cur.at == e.at and cur.then == e.then:
+                return e
             dues.pop(heap)
         return None
 
@@ -340,12 +346,13 @@ class ClockworkPolicy(Policy):
         if live is None or head is None or head is req:
             return False
         latest_start = head.deadline - self._est_on(view, key, head.samples, dev)
-        if live != (head.rank, latest_start):
+        if live.at != head.rank or live.then != latest_start:
             return False  # its estimate moved: the pass re-keys it
-        mine = (req.rank, req.deadline - self._est_on(view, key, req.samples, dev))
+        rank, mine = req.rank, req.deadline - self._est_on(view, key, req.samples, dev)
         late = self.late.get(name)
         held = late.live.get(key) if late is not None else None
-        if mine < live or held is None or held > (0, mine[1]):
+        if rank < live.at or (rank == live.at and mine < live.then) or held is None or held.at > 0 or \
+                (held.at == 0 and held.then > mine):
             return False  # the arrival would change an index entry
         if dev.failed or not dev.healthy_for(key, now):
             return False
@@ -705,8 +712,9 @@ class ClockworkPolicy(Policy):
         (most of the controller's time at 5x capacity)."""
         late = self._late(dev.name)
         keep: list[tuple[str, float]] = []
-        while (top := late.top()) is not None and top[1] < start:
-            _, _, key = late.pop()  # type: ignore[misc]
+        while (top := late.top()) is not None and top.then < start:
+            late.pop()
+            key = top.key
             entry = view.models.get(key)
             if entry is None or not dev.memory.is_ready(key):
                 continue
@@ -746,7 +754,7 @@ class ClockworkPolicy(Policy):
         stash: list[tuple[str, float, float]] = []  # models left to other devices in this pass
         chosen: tuple[ModelEntry, InferenceRequest, float, float] | None = None
         while (top := work.pop()) is not None:
-            rank, latest_key, key = top
+            rank, latest_key, key = top.at, top.then, top.key
             entry = view.models.get(key)
             if entry is None or not dev.memory.is_ready(key):
                 continue
@@ -755,9 +763,9 @@ class ClockworkPolicy(Policy):
                 continue
             run = self._est_on(view, key, head.samples, dev)
             latest_start = head.deadline - run
-            if (head.rank, latest_start) > (rank, latest_key):
+            if head.rank > rank or (head.rank == rank and latest_start > latest_key):
                 nxt = work.top()
-                if nxt is not None and nxt < (head.rank, latest_start):
+                if nxt is not None and (nxt.at < head.rank or (nxt.at == head.rank and nxt.then < latest_start)):
                     work.push(key, head.rank, latest_start)  # less urgent than it was: in its place
                     continue
             if start > latest_start:
@@ -900,19 +908,21 @@ class ClockworkPolicy(Policy):
 
         lanes_free = free_lanes()
         while (top := self.cold.top()) is not None or wanted:
-            if wanted and (top is None or wanted[0][0] < top[0]):
+            if wanted and (top is None or wanted[0][0] < top.at):
                 _, _, entry = wanted.pop(0)
                 if lanes_free and (yield from self._place(view, entry, now)):
                     lanes_free = free_lanes()
                     placed_any = True
                 continue
-            deadline, minus_backlog, key = self.cold.pop()  # type: ignore[misc]
+            popped = self.cold.pop()
+            assert popped is not None
+            deadline, minus_backlog, key = popped.at, popped.then, popped.key
             entry = view.models.get(key)
             if entry is None or view.placed_on.get(key) or (head := entry.queue.head()) is None:
                 continue
-            current = (head.deadline, -self._backlog(view, entry))
-            if current > (deadline, minus_backlog):
-                self.cold.push(key, *current)  # less urgent than it was: in its place
+            now_deadline, now_minus = head.deadline, -self._backlog(view, entry)
+            if now_deadline > deadline or (now_deadline == deadline and now_minus > minus_backlog):
+                self.cold.push(key, now_deadline, now_minus)  # less urgent than it was: in its place
                 continue
             if lanes_free:
                 if (yield from self._place(view, entry, now)):
