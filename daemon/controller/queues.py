@@ -189,6 +189,12 @@ class ModelQueue:
         if size == 0 or n <= 0:
             return out
         queued = RequestStatus.QUEUED
+        if size <= 2 * n:  # (most calls: the queue is short) a sort of its live entries is cheaper
+            live = [e for e in heap if e.req.status == queued and e.req.queue_seq == e.seq]
+            live.sort()
+            if len(live) > n:
+                del live[n:]
+            return [e.req for e in live]
         frontier: list[int] = [0]
         while frontier and len(out) < n:
             i = _pop_index(heap, frontier)

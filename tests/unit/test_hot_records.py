@@ -10,6 +10,7 @@ import random
 import numpy as np
 import pytest
 
+from daemon.controller.floats import bisect_left
 from daemon.controller.policies.clockwork import ClockworkPolicy, _tenths
 from daemon.controller.state import ModelEntry
 from daemon.observability.stats import DURATION_ERROR_BOUNDS, LATENCY_BOUNDS, Buckets, Histogram, floats
@@ -93,3 +94,11 @@ def test_an_estimate_on_a_device_that_never_ran_the_model_is_its_kinds_profile()
     ran = [d.name for d in devs if h.sched.estimator.ran_on(spec.key, d.name)]
     assert len(ran) == 1
     check([d.name for d in devs if d.name not in ran])
+
+
+def test_bisect_left_finds_what_the_standard_librarys_does() -> None:
+    rng = random.Random(7)
+    for _ in range(2000):
+        a = sorted(rng.choice([0.0, 0.5, 1.0, rng.random()]) for _ in range(rng.randint(0, 40)))
+        for x in (-1.0, 0.0, 0.5, 1.0, 2.0, rng.random(), *a[:3]):
+            assert bisect_left(a, x) == bisect.bisect_left(a, x), (a, x)

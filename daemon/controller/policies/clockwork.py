@@ -28,7 +28,6 @@ Following Clockwork (OSDI '20):
 
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Final
@@ -40,7 +39,7 @@ from daemon.controller.decisions import Drop, Infer, Load, Pass, Planned, Steps,
 from daemon.controller.demand import DeviceDemand
 from daemon.controller.due import Due, key_due
 from daemon.controller.estimates import EXACT_ROW_KINDS, RATE_TAU, RateMeter
-from daemon.controller.floats import fmax, fmin
+from daemon.controller.floats import bisect_left, fmax, fmin
 from daemon.controller.memory import Blocks, EvictionRules
 from daemon.controller.policy import Policy
 from daemon.controller.state import DeviceState, ModelEntry
@@ -696,7 +695,7 @@ class ClockworkPolicy(Policy):
             suffix[i] = suffix[i + 1] + pool[i].samples
         best_rows, best_at = 0, 0
         for rows in range(1, cap + 1):
-            i = bisect.bisect_left(deadlines, ends[rows])
+            i = bisect_left(deadlines, ends[rows])
             if suffix[i] >= rows:
                 best_rows, best_at = rows, i
         return best_rows, best_at
