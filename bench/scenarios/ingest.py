@@ -28,6 +28,7 @@ import re
 import statistics
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,15 @@ async def _grpc_clients(port: int, message: bytes, stop: float, counts: list[int
             await ch.close()
 
 
+def inline_run_ns(port: int) -> int:
+    """The loop's CPU spent running models on the latency path so far (0 for a tree without it):
+    model work done on the loop's thread to skip two hand-offs, not the loop's own."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(r'^escapement_controller_events_total\{event="latency_path_cpu_ns"\} (\S+)$', text, re.M)
+    return int(float(m.group(1))) if m else 0
+
+
 def _closed_loop(protocol: str, server: Escapement, clients: int, seconds: float, warmup: float,
                  spec: Any) -> dict[str, float]:
     request = http_binary(spec).raw
@@ -146,11 +156,15 @@ def _closed_loop(protocol: str, server: Escapement, clients: int, seconds: float
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(go(warmup))
+        inline0 = inline_run_ns(server.port)
         loop0, all0, t0 = _thread_cpu(server.pid, server.pid), cpu_seconds(server.pid), time.monotonic()
         ok, failed = runner.run(go(seconds))
         wall = time.monotonic() - t0
         loop_s, all_s = _thread_cpu(server.pid, server.pid) - loop0, cpu_seconds(server.pid) - all0
+        inline_s = (inline_run_ns(server.port) - inline0) / 1e9
     return {"requests_per_s": ok / wall, "failed": failed, "loop_us_per_request": loop_s / max(ok, 1) * 1e6,
+            "inline_run_us_per_request": inline_s / max(ok, 1) * 1e6,
+            "loop_us_deciding": (loop_s - inline_s) / max(ok, 1) * 1e6,
             "controller_process_cores": all_s / wall}
 
 
@@ -174,15 +188,19 @@ def run(quick: bool = False, json_out: str | None = None, workers: list[int] | N
                                      "rep": rep, **m})
     summary: dict[str, Any] = {"model": MODEL, "clients": clients, "reps": reps}
     loop_us: dict[str, dict[str, float]] = {}
+    deciding: dict[str, dict[str, float]] = {}
     rps: dict[str, dict[str, float]] = {}
     for protocol in PROTOCOLS:
         loop_us[protocol] = {}
+        deciding[protocol] = {}
         rps[protocol] = {}
         for n in counts:
             mine = [r for r in rows if r["protocol"] == protocol and r["workers"] == n]
             loop_us[protocol][str(n)] = statistics.median(r["loop_us_per_request"] for r in mine)
+            deciding[protocol][str(n)] = statistics.median(r["loop_us_deciding"] for r in mine)
             rps[protocol][str(n)] = statistics.median(r["requests_per_s"] for r in mine)
     summary["loop_us_per_request"] = loop_us
+    summary["loop_us_deciding"] = deciding
     summary["requests_per_s_by_workers"] = rps["http"]
     summary["socket_requests_per_s_by_workers"] = rps["socket"]
     summary["grpc_requests_per_s_by_workers"] = rps["grpc"]
@@ -197,12 +215,15 @@ def run(quick: bool = False, json_out: str | None = None, workers: list[int] | N
     notes = [f"command: {command('ingest', quick)}",
              f"{clients} closed-loop clients, batch 1, {seconds:g} s per point after a warm-up, {reps} reps "
              "interleaved; medians. The generator shares the machine's cores with the daemon.",
-             "loop_us_per_request: CPU of the controller process's main (event-loop) thread per answered request."]
+             "loop_us_per_request: CPU of the controller process's main (event-loop) thread per answered request.",
+             "loop_us_deciding: the same less the models' runs on that thread (the latency path runs a lone or "
+             "small batch there, skipping two thread hand-offs; the daemon counts that CPU, latency_path_cpu_ns): "
+             "the link records, the controller and the answers."]
     config = {"command": command("ingest", quick), "workers": counts, "clients": clients, "seconds": seconds,
               "reps": reps}
     return results.write("ingest", config,
                          rows, summary, json_out, notes=notes,
-                         columns=["label", "rep", "requests_per_s", "loop_us_per_request",
+                         columns=["label", "rep", "requests_per_s", "loop_us_per_request", "loop_us_deciding",
                                   "controller_process_cores", "failed"])
 
 

@@ -18,38 +18,28 @@ workers runs its only mode (its row says workers = "-").
 
 from __future__ import annotations
 
-import re
 import statistics
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from bench import loadgen, results
 from bench.scenarios.common import Frontend, command, demo_repo, measure, spec_of
-from bench.scenarios.ingest import _thread_cpu_ns
+from bench.scenarios.ingest import _thread_cpu_ns, inline_run_ns
 from bench.servers import Escapement
 
 MODEL = "mlp_784"
 FRONTENDS: tuple[Frontend, ...] = ("socket", "http-json")
 
 
-def _inline_ns(port: int) -> int:
-    """The loop's CPU spent running models on the latency path so far (0 for a tree without it)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    m = re.search(r'^escapement_controller_events_total\{event="latency_path_cpu_ns"\} (\S+)$', text, re.M)
-    return int(float(m.group(1))) if m else 0
-
-
 def _point(server: Escapement, frontend: Frontend, rate: float, seconds: float, rep: int, spec: Any) -> dict[str, Any]:
     sched = loadgen.poisson(rate, seconds, seed=rep)
     warmup = min(1.0, seconds / 5)
-    i0 = _inline_ns(server.port)
+    i0 = inline_run_ns(server.port)
     c0 = _thread_cpu_ns(server.pid, server.pid)
     m = measure(sched, frontend, server.pid, [MODEL], socket_path=server.socket, port=server.port, specs=[spec],
                 warmup=warmup, drain_s=2.0)
     loop_s = (_thread_cpu_ns(server.pid, server.pid) - c0) / 1e9
-    inline_s = (_inline_ns(server.port) - i0) / 1e9
+    inline_s = (inline_run_ns(server.port) - i0) / 1e9
     r = results.row(m.run, frontend, spec.slo_s, rep=rep, server_cores=m.server_cores,
                     generator_cores=m.generator_cores)
     answered = int((m.run.records.status == 200).sum())  # every request of the run, warm-up included

@@ -23,6 +23,7 @@ fixed model of the loop, so decisions stay deterministic), and its saturation is
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 import numpy as np
@@ -89,7 +90,8 @@ def point(n_models: int, speedup: float, rate: float, seconds: float, devices: i
             "controller_us_per_request": res.controller_s / max(n, 1) * 1e6,
             "requests_per_core_s": n / max(res.controller_s, 1e-9), "controller_cores": res.controller_s / seconds,
             "batched_capacity_rps": capacity, "goodput_of_capacity": float(met.sum()) / seconds / capacity,
-            "device_busy": sum(res.counted_busy.values()) / (devices * seconds),
+            # (an older tree's simulator, run by scale_ab or scale_instructions, has no such count)
+            "device_busy": sum(getattr(res, "counted_busy", {"": math.nan}).values()) / (devices * seconds),
             "cold_start_rate": (c["cold_starts"] / max(c["admitted"], 1) if not warm_s
                                 else float(rec.cold[counted].mean()) if n else 0.0),
             "requests": n, "wall_s": res.wall_s}
