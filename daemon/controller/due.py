@@ -86,24 +86,31 @@ def push(heap: list[Due], entry: Due) -> None:
 
 
 def pop(heap: list[Due]) -> Due:
-    """The first entry, removed (the heap must not be empty)."""
+    """The first entry, removed (the heap must not be empty). As heapq does: the hole left at the
+    root moves down along the smaller children to a leaf (one comparison a level), and the last
+    entry goes up from there (it belongs near the bottom, so that is a comparison or two), rather
+    than sinking the last entry from the root (two a level): under overload the expiry heap holds
+    thousands of queued requests (issue 12's callgrind: ~9k instructions a request in pops)."""
     last = heap.pop()
     if not heap:
         return last
     first = heap[0]
     n = len(heap)
     pos = 0
-    while True:
-        child = 2 * pos + 1
-        if child >= n:
-            break
+    child = 1
+    while child < n:
         right = child + 1
         if right < n and _before(heap[right], heap[child]):
             child = right
-        down = heap[child]
-        if not _before(down, last):
-            break
-        heap[pos] = down
+        heap[pos] = heap[child]
         pos = child
+        child = 2 * pos + 1
+    while pos > 0:
+        parent = (pos - 1) >> 1
+        up = heap[parent]
+        if not _before(last, up):
+            break
+        heap[pos] = up
+        pos = parent
     heap[pos] = last
     return first
