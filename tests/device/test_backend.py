@@ -62,7 +62,10 @@ def check(be: CudaBackend, res: Resident, n: int, seed: int = 0) -> tuple[np.nda
     assert len(outs) == len(ref)
     for o, r in zip(outs, ref, strict=True):
         assert o.shape == tuple(r.shape)
-        np.testing.assert_allclose(o, r.numpy(), rtol=1e-5, atol=1e-6)
+        # a GPU's float32 kernels sum in another order than the CPU reference (seen on an H200:
+        # 1.9e-6 apart at 0.011); the stand-in computes on the CPU and must match it closely
+        tol = (1e-4, 1e-5) if be.device.kind == "cuda" else (1e-5, 1e-6)
+        np.testing.assert_allclose(o, r.numpy(), rtol=tol[0], atol=tol[1])
     return outs
 
 
