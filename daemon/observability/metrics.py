@@ -382,6 +382,9 @@ def _prefix_cache_metrics(caches: Mapping[str, PrefixCacheStats]) -> Iterator[Me
     evictions = CounterMetricFamily("escapement_prefix_cache_evictions",
                                     "Prefix cache entries dropped to make room (runtime.prefix_cache_entries, "
                                     "runtime.prefix_cache_bytes)", labels=dev)
+    unseen = CounterMetricFamily("escapement_prefix_cache_unseen",
+                                 "Large inputs seen for the first time: sketched, not hashed whole, looked up or kept",
+                                 labels=dev)
     entries = GaugeMetricFamily("escapement_prefix_cache_entries", "Outputs the prefix cache holds", labels=dev)
     nbytes = GaugeMetricFamily("escapement_prefix_cache_bytes", "Bytes of outputs the prefix cache holds",
                                labels=dev)
@@ -389,9 +392,10 @@ def _prefix_cache_metrics(caches: Mapping[str, PrefixCacheStats]) -> Iterator[Me
         hits.add_metric([name], st.hits)
         misses.add_metric([name], st.misses)
         evictions.add_metric([name], st.evictions)
+        unseen.add_metric([name], st.unseen)
         entries.add_metric([name], st.entries)
         nbytes.add_metric([name], st.bytes)
-    yield from (hits, misses, evictions, entries, nbytes)
+    yield from (hits, misses, evictions, unseen, entries, nbytes)
 
 
 def make_registry(scheduler: Callable[[], Scheduler], overload: LagTracker | None = None,

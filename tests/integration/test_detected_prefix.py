@@ -107,7 +107,9 @@ def test_plain_variants_share_their_backbone_found_at_load(family: Path, daemon_
 
     for g, w in zip(asyncio.run(go()), want, strict=True):
         for n in NAMES:
-            np.testing.assert_array_equal(g[n], w[n])  # bit for bit
+            # a cross-model batch has more rows than alone, which a BLAS kernel may block otherwise
+            # (an AVX-512 Xeon: up to 1.5e-6 apart): close, not bit for bit
+            np.testing.assert_allclose(g[n], w[n], rtol=1e-5, atol=1e-5)
     assert _statistics(dt)["counters"]["cross_model_batches"] >= 1
     assert not dt.errors
 

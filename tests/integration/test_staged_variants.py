@@ -78,7 +78,9 @@ def test_three_staged_variants_share_their_backbone_and_answer_as_alone(family: 
     got = asyncio.run(go())
     for g, w in zip(got, want, strict=True):
         for n in NAMES:
-            np.testing.assert_array_equal(g[n], w[n])  # bit for bit
+            # a cross-model batch has more rows than alone, which a BLAS kernel may block otherwise
+            # (an AVX-512 Xeon: up to 1.5e-6 apart): close, not bit for bit
+            np.testing.assert_allclose(g[n], w[n], rtol=1e-5, atol=1e-5)
     counters = dt.call(lambda: dict(sched.counters))
     assert counters["cross_model_batches"] >= 1
     assert counters["cross_model_members"] >= 2 * counters["cross_model_batches"]
@@ -133,7 +135,9 @@ def test_staged_variants_share_their_backbone_stage_on_the_cuda_backend(family: 
 
         for g, w in zip(asyncio.run(go()), want, strict=True):
             for n in NAMES:
-                np.testing.assert_array_equal(g[n], w[n])  # the stand-in's kernels are the CPU's: bit for bit
+                # a cross-model batch has more rows than alone, which a BLAS kernel may block otherwise
+                # (an AVX-512 Xeon: up to 1.5e-6 apart): close, not bit for bit
+                np.testing.assert_allclose(g[n], w[n], rtol=1e-5, atol=1e-5)
         assert dt.call(lambda: dt.daemon.controller.scheduler.counters["cross_model_batches"]) >= 1
         (stages, charged, counted), = held
         assert [holders for _, holders in stages.values()] == [len(NAMES)]  # one backbone, every variant's

@@ -4,6 +4,7 @@ models, and the cache of its outputs by input."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from daemon.request import InferenceRequest
 from daemon.runtime.backend import CpuBackend
 from daemon.runtime.devices import Device
 from daemon.runtime.objstore import ObjectStore
-from daemon.runtime.prefixcache import PrefixCache
+from daemon.runtime.prefixcache import PrefixCache, plan_prefix
 from daemon.runtime.program import Chain, load_program, prefix_key, tail_key
 
 
@@ -183,3 +184,67 @@ def test_the_prefix_cache_is_bounded_in_count_and_bytes() -> None:
     assert cache.get(b"huge") is None
     assert PrefixCache.key("s", [np.ones((1, 2), np.float32)]) != PrefixCache.key("s", [np.ones((2, 1), np.float32)])
     assert PrefixCache.key("s", [np.ones((1, 2))]) != PrefixCache.key("t", [np.ones((1, 2))])
+
+
+class CountingCache(PrefixCache):
+    """A prefix cache that counts whole-input hashes (what the sketch exists to save)."""
+
+    wholes = 0
+
+    @staticmethod
+    def key(sid: str, inputs: Sequence[np.ndarray]) -> bytes:
+        CountingCache.wholes += 1
+        return PrefixCache.key(sid, inputs)
+
+
+class _Spec:
+    key = "m:1"
+
+
+def _req(x: np.ndarray) -> InferenceRequest:
+    return InferenceRequest(_Spec(), (x,), len(x), 0.0, 1.0)  # type: ignore[arg-type]
+
+
+def _image(seed: int) -> InferenceRequest:
+    return _req(np.random.default_rng(seed).standard_normal((1, 3, 64, 64)).astype(np.float32))  # 48 KiB
+
+
+def test_large_inputs_are_hashed_whole_only_once_seen_before() -> None:
+    cache = CountingCache(16, 1 << 30)
+    CountingCache.wholes = 0
+    distinct = [_image(i) for i in range(8)]
+    plan = plan_prefix(cache, "s", distinct)
+    assert CountingCache.wholes == 0 and plan.keys == [None] * 8 and len(plan.run) == 8
+    assert cache.stats().unseen == 8 and cache.stats().misses == 0
+    # seen before: hashed whole, missed, kept; the next sighting is served from the cache
+    again = plan_prefix(cache, "s", [_image(3)])
+    assert CountingCache.wholes == 1 and again.keys[0] is not None and cache.stats().misses == 1
+    again.keep(cache, (torch.ones(1, 4),))
+    third = plan_prefix(cache, "s", [_image(3)])
+    assert third.run == [] and cache.stats().hits == 1
+    # twice in one batch, never seen before: both hashed, computed once
+    twice = plan_prefix(cache, "s", [_image(100), _image(100), _image(101)])
+    assert len(twice.run) == 2 and [j for j, _ in twice.sources] == [0, 0, 1]
+
+
+def test_a_sketch_that_matches_by_chance_never_serves_another_inputs_output() -> None:
+    cache = PrefixCache(16, 1 << 30)
+    a = _image(0)
+    b_input = a.inputs[0].copy()
+    b_input.reshape(-1).view(np.uint8)[1000] ^= 0xFF  # a byte between the sketch's windows
+    b = _req(b_input)
+    assert PrefixCache.sketch("s", a.inputs) == PrefixCache.sketch("s", b.inputs)
+    for _ in range(2):  # a kept from its second sighting
+        plan = plan_prefix(cache, "s", [a])
+    plan.keep(cache, (torch.zeros(1, 4),))
+    assert plan_prefix(cache, "s", [a]).run == []
+    other = plan_prefix(cache, "s", [b])  # its sketch is known: hashed whole, and not a's key
+    assert len(other.run) == 1 and other.keys[0] is not None and other.sources == [(0, None)]
+
+
+def test_small_inputs_are_hashed_whole_at_once() -> None:
+    cache = CountingCache(16, 1 << 30)
+    CountingCache.wholes = 0
+    small = _req(np.ones((4, 6), np.float32))
+    plan = plan_prefix(cache, "s", [small])
+    assert CountingCache.wholes == 1 and plan.keys[0] is not None and cache.stats().unseen == 0
