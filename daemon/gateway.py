@@ -47,6 +47,7 @@ from daemon.errors import BadRequest, ConfigError, DeadlineExceeded, NotFound, O
 from daemon.model import ModelSpec
 from daemon.observability import metrics
 from daemon.observability.stats import ModelStats, Span
+from daemon.observability.threads import thread_cpu
 from daemon.overload import LagTracker
 from daemon.request import InferenceRequest, RequestStatus
 
@@ -375,7 +376,8 @@ class Gateway:
                                    "refused": m.refused},
                 "personalization": dataclasses.asdict(self.personal.stats()),
                 "applications": {n: self.apps.status(n)["counters"] for n in self.apps.apps},
-                "prefix_cache": {n: dataclasses.asdict(st) for n, st in self._prefix_caches().items()}}
+                "prefix_cache": {n: dataclasses.asdict(st) for n, st in self._prefix_caches().items()},
+                "threads_cpu_s": thread_cpu()}
 
     def _prefix_caches(self) -> dict[str, PrefixCacheStats]:
         """Each CPU device's cache of shared stages' outputs (runtime/prefixcache.py), by device."""

@@ -40,7 +40,7 @@ from bench import loadgen
 from bench.gpu import errors
 from bench.gpu.profiles import Arch, architectures, export
 from bench.scenarios.common import passes
-from bench.scenarios.many_models import build_repo, point, predictability, stats
+from bench.scenarios.many_models import build_repo, point, predictability, stats, threads_markdown
 from bench.servers import Escapement
 from daemon.clock import MonotonicClock
 from daemon.config import load_settings
@@ -176,7 +176,7 @@ def run_policy(policy: str, work: Path, names: list[str], popularity: np.ndarray
             "models_resident_at_end": resident, **predictability(tel),
             "telemetry": {k: tel[k] for k in ("executor_lateness_ms", "start_error_ms", "duration_error",
                                               "prediction_error_ms", "load_time_ms", "load_copy_ms") if k in tel},
-            "counters": st.get("counters", {})}
+            "counters": st.get("counters", {}), "prefix_cache": st.get("prefix_cache", {})}
 
 
 def _f(x: Any, fmt: str = ".2f") -> str:
@@ -215,6 +215,7 @@ def markdown(result: dict[str, Any]) -> str:
         if p["skipped_rps"]:
             lines.append(f"| {p['policy']} | skipped (time): {', '.join(f'{x:.1f}' for x in p['skipped_rps'])} "
                          "| | | | | | | |")
+    lines += threads_markdown([(p["policy"], p["rows"]) for p in result["policies"]])
     for p in result["policies"]:
         if p.get("infer_error_causes", {}).get("infers"):
             lines += ["", f"Where {p['policy']}'s INFER prediction errors come from (its trace, bench/gpu/errors.py):",

@@ -20,6 +20,11 @@ records the device bytes its resident variants are charged at the end, and `memo
 them per resident variant (black-box / shared). Before the daemons, the CUDA backend alone times a
 variant's LOAD over a held backbone against a full one (`load_times`).
 
+Both modes run with the prefix cache off (`runtime.prefix_cache_entries = 0`): the load generator
+sends each variant one fixed input, so with the cache on, the shared mode would serve nearly every
+backbone from it and measure Pretzel's sub-plan materialization on an artificial workload rather
+than cross-model batching (and every request would be hashed whole).
+
 Per mode: SLO attainment, p50/p99 and cold-start rate per load, capacity at SLO (the highest
 offered load with >= 99% within the SLO and p99 within it), cross-model batches. Ratios: capacity
 shared / black-box, p99 black-box / shared at the highest load both ran. Writes DIR/sharing.json
@@ -46,6 +51,7 @@ from torch import nn
 from bench import loadgen
 from bench.gpu.manymodels import device_name, run_policy
 from bench.gpu.profiles import BasicBlock, ResNet
+from bench.scenarios.many_models import threads_markdown
 from daemon.demo import save_model
 from daemon.repository import scan
 
@@ -193,7 +199,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"{f['variants']} variants of {f['backbone']} with their own heads, Zipf s=1.0, SLO 100 ms; weight budget "
              f"{f['weight_budget'] / 2**20:.0f} MiB beside a {f['workspace'] / 2**20:.0f} MiB workspace (every "
              f"variant fits, ~{f['unshared_variant_bytes'] / 1e6:.1f} MB each); backbone batch-1 "
-             f"{f['backbone_b1_ms']:.3f} ms eager.", "",
+             f"{f['backbone_b1_ms']:.3f} ms eager. The prefix cache is off in both modes (each variant gets one "
+             "fixed input: with it on, the shared mode would serve its backbones from the cache).", "",
              "| mode | capacity at SLO (req/s) | cross-model batches | actions | variants resident at the end "
              "| device MB charged for them |", "|---|---|---|---|---|---|"]
     for m in result["modes"]:
@@ -210,6 +217,11 @@ def markdown(result: dict[str, Any]) -> str:
         if m["skipped_rps"]:
             lines.append(f"| {m['mode']} | skipped (time): {', '.join(f'{x:.1f}' for x in m['skipped_rps'])} "
                          "| | | | | | |")
+    lines += threads_markdown([(m["mode"], m["rows"]) for m in result["modes"]])
+    for m in result["modes"]:
+        for dev, pc in sorted(m.get("prefix_cache", {}).items()):
+            lines.append(f"\n{m['mode']}: {dev}'s prefix cache over the daemon's life: {pc['hits']} hits, "
+                         f"{pc['misses']} misses, {pc.get('unseen', 0)} large inputs seen once (sketched, not hashed).")
     lt = result.get("load_times")
     if lt:
         lines += ["", f"LOAD on the backend alone (median of {lt['reps']} rounds): a variant onto an empty device "
@@ -292,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             left = deadline - time.monotonic()
             r = run_policy("clockwork", work, names, popularity, rates, args.device, budget, plan,  # type: ignore[arg-type]
                            time.monotonic() + left / (len(MODES) - i), out,
-                           {"runtime": {"share_weights": share}}, log_name=f"sharing-{mode}.log")
+                           {"runtime": {"share_weights": share, "prefix_cache_entries": 0}},
+                           log_name=f"sharing-{mode}.log")
             r["mode"] = mode
             modes.append(r)
     finally:

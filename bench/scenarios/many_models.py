@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.client
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +68,13 @@ def point(server: Escapement, sched: loadgen.Schedule, names: list[str], specs: 
           slo: float, label: str, **extra: Any) -> dict[str, Any]:
     """One offered load against a running daemon: the client's row, with cold starts, loads and
     evictions from the daemon's counters over the same span."""
-    before = stats(server.port)["counters"]
+    first = stats(server.port)
+    t0 = time.monotonic()
     m = measure(sched, "socket", server.pid, names, socket_path=server.socket, specs=specs, warmup=0.0,
                 drain_s=3 * slo)
-    after = stats(server.port)["counters"]
+    last = stats(server.port)
+    threads = thread_cores(first.get("threads_cpu_s", {}), last.get("threads_cpu_s", {}), time.monotonic() - t0)
+    before, after = first["counters"], last["counters"]
     d = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
     r = results.row(m.run, label, slo, **extra, server_cores=m.server_cores, generator_cores=m.generator_cores,
                     cold_start_rate=d.get("cold_starts", 0) / max(d.get("admitted", 0), 1),
@@ -78,7 +82,27 @@ def point(server: Escapement, sched: loadgen.Schedule, names: list[str], specs: 
                     missed_deadline=d.get("missed_deadline", 0))
     # every model's own SLO counts: attainment from the daemon's met/missed counters too
     r["daemon_slo_attainment"] = d.get("met_deadline", 0) / max(d.get("admitted", 0), 1)
+    r["server_threads"] = threads
     return r
+
+
+def thread_cores(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
+    """Cores each of the daemon's threads used between two readings of its `threads_cpu_s`, busiest
+    first (those under 0.005 left out)."""
+    cores = {n: (s - before.get(n, 0.0)) / wall for n, s in after.items()} if wall > 0 else {}
+    return {n: round(c, 3) for n, c in sorted(cores.items(), key=lambda kv: -kv[1]) if c >= 0.005}
+
+
+def threads_markdown(groups: list[tuple[str, list[dict[str, Any]]]]) -> list[str]:
+    """Lines of a table: per label and offered load, the controller process's cores and its busiest
+    threads (its `threads_cpu_s`; `other` is library threads such as CUDA's and ended ones)."""
+    lines = ["", "The controller process's CPU per offered load (cores: the process, then its busiest threads):",
+             "", "| run | offered req/s | process | threads |", "|---|---|---|---|"]
+    for label, rows in groups:
+        for r in rows:
+            top = ", ".join(f"{n} {c:.2f}" for n, c in list(r.get("server_threads", {}).items())[:5])
+            lines.append(f"| {label} | {r['offered_rps']:.1f} | {r.get('server_cores', 0.0):.2f} | {top} |")
+    return lines
 
 
 def _meets_slo(r: dict[str, Any]) -> bool:

@@ -34,6 +34,7 @@ from prometheus_client.utils import floatToGoString
 
 from daemon.api.httpserver import Request, Response, Router
 from daemon.observability.stats import Buckets, ModelStats
+from daemon.observability.threads import thread_cpu
 from daemon.overload import LagTracker
 
 if TYPE_CHECKING:  # (types only: a frontend worker renders nothing here, and loads no controller or torch)
@@ -142,6 +143,12 @@ class EscapementCollector:
             yield from _personal_metrics(self._personal)
         if self._prefix_caches is not None:
             yield from _prefix_cache_metrics(self._prefix_caches())
+        cpu = CounterMetricFamily("escapement_thread_cpu_seconds",
+                                  "CPU seconds of the daemon's threads by name (other: library threads such as "
+                                  "CUDA's and torch's, and ended ones)", labels=["thread"])
+        for name, seconds in sorted(thread_cpu().items()):
+            cpu.add_metric([name], seconds)
+        yield cpu
         if self._overload is not None:
             o = self._overload
             yield GaugeMetricFamily("escapement_event_loop_lag_seconds",

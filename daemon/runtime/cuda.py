@@ -1024,7 +1024,10 @@ class CudaBackend:
         # (the executor gives the whole-program path a deadline from the action's estimate; this
         # path has none, so it allows the hang timeout past ten times the longest INFER seen here)
         deadline = self._deadline() + 10 * self._longest_s
-        plan = plan_prefix(self.prefix_cache, lead.program.prefix, [r for _, reqs in members for r in reqs])
+        # a lone plan that must run its prefix runs whole (below) and keeps nothing, so its lookups
+        # pay off only where this stage's outputs are kept (black-box serving: never)
+        pc, sid = self.prefix_cache, lead.program.prefix
+        plan = plan_prefix(pc, sid, [r for _, reqs in members for r in reqs], look=len(members) > 1 or pc.holds(sid))
         if len(members) == 1 and plan.run:
             # a lone plan whose prefix must run anyway runs as one program, with its graphs
             reqs = members[0][1]

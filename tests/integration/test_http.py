@@ -261,3 +261,7 @@ def test_models_were_profiled_in_their_warm_up(test_daemon: DaemonThread, test_r
     stats = orjson.loads(raw(test_daemon, "GET", "/v2/controller/stats")[2])
     assert stats["policy"] == "clockwork"
     assert {"executor_lateness_ms", "duration_error", "start_error_ms"} <= set(stats["telemetry"])
+    # the daemon's CPU by thread: the event loop and the device's INFER lane by name, in stats and /metrics
+    threads = stats["threads_cpu_s"]
+    assert "MainThread" in threads and any(n.startswith("cpu:0") for n in threads), threads
+    assert b'escapement_thread_cpu_seconds_total{thread="other"}' in raw(test_daemon, "GET", "/metrics")[2]

@@ -248,3 +248,16 @@ def test_small_inputs_are_hashed_whole_at_once() -> None:
     small = _req(np.ones((4, 6), np.float32))
     plan = plan_prefix(cache, "s", [small])
     assert CountingCache.wholes == 1 and plan.keys[0] is not None and cache.stats().unseen == 0
+
+
+def test_the_cache_knows_which_stages_it_holds_outputs_of() -> None:
+    cache = PrefixCache(max_entries=2, max_bytes=1 << 20)
+    assert not cache.holds("s")
+    cache.put(b"1", (torch.zeros(2),), "s")
+    cache.put(b"2", (torch.zeros(2),), "t")
+    assert cache.holds("s") and cache.holds("t")
+    cache.put(b"3", (torch.zeros(2),), "t")  # s's only entry is the oldest: pushed out
+    assert not cache.holds("s") and cache.holds("t")
+    # without `look` a batch is planned with no lookups: every request runs, none is kept
+    plan = plan_prefix(cache, "t", [_image(1), _image(1)], look=False)
+    assert len(plan.run) == 2 and plan.keys == [None, None] and cache.stats().misses == 0
