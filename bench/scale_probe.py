@@ -4,7 +4,8 @@
         wall µs per request of each Scheduler phase (submit, schedule, on_result, next_wakeup),
         median of RUNS runs in this process
     python -m bench.scale_probe profile TREE [MODELS RATE SECONDS SPEEDUP]
-        cProfile of the controller's calls only (the Driver's submit, step, next_wakeup)
+        cProfile of the controller's calls only (the Driver's submit, step, next_wakeup); with
+        CALLERS=PATTERN in the environment, also who called the functions matching PATTERN
     python -m bench.scale_probe point TREE [MODELS RATE SECONDS SPEEDUP]
         one point's controller µs per request and SLO attainment (seed 1, as the 35k row)
     python -m bench.scale_probe models TREE [RUNS [WARM]]
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import cProfile
 import hashlib
+import os
 import pstats
 import statistics
 import sys
@@ -85,6 +87,8 @@ def profile(models: int, rate: float, seconds: float, speedup: float) -> None:
     print("requests", r["requests"], "attainment", r["slo_attainment"], "(µs/request under the profiler:",
           round(r["controller_us_per_request"], 1), ")")
     pstats.Stats(prof).sort_stats("tottime").print_stats(40)
+    if os.environ.get("CALLERS"):  # e.g. CALLERS="method 'get'": who makes those calls
+        pstats.Stats(prof).print_callers(os.environ["CALLERS"])
 
 
 def decisions() -> None:
