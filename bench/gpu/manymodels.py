@@ -42,6 +42,7 @@ from bench.gpu.profiles import Arch, architectures, export
 from bench.scenarios.common import passes
 from bench.scenarios.many_models import build_repo, point, predictability, stats, threads_markdown
 from bench.servers import Escapement
+from bench.spy import markdown as spy_markdown
 from daemon.clock import MonotonicClock
 from daemon.config import load_settings
 from daemon.repository import scan
@@ -124,8 +125,8 @@ def prepare(device: str, plan: Plan, arch: Arch, base: Path) -> dict[str, Any]:
 
 def run_policy(policy: str, work: Path, names: list[str], popularity: np.ndarray, rates: list[float],
                device: str, budget: int, plan: Plan, deadline: float, log_dir: Path,
-               overrides: dict[str, dict[str, Any]] | None = None, log_name: str = "", trace: bool = False
-               ) -> dict[str, Any]:
+               overrides: dict[str, dict[str, Any]] | None = None, log_name: str = "", trace: bool = False,
+               spy: bool = False) -> dict[str, Any]:
     """One policy's daemon at every load; `trace`: every action traced, and where its INFER prediction
     errors come from summarized (bench/gpu/errors.py; the trace's writing costs the loop a little)."""
     specs = {m.name: m for m in scan(work).models}
@@ -155,7 +156,8 @@ def run_policy(policy: str, work: Path, names: list[str], popularity: np.ndarray
                 skipped.append(rate)  # bounded in time: the rows say what was not offered
                 continue
             sched = loadgen.poisson(rate, secs, len(names), popularity, seed=i)
-            rows.append(point(server, sched, names, spec_list, secs, slo, policy, level=i))
+            spy_out = log_dir / f"spy-{log_name or policy}-{i}.txt".replace(".log", "") if spy else None
+            rows.append(point(server, sched, names, spec_list, secs, slo, policy, spy_out=spy_out, level=i))
         st = stats(server.port)
     causes: dict[str, Any] = {}
     if trace:
@@ -217,6 +219,9 @@ def markdown(result: dict[str, Any]) -> str:
                          "| | | | | | | |")
     lines += threads_markdown([(p["policy"], p["rows"]) for p in result["policies"]])
     for p in result["policies"]:
+        for r in p["rows"][-2:]:  # the highest loads: where the SLO holds last and breaks
+            lines += spy_markdown(r.get("spy", {}), f"{p['policy']} at {r['offered_rps']:.1f} req/s")
+    for p in result["policies"]:
         if p.get("infer_error_causes", {}).get("infers"):
             lines += ["", f"Where {p['policy']}'s INFER prediction errors come from (its trace, bench/gpu/errors.py):",
                       "", errors.markdown(p["infer_error_causes"])]
@@ -237,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a daemon setting for every policy's run, a TOML value (repeatable)")
     ap.add_argument("--budget", type=float, help="seconds for the whole run (default: the plan's)")
+    ap.add_argument("--spy", action="store_true",
+                    help="sample each daemon with py-spy at every load (bench/spy.py; where it is installed)")
     args = ap.parse_args(argv)
     overrides: dict[str, dict[str, Any]] = {}
     for item in args.set:
@@ -272,13 +279,14 @@ def main(argv: list[str] | None = None) -> int:
                  "load_ms": prep["profile"]["load_ms"], "raw_b1_limit_rps": limit, "offered_rps": rates,
                  "export_s": prep["export_s"], "profile_s": prep["profile_s"]}
         policies = [run_policy(p, work, names, popularity, rates, args.device, budget, plan, deadline, out,
-                               overrides, trace=True) for p in args.policy or POLICIES]
+                               overrides, trace=True, spy=args.spy) for p in args.policy or POLICIES]
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(base, ignore_errors=True)
     cmd = (f"python -m bench.gpu.manymodels --device {args.device} --out DIR" + (" --quick" if args.quick else "")
            + (f" --budget {args.budget:g}" if args.budget else "")
-           + "".join(f" --policy {p}" for p in args.policy or ()) + "".join(f" --set {x}" for x in args.set))
+           + "".join(f" --policy {p}" for p in args.policy or ()) + "".join(f" --set {x}" for x in args.set)
+           + (" --spy" if args.spy else ""))
     result = {"device": device_name(args.device), "device_kind": kind, "torch": torch.__version__, "command": cmd,
               "seconds": time.monotonic() - t0, "plan": asdict(plan), "facts": facts, "policies": policies,
               "summary": {p["policy"]: {k: p.get(k) for k in (

@@ -52,6 +52,7 @@ from bench import loadgen
 from bench.gpu.manymodels import device_name, run_policy
 from bench.gpu.profiles import BasicBlock, ResNet
 from bench.scenarios.many_models import threads_markdown
+from bench.spy import markdown as spy_markdown
 from daemon.demo import save_model
 from daemon.repository import scan
 
@@ -219,6 +220,9 @@ def markdown(result: dict[str, Any]) -> str:
                          "| | | | | | |")
     lines += threads_markdown([(m["mode"], m["rows"]) for m in result["modes"]])
     for m in result["modes"]:
+        for r in m["rows"][-2:]:
+            lines += spy_markdown(r.get("spy", {}), f"{m['mode']} at {r['offered_rps']:.1f} req/s")
+    for m in result["modes"]:
         for dev, pc in sorted(m.get("prefix_cache", {}).items()):
             lines.append(f"\n{m['mode']}: {dev}'s prefix cache over the daemon's life: {pc['hits']} hits, "
                          f"{pc['misses']} misses, {pc.get('unseen', 0)} large inputs seen once (sketched, not hashed).")
@@ -272,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget", type=float, help="seconds for the whole run (default: the plan's)")
+    ap.add_argument("--spy", action="store_true",
+                    help="sample each daemon with py-spy at every load (bench/spy.py; where it is installed)")
     ap.add_argument("--loads-only", action="store_true",
                     help="only the backend's LOAD times (a few seconds; bench/gpu/check.sh runs this)")
     args = ap.parse_args(argv)
@@ -305,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             r = run_policy("clockwork", work, names, popularity, rates, args.device, budget, plan,  # type: ignore[arg-type]
                            time.monotonic() + left / (len(MODES) - i), out,
                            {"runtime": {"share_weights": share, "prefix_cache_entries": 0}},
-                           log_name=f"sharing-{mode}.log")
+                           log_name=f"sharing-{mode}.log", spy=args.spy)
             r["mode"] = mode
             modes.append(r)
     finally:
@@ -322,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                "memory_ratio": _ratio(black["device_bytes_at_end"] / max(black["models_resident_at_end"], 1),
                                       shared["device_bytes_at_end"] / max(shared["models_resident_at_end"], 1))}
     cmd = (f"python -m bench.gpu.sharing --device {args.device} --out DIR" + (" --quick" if args.quick else "")
-           + (f" --budget {args.budget:g}" if args.budget else ""))
+           + (f" --budget {args.budget:g}" if args.budget else "") + (" --spy" if args.spy else ""))
     result = {"device": device_name(args.device), "device_kind": kind, "torch": torch.__version__, "command": cmd,
               "seconds": time.monotonic() - t0, "plan": asdict(plan),
               "facts": {"variants": plan.n, "backbone": "ResNet-18 features" if kind == "cuda" else "small conv net",

@@ -10,6 +10,7 @@ raw batch-1 limit (no batching, no cold starts) is reported beside it for scale.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import shutil
 import tempfile
@@ -23,6 +24,7 @@ import orjson
 from bench import loadgen, raw, results
 from bench.scenarios.common import command, demo_repo, measure, spec_of
 from bench.servers import Escapement
+from bench.spy import Spy
 from daemon.model import ModelSpec
 from daemon.repository import scan
 
@@ -65,13 +67,15 @@ def predictability(telemetry: dict[str, Any]) -> dict[str, Any]:
 
 
 def point(server: Escapement, sched: loadgen.Schedule, names: list[str], specs: list[ModelSpec], seconds: float,
-          slo: float, label: str, **extra: Any) -> dict[str, Any]:
+          slo: float, label: str, spy_out: Path | None = None, **extra: Any) -> dict[str, Any]:
     """One offered load against a running daemon: the client's row, with cold starts, loads and
-    evictions from the daemon's counters over the same span."""
+    evictions from the daemon's counters over the same span; `spy_out`: the daemon sampled by
+    py-spy meanwhile, where it is installed (bench/spy.py), its raw stacks written there."""
     first = stats(server.port)
     t0 = time.monotonic()
-    m = measure(sched, "socket", server.pid, names, socket_path=server.socket, specs=specs, warmup=0.0,
-                drain_s=3 * slo)
+    with Spy(server.pid, seconds, spy_out) if spy_out is not None else contextlib.nullcontext() as spy:
+        m = measure(sched, "socket", server.pid, names, socket_path=server.socket, specs=specs, warmup=0.0,
+                    drain_s=3 * slo)
     last = stats(server.port)
     threads = thread_cores(first.get("threads_cpu_s", {}), last.get("threads_cpu_s", {}), time.monotonic() - t0)
     before, after = first["counters"], last["counters"]
@@ -83,6 +87,8 @@ def point(server: Escapement, sched: loadgen.Schedule, names: list[str], specs: 
     # every model's own SLO counts: attainment from the daemon's met/missed counters too
     r["daemon_slo_attainment"] = d.get("met_deadline", 0) / max(d.get("admitted", 0), 1)
     r["server_threads"] = threads
+    if spy is not None and spy.summary:
+        r["spy"] = spy.summary
     return r
 
 
