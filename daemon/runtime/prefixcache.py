@@ -231,7 +231,10 @@ def plan_prefix(cache: PrefixCache, sid: str, requests: Sequence[InferenceReques
 
 def _worth_hashing(cache: PrefixCache, sid: str, requests: Sequence[InferenceRequest]) -> list[bool]:
     """Per request, whether its input is hashed whole: a small one always; a large one when its
-    sketch was seen in an earlier batch or appears twice in this one."""
+    sketch was seen in an earlier batch or appears twice in this one; none in a batch with object
+    (BYTES) inputs, which are never looked up."""
+    if any(a.dtype.hasobject for r in requests for a in r.inputs):
+        return [False] * len(requests)  # (BYTES: objects, whose bytes are pointers, not content)
     sketches = [cache.sketch(sid, r.inputs) for r in requests]
     if all(s is None for s in sketches):
         return [True] * len(requests)

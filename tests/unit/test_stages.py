@@ -261,3 +261,11 @@ def test_the_cache_knows_which_stages_it_holds_outputs_of() -> None:
     # without `look` a batch is planned with no lookups: every request runs, none is kept
     plan = plan_prefix(cache, "t", [_image(1), _image(1)], look=False)
     assert len(plan.run) == 2 and plan.keys == [None, None] and cache.stats().misses == 0
+
+
+def test_object_inputs_are_never_looked_up() -> None:
+    cache = CountingCache(16, 1 << 30)
+    CountingCache.wholes = 0
+    words = np.array([["a" * 10] * 4000], dtype=object)  # > 16 KiB of pointers, not of content
+    plan = plan_prefix(cache, "s", [_req(words), _req(words.copy())])
+    assert CountingCache.wholes == 0 and plan.keys == [None, None] and len(plan.run) == 2
