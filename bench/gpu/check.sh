@@ -118,7 +118,7 @@ fi
 step "shared backbone: a variant's LOAD over it against a full one" sharing-loads.log \
     "$py" -m bench.gpu.sharing --device "$device" --out "$out" --loads-only
 [[ $manymodels == 1 ]] && step "many models: clockwork against dynamic on a real daemon" manymodels.log \
-    timeout 270 "$py" -m bench.gpu.manymodels --device "$device" --out "$out" \
+    timeout 270 "$py" -m bench.gpu.manymodels --device "$device" --out "$out" --spy \
     $([[ $standin == 1 ]] && echo --quick || echo --budget 240)
 
 summary+=("" "$(( $(date +%s) - started )) s in all; $failed step(s) failed.")
