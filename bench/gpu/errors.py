@@ -31,7 +31,11 @@ from typing import Any
 
 import numpy as np
 
+from daemon.controller.estimates import DEFAULT_MAX_AGE, DEFAULT_WINDOW
+
 CIRCUMSTANCES = ("during_load", "first_after_load", "neither")
+GROSS_S = 0.002  # an estimate this far above the device time is looked into (`overestimates`)
+WINDOW, WINDOW_AGE_S = DEFAULT_WINDOW, DEFAULT_MAX_AGE  # the estimator's defaults
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -71,8 +75,35 @@ def infers(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
         what = "during_load" if during else "first_after_load" if first else "neither"
         out.append({"circumstance": what, "error": abs(wall - e["expected"]),
                     "device_part": device_s - e["expected"] if device_s else None,
-                    "host_part": wall - device_s if device_s else None, "batch": e.get("batch")})
+                    "host_part": wall - device_s if device_s else None, "batch": e.get("batch"),
+                    "model": e["model"], "device": dev, "begin": begin, "device_s": device_s,
+                    "expected": e["expected"]})
     return out
+
+
+def overestimates(rows: list[dict[str, Any]], gross_s: float = GROSS_S) -> dict[str, Any]:
+    """INFERs whose device time fell short of the estimate by more than `gross_s`, and whether a
+    recent slow run explains each: the estimator's window (controller/estimates.py: the last
+    WINDOW runs of the model at that batch size on that device within WINDOW_AGE_S) held a device
+    time within 10% of the estimate. If so, what that slow run's circumstance was: a cold run after
+    a LOAD or one beside a LOAD lengthens the estimate of every run after it until it ages out."""
+    recent: dict[tuple[str, str, Any], list[dict[str, Any]]] = defaultdict(list)
+    gross = explained = 0
+    causes: dict[str, int] = defaultdict(int)
+    for r in rows:  # (in order of begin)
+        key = (r["model"], r["device"], r["batch"])
+        window = [w for w in recent[key] if r["begin"] - w["begin"] <= WINDOW_AGE_S][-WINDOW:]
+        if r["device_s"] and r["expected"] - r["device_s"] > gross_s:
+            gross += 1
+            slow = [w for w in window if abs(w["device_s"] - r["expected"]) <= 0.1 * r["expected"]]
+            if slow:
+                explained += 1
+                causes[slow[-1]["circumstance"]] += 1
+        if r["device_s"]:
+            window.append(r)
+        recent[key] = window
+    return {"gross_s": gross_s, "count": gross, "explained_by_a_recent_slow_run": explained,
+            "slow_run_circumstances": dict(causes)}
 
 
 def summarize(lines: list[dict[str, Any]]) -> dict[str, Any]:
@@ -93,6 +124,7 @@ def summarize(lines: list[dict[str, Any]]) -> dict[str, Any]:
             "device_over_estimate_p1_ms": _pct(dev, 1), "device_over_estimate_p99_ms": _pct(dev, 99),
             "host_part_p50_ms": _pct(host, 50),
             "host_part_p99_ms": _pct(host, 99)}
+    out["overestimates"] = overestimates(rows)
     return out
 
 
@@ -115,6 +147,11 @@ def markdown(s: dict[str, Any]) -> str:
                      f"{f(c['device_over_estimate_p99_ms'])} | "
                      f"{f(c['host_part_p50_ms'])} / "
                      f"{f(c['host_part_p99_ms'])} |")
+    o = s.get("overestimates")
+    if o:
+        lines += ["", f"Estimates more than {o['gross_s'] * 1e3:g} ms above the device time: {o['count']}; "
+                  f"{o['explained_by_a_recent_slow_run']} of them match a slow run still in the estimator's "
+                  f"window (within 10%), that run's circumstance: {o['slow_run_circumstances'] or '-'}."]
     return "\n".join(lines)
 
 
