@@ -27,7 +27,16 @@ from typing import Any
 import uvloop
 
 from bench.scenarios.common import http_binary, socket_frame, spec_of
-from bench.scenarios.ingest import MODEL, _build_repo, _http_client, _socket_client, _thread_cpu_ns
+from bench.scenarios.ingest import (
+    MODEL,
+    _build_repo,
+    _grpc_clients,
+    _grpc_port,
+    _http_client,
+    _socket_client,
+    _thread_cpu_ns,
+    grpc_infer_message,
+)
 from bench.servers import ROOT, Escapement
 
 
@@ -44,6 +53,8 @@ def _load(protocol: str, server: Escapement, spec: Any, clients: int, seconds: f
         stop = time.monotonic() + seconds
         if protocol == "http":
             await asyncio.gather(*(_http_client(server.port, request, stop, counts) for _ in range(clients)))
+        elif protocol == "grpc":
+            await _grpc_clients(_grpc_port(server), grpc_infer_message(spec), stop, counts, clients)
         else:
             await asyncio.gather(*(_socket_client(server.socket, frame, stop, counts) for _ in range(clients)))
 
@@ -100,7 +111,8 @@ def profile(protocol: str, seconds: float, workers: int, clients: int, out: Path
         env = {"ESCAPEMENT_CPROFILE": str(out), "PYTHONPATH": f"{hook}:{ROOT}"} if cprofile else {}
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # the daemon (and its workers) inherit it
-        server = Escapement(repo, server={"frontend_workers": workers})
+        server = Escapement(repo, server={"frontend_workers": workers,
+                                          **({"grpc": "127.0.0.1:0"} if protocol == "grpc" else {})})
         with server:
             for k, v in old.items():
                 if v is None:
@@ -184,7 +196,7 @@ def cprofile_summary(path: Path, requests: int, top: int = 45) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--protocol", default="http", choices=("http", "socket"))
+    ap.add_argument("--protocol", default="http", choices=("http", "socket", "grpc"))
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--clients", type=int, default=16)
