@@ -1,6 +1,6 @@
 """Where the controller process's loop (and a frontend worker's) spends its time per request.
 
-Not a registered scenario: `python -m bench.scenarios.ingest_profile [--protocol http|socket]
+Not a registered scenario: `python -m bench.scenarios.ingest_profile [--protocol http|socket|grpc]
 [--seconds 8] [--workers 1] [--out DIR]`. It starts the daemon on the ingest scenario's null model
 with frontend workers, drives it with the ingest scenario's closed-loop clients and samples the
 controller's main thread and the worker's with py-spy (`--nonblocking`, 1 kHz) meanwhile. It prints,
