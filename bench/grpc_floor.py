@@ -11,6 +11,7 @@ of this (bench/results/ingest-profile-grpc-2026-11-29-xeon.md).
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -76,13 +77,20 @@ async def load(port: int, secs: float, n: int = 16) -> int:
 
 
 
+async def ready(port: int) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        await asyncio.wait_for(ch.channel_ready(), 30)
+
+
 if MODE == "serve":
     serve(sys.argv[2], int(sys.argv[3]))
 else:
     for kind in ("aio", "sync:4", "sync:16", "aio", "sync:4"):
         port = 50000 + sum(map(ord, kind)) % 1000
-        p = subprocess.Popen([sys.executable, __file__, "serve", kind, str(port)])
-        time.sleep(1.5)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        p = subprocess.Popen([sys.executable, "-m", "bench.grpc_floor", "serve", kind, str(port)], cwd=root,
+                             env={**os.environ, "PYTHONPATH": root})
+        asyncio.run(ready(port))
         asyncio.run(load(port, 1.0))
         c0, t0 = cpu(p.pid), time.monotonic()
         n = asyncio.run(load(port, 4.0))
