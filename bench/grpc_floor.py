@@ -53,10 +53,6 @@ def serve(kind: str, port: int) -> None:
 
 
 
-def cpu(pid: int) -> float:
-    return cpu_seconds(pid)
-
-
 
 async def load(port: int, secs: float, n: int = 16) -> int:
     chans = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
@@ -92,9 +88,9 @@ else:
                              env={**os.environ, "PYTHONPATH": root})
         asyncio.run(ready(port))
         asyncio.run(load(port, 1.0))
-        c0, t0 = cpu(p.pid), time.monotonic()
+        c0, t0 = cpu_seconds(p.pid), time.monotonic()
         n = asyncio.run(load(port, 4.0))
-        c1, t1 = cpu(p.pid), time.monotonic()
+        c1, t1 = cpu_seconds(p.pid), time.monotonic()
         print(kind, f"{n / (t1 - t0):.0f} calls/s, server {(c1 - c0) / n * 1e6:.0f} us CPU a call, "
               f"{(c1 - c0) / (t1 - t0):.2f} cores", flush=True)
         p.kill()

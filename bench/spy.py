@@ -76,7 +76,7 @@ def summarize(raw: str, top: int = 8) -> dict[str, Any]:
         if not stack or not n.isdigit() or n == "0":
             continue
         thread, *frames = stack.split(";")
-        per[_thread_name(thread)][_short(frames[-1]) if frames else "(no Python frame)"] += int(n)
+        per[_thread_name(thread)][short_frame(frames[-1]) if frames else "(no Python frame)"] += int(n)
     total = sum(sum(c.values()) for c in per.values()) or 1
     out: dict[str, Any] = {}
     for name, frames in sorted(per.items(), key=lambda kv: -sum(kv[1].values())):
@@ -92,11 +92,14 @@ def _thread_name(label: str) -> str:
     return name.strip() or label.strip()
 
 
-def _short(frame: str) -> str:
-    # "func (path/to/file.py:123)" -> "func (dir/file.py:123)"
+def short_frame(frame: str, line: bool = True) -> str:
+    """"func (path/to/file.py:123)" -> "func (to/file.py:123)", or without the line ("func
+    (to/file.py)": one row per function where lines would split it)."""
     name, _, where = frame.partition(" (")
-    path, _, line = where.rstrip(")").rpartition(":")
-    return f"{name} ({'/'.join(Path(path).parts[-2:])}:{line})" if path else frame
+    path, _, number = where.rstrip(")").rpartition(":")
+    if not path:
+        return frame
+    return f"{name} ({'/'.join(Path(path).parts[-2:])}{':' + number if line else ''})"
 
 
 def markdown(summary: dict[str, Any], title: str) -> list[str]:

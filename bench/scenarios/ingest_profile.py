@@ -38,6 +38,7 @@ from bench.scenarios.ingest import (
     grpc_infer_message,
 )
 from bench.servers import ROOT, Escapement
+from bench.spy import short_frame
 
 
 def _children(pid: int) -> list[int]:
@@ -78,8 +79,8 @@ def summarize(stacks: list[tuple[list[str], int]], us_per_request: float, top: i
     self_by: collections.Counter[str] = collections.Counter()
     incl: collections.Counter[str] = collections.Counter()
     for frames, n in stacks:
-        self_by[_short(frames[-1])] += n
-        for f in {_short(f) for f in frames}:
+        self_by[short_frame(frames[-1], line=False)] += n
+        for f in {short_frame(f, line=False) for f in frames}:
             incl[f] += n
     lines = [f"samples {total}; loop thread {us_per_request:.1f} us/request (schedstat)", "",
              "| self frame | share | us/request |", "|---|---|---|"]
@@ -91,13 +92,6 @@ def summarize(stacks: list[tuple[list[str], int]], us_per_request: float, top: i
             break
         lines.append(f"| `{f}` | {n / total:.1%} | {n / total * us_per_request:.1f} |")
     return "\n".join(lines)
-
-
-def _short(frame: str) -> str:
-    # "func (path/to/file.py:123)" -> "func (file.py)": lines split one function into many rows
-    name, _, where = frame.partition(" (")
-    path = where.rstrip(")").rsplit(":", 1)[0]
-    return f"{name} ({'/'.join(Path(path).parts[-2:])})"
 
 
 def profile(protocol: str, seconds: float, workers: int, clients: int, out: Path,
