@@ -30,7 +30,7 @@ from daemon.notify import Notifier
 from daemon.preparation import Prepared, Preparer
 from daemon.repository import ScanResult, Stamp, scan, stamp
 from daemon.runtime import shared_prefix
-from daemon.runtime.cuda import shared_block
+from daemon.runtime.cuda import shared_blocks
 from daemon.runtime.devices import Device
 from daemon.runtime.executor import Executor
 from daemon.runtime.hostmem import HostPins
@@ -397,10 +397,11 @@ class ModelManager:
             # (runtime.share_weights off: every model charged in full, as black-box serving)
             shared = self.settings.runtime.share_weights
             blocks = item.program.blocks if shared else ()
-            # (a CUDA device holds a plan's shared leading stage once, as one block: runtime/cuda.py)
-            stage = shared_block(item.program) if shared else None
+            # (a CUDA device holds a plan's shared leading stage once, as one block, and its static
+            # inputs as another: runtime/cuda.py)
+            stages = shared_blocks(item.program) if shared else ()
             sched.add_model(item.spec, self.preparer.footprint(item.program), blocks=blocks,
-                            prefix=item.program.prefix if shared else "", stage_blocks=(stage,) if stage else ())
+                            prefix=item.program.prefix if shared else "", stage_blocks=stages)
             for kind, (infer, load, share) in item.seeds.items():
                 sched.seed(item.spec.key, kind, infer, load, share)
             if item.program.prefix and shared:  # per-stage estimates (cross-model batches), from the host's runs

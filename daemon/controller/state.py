@@ -82,7 +82,7 @@ class ModelEntry:
     spec: ModelSpec
     weight_bytes: int  # device bytes of a LOAD onto a device holding none of its blocks
     blocks: Blocks = ()  # its weights by content (shared with other models on devices that share)
-    stage_blocks: Blocks = ()  # on EXTENT_KINDS devices: its shared leading stage's extent, if any
+    stage_blocks: Blocks = ()  # on EXTENT_KINDS devices: its shared leading stage's extent and input block, if any
     queue: ModelQueue = field(default_factory=ModelQueue)
     # Requests answered late rather than lost: they could not make their target, or never had one;
     # served in device time no on-time work needs, oldest first.

@@ -6,7 +6,8 @@ the workspace reserve. Each resident model is one extent of it (arena.py) holdin
 and its static IO buffers (inputs and outputs at the largest batch size). A plan of stages whose
 leading stage other plans share (Pretzel: variants of one backbone) holds that stage's weights
 in an extent of their own, one per device for every resident plan that has the stage, freed with
-the last of them; its extent holds the rest (`prefix_bytes`). CUDA graphs of every
+the last of them, and their static inputs in another (`input_block`: INFERs run one at a time);
+its extent holds the rest (`prefix_bytes`). CUDA graphs of every
 model share one graph pool, charged to the workspace reserve: only one inference runs on a
 device at a time, and a graph's outputs are copied into the model's static output buffers,
 so the pool holds only temporaries and its size is the largest model's, not the sum. torch's
@@ -34,6 +35,7 @@ later action fails at once. A wait past its deadline (a hung kernel) does the sa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -189,9 +191,13 @@ class CudaResident:
     lock: threading.Lock = field(default_factory=threading.Lock)  # held by an INFER, or by a compaction moving it
     last_s: dict[int, float] = field(default_factory=dict)  # batch size -> a low estimate of its device time
     # A plan whose leading stage's weights are held apart, shared (SharedStage): its stage_key and
-    # those weights' region ("" and None for other models)
+    # those weights' region ("" and None for other models); and its static inputs' block, held
+    # apart too (input_block): its id, its region and its lock
     shared_sid: str = ""
     shared: Region | None = None
+    inputs_sid: str = ""
+    shared_inputs: Region | None = None
+    inputs_lock: threading.Lock | None = None
 
     @property
     def weight_regions(self) -> list[Region]:
@@ -201,10 +207,14 @@ class CudaResident:
 
 @dataclass(slots=True, eq=False)
 class SharedStage:
-    """A leading stage's weights on a device, held once for every resident plan that has it."""
+    """A leading stage's weights on a device, or its plans' static inputs, held once for every
+    resident plan that has it."""
 
     extent: Extent
     holders: int
+    # (an input block's: held while something reads or writes its bytes, an INFER or a LOAD's
+    # first runs, so a LOAD of one variant never reads what another's INFER is copying in)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def low_estimate(prev: float, seconds: float) -> float:
@@ -265,16 +275,45 @@ def shared_block(program: Program) -> tuple[str, int] | None:
     return (stage_key(program), aligned(n)) if n else None
 
 
+def input_block(program: Program) -> tuple[str, int, list[int]] | None:
+    """The static inputs a CUDA device holds once for every plan with this shared leading stage and
+    these inputs at this largest batch size: (its id, its bytes in the arena, each input's offset
+    in it); None where the plan has no shared stage (it keeps its inputs in its own extent).
+
+    Variants of one backbone take the same inputs, and at ResNet sizes those buffers were most of
+    what a variant held of its own (4.8 of 4.9 MB on the H200, 3x224x224 at batch 8). Sharing
+    them is safe because INFERs on a device run one at a time (its one INFER lane) and each copies
+    its rows in before its kernels read them; a LOAD's first runs read them under the block's
+    lock (`SharedStage.lock`)."""
+    if not prefix_bytes(program):
+        return None
+    spec = program.spec
+    offsets, off = [], 0
+    rows = [spec.max_batch_size * _sample_bytes(t.sample_shape, t.datatype.tensor_dtype) for t in spec.inputs]
+    for n in rows:
+        offsets.append(off)
+        off += aligned(n)
+    return f"inputs:{stage_key(program)}:{','.join(map(str, rows))}", aligned(max(off, 256)), offsets
+
+
+def shared_blocks(program: Program) -> tuple[tuple[str, int], ...]:
+    """Every block a CUDA device holds once for all plans alike (its leading stage's weights, its
+    static inputs), as the controller's memory map counts them: (id, bytes) each."""
+    stage, ins = shared_block(program), input_block(program)
+    return tuple(b for b in (stage, (ins[0], ins[1]) if ins is not None else None) if b is not None)
+
+
 def extent_layout(program: Program, skip: int = 0) -> tuple[int, list[int], list[int], int, list[int]]:
     """(weights bytes, input offsets, output offsets, total, first-stage output offsets) of a
-    model's extent; its weights less the first `skip` bytes (held apart: prefix_bytes)."""
+    model's extent; its weights less the first `skip` bytes (held apart: prefix_bytes). A plan
+    whose stage is held apart holds its inputs apart too (input_block): no input offsets then."""
     spec = program.spec
     b = spec.max_batch_size
     off = aligned(program.weight_bytes - skip)
     ins: list[int] = []
     outs: list[int] = []
     mids: list[int] = []
-    for group, tensors in ((ins, spec.inputs), (outs, spec.outputs), (mids, mid_specs(program))):
+    for group, tensors in ((ins, () if skip else spec.inputs), (outs, spec.outputs), (mids, mid_specs(program))):
         for t in tensors:
             group.append(off)
             off += aligned(b * _sample_bytes(t.sample_shape, t.datatype.tensor_dtype))
@@ -318,6 +357,7 @@ class CudaBackend:
         self._chunk_events = [api.event(timing=False) for _ in range(LOAD_INFLIGHT)]
         self._copy_begin, self._copy_end = api.event(), api.event()
         self._loaded, self._captured = api.event(timing=False), api.event(timing=False)
+        self._warmed = api.event(timing=False)  # a LOAD's first runs over a shared input block are done
         self._fences = {s.name: api.event(timing=False) for s in self._streams_used}
         self._events_staged: list[Event] = []  # timing between a cross-model batch's kernels (infer_staged)
         self._longest_s = 0.0  # the longest INFER's device time here (infer_staged's deadline)
@@ -345,9 +385,14 @@ class CudaBackend:
         return self._failed
 
     def footprint(self, program: Program) -> int:
-        """Bytes a LOAD of `program` charges here when the device holds none of its shared stage."""
+        """Bytes a LOAD of `program` charges here when the device holds none of its shared stage
+        (nor its input block)."""
         skip = self._skip(program)
-        return self._own_bytes(program, skip) + (aligned(skip, self.arena.align) if skip else 0)
+        if not skip:
+            return self._own_bytes(program, 0)
+        ins = input_block(program)
+        assert ins is not None
+        return self._own_bytes(program, skip) + aligned(skip, self.arena.align) + aligned(ins[1], self.arena.align)
 
     def _own_bytes(self, program: Program, skip: int) -> int:
         """Its own extent's bytes: its weights less the first `skip` (a shared stage's), IO buffers."""
@@ -379,23 +424,31 @@ class CudaBackend:
         skip = self._skip(program)
         need = self._own_bytes(program, skip)
         sk = stage_key(program) if skip else ""
-        stage, fresh = self._hold_stage(key, sk, skip, deadline) if skip else (None, False)
+        block = input_block(program) if skip else None
+        ik = block[0] if block is not None else ""
+        held: list[str] = []  # shared blocks this LOAD holds, let go of if it fails before it binds
         try:
+            stage, fresh = self._hold_stage(key, sk, skip, deadline) if skip else (None, False)
+            held += [sk] if skip else []
+            ins, fresh_in = self._hold_stage(key, ik, block[1], deadline) if block is not None else (None, False)
+            held += [ik] if block is not None else []
             ext = self._place(key, need, deadline)
         except BaseException:
-            if stage is not None:
-                self._drop_stage(sk)
+            for sid in held:
+                self._drop_stage(sid)
             raise
-        st = self._layout(program, ext, self.arena_buf.region(stage.extent.offset, skip) if stage else None)
-        st.shared_sid = sk
-        # (what this LOAD took of the budget: a stage another resident plan holds costs nothing)
-        res = Resident(key, program, need + (stage.extent.nbytes if stage is not None and fresh else 0),
-                       _unbound, {}, st)
+        st = self._layout(program, ext, self.arena_buf.region(stage.extent.offset, skip) if stage else None,
+                          self.arena_buf.region(ins.extent.offset, block[1]) if ins and block else None)
+        st.shared_sid, st.inputs_sid = sk, ik
+        st.inputs_lock = ins.lock if ins is not None else None
+        # (what this LOAD took of the budget: a block another resident plan holds costs nothing)
+        res = Resident(key, program, need + sum(h.extent.nbytes for h, new in ((stage, fresh), (ins, fresh_in))
+                                                if h is not None and new), _unbound, {}, st)
         try:
             duration = self._copy_weights(program, st, deadline, fresh)
             self._pin_io(program, res, st)
             self._bind(res, st)
-            res.notes = self._make_graphs(program, res, st, deadline)
+            res.notes = self._make_graphs(program, res, st, deadline, zero_shared=fresh_in)
             self.api.record(self._captured, self.capture_s)
             self._captured.wait(deadline)
         except DeviceFault as e:
@@ -410,8 +463,8 @@ class CudaBackend:
         return res, duration
 
     def _hold_stage(self, key: str, sk: str, nbytes: int, deadline: float) -> tuple[SharedStage, bool]:
-        """The extent of the shared stage `sk` (stage_key) here, held once more; (it, whether this
-        LOAD made it: then its weights must be copied in)."""
+        """The extent of the shared stage `sk` (stage_key; or an input block's id) here, held once
+        more; (it, whether this LOAD made it: then its weights must be copied in)."""
         with self._lock:
             held = self._stages.get(sk)
             if held is not None:
@@ -462,9 +515,10 @@ class CudaBackend:
                            "moving its idle models would not make one")
         return ext
 
-    def _layout(self, program: Program, ext: Extent, shared: Region | None = None) -> CudaResident:
+    def _layout(self, program: Program, ext: Extent, shared: Region | None = None,
+                inputs: Region | None = None) -> CudaResident:
         """Where a model's weights and static buffers are: in its extent, and (`shared`) its leading
-        stage's weights in their shared extent."""
+        stage's weights in their shared extent, with (`inputs`) its static inputs in their block."""
         wbytes, ins, outs, _, mids = extent_layout(program, shared.nbytes if shared is not None else 0)
         spec = program.spec
         b = spec.max_batch_size
@@ -472,11 +526,16 @@ class CudaBackend:
         in_rb = [_sample_bytes(t.sample_shape, t.datatype.tensor_dtype) for t in spec.inputs]
         out_rb = [_sample_bytes(t.sample_shape, t.datatype.tensor_dtype) for t in spec.outputs]
         mid_rb = [_sample_bytes(t.sample_shape, t.datatype.tensor_dtype) for t in mid_specs(program)]
-        return CudaResident(ext, base.sub(0, wbytes),
-                            [base.sub(o, b * n) for o, n in zip(ins, in_rb, strict=True)],
+        if inputs is not None:
+            block = input_block(program)
+            assert block is not None and block[1] == inputs.nbytes
+            in_regions = [inputs.sub(o, b * n) for o, n in zip(block[2], in_rb, strict=True)]
+        else:
+            in_regions = [base.sub(o, b * n) for o, n in zip(ins, in_rb, strict=True)]
+        return CudaResident(ext, base.sub(0, wbytes), in_regions,
                             [base.sub(o, b * n) for o, n in zip(outs, out_rb, strict=True)], in_rb, out_rb,
                             mids=[base.sub(o, b * n) for o, n in zip(mids, mid_rb, strict=True)],
-                            mid_row_bytes=mid_rb, shared=shared)
+                            mid_row_bytes=mid_rb, shared=shared, shared_inputs=inputs)
 
     def _copy_weights(self, program: Program, st: CudaResident, deadline: float, stage: bool = False) -> float:
         """The weights into the extent (and, with `stage`, the shared stage's into theirs), after
@@ -610,8 +669,9 @@ class CudaBackend:
             idle = {id(r) for r in locked}
             holding: dict[str, list[Resident]] = {}
             for r in candidates:
-                if r.state.shared_sid:
-                    holding.setdefault(r.state.shared_sid, []).append(r)
+                for sid in (r.state.shared_sid, r.state.inputs_sid):
+                    if sid:
+                        holding.setdefault(sid, []).append(r)
             with self._lock:
                 # (a LOAD in progress holds its stage without being resident: that stage stays put)
                 stages = {held.extent.id: holding.get(sk, []) for sk, held in self._stages.items()
@@ -658,14 +718,17 @@ class CudaBackend:
         api.record(self._loaded, self.load_s)
         for r in moved.values():
             st = r.state
-            shared = None
-            if st.shared is not None:
-                with self._lock:
+            shared = inputs = None
+            with self._lock:
+                if st.shared is not None:
                     shared = self.arena_buf.region(self._stages[st.shared_sid].extent.offset, st.shared.nbytes)
-            now = self._layout(r.program, st.extent, shared)
+                if st.shared_inputs is not None:
+                    inputs = self.arena_buf.region(self._stages[st.inputs_sid].extent.offset, st.shared_inputs.nbytes)
+            now = self._layout(r.program, st.extent, shared, inputs)
             # (a plan's first-stage outputs too: its parts' graphs write them, and they moved with it)
             st.weights, st.inputs, st.outputs, st.mids, st.shared = now.weights, now.inputs, now.outputs, now.mids, \
                 now.shared
+            st.shared_inputs = now.shared_inputs
             self._bind(r, st)
             r.notes = self._make_graphs(r.program, r, st, deadline)
         api.record(self._captured, self.capture_s)
@@ -741,17 +804,21 @@ class CudaBackend:
         writes = [r.sub(0, b * n) for r, n in zip(st.outputs, st.out_row_bytes, strict=True)]
         return reads, writes
 
-    def _make_graphs(self, program: Program, res: Resident, st: CudaResident, deadline: float) -> str:
+    def _make_graphs(self, program: Program, res: Resident, st: CudaResident, deadline: float,
+                     zero_shared: bool = False) -> str:
         """Warm every batch size up on the capture stream and capture its graph, largest first;
-        why the model runs eagerly, if it does."""
+        why the model runs eagerly, if it does. `zero_shared`: its input block is new here."""
         api = self.api
         api.wait_event(self.capture_s, self._loaded)
         # The first runs read the static inputs (and a plan's rest reads its first stage's outputs),
         # and so do a cross-model batch's padding rows, which no copy fills: zeros, never what the
-        # arena held (an index read from stale bytes can trip a device-side assert).
+        # arena held (an index read from stale bytes can trip a device-side assert). A shared input
+        # block is zeroed once, when made: later it holds real inputs, and another plan's INFER may
+        # be copying some in.
         zero_mids = [r.buffer.view(r.offset, torch.uint8, (r.nbytes,)) for r in st.mids]
-        api.launch(self.capture_s, _zero([*res.io[program.spec.max_batch_size].device, *zero_mids]), [],
-                   [*st.inputs, *st.mids])
+        zero_ins = st.shared_inputs is None or zero_shared
+        api.launch(self.capture_s, _zero([*(res.io[program.spec.max_batch_size].device if zero_ins else ()),
+                                          *zero_mids]), [], [*(st.inputs if zero_ins else ()), *st.mids])
         if self.graphs_enabled and not program.capture_problem:
             parked = self.graph_cache.take(self._graph_key(program, st), st.extent.offset, st.extent.nbytes)
             if parked is not None:  # captured for this structure at this offset: the copy was the LOAD
@@ -767,11 +834,16 @@ class CudaBackend:
             why = f"not capturable: {program.capture_problem}"
         sizes = sorted(program.spec.batch_sizes, reverse=True)
         parts = sorted(st.stage_steps, key=lambda k: (-k[1], k[0]))
-        for b in sizes:  # first runs (lazy initialisation) all before any capture: a failed
-            reads, writes = self._touches(st, b)  # capture is the last thing done on this stream
-            api.launch(self.capture_s, st.steps[b], reads, writes)
-        for key in parts:
-            api.launch(self.capture_s, st.stage_steps[key], *self._stage_touches(st, key))
+        lock = st.inputs_lock if st.inputs_lock is not None else contextlib.nullcontext()
+        with lock:  # (a shared input block: no other plan's INFER copies in while these read it)
+            for b in sizes:  # first runs (lazy initialisation) all before any capture: a failed
+                reads, writes = self._touches(st, b)  # capture is the last thing done on this stream
+                api.launch(self.capture_s, st.steps[b], reads, writes)
+            for key in parts:
+                api.launch(self.capture_s, st.stage_steps[key], *self._stage_touches(st, key))
+            if st.inputs_lock is not None:
+                api.record(self._warmed, self.capture_s)
+                self._warmed.wait(deadline)
         for b in sizes:
             if why:
                 break
@@ -855,7 +927,8 @@ class CudaBackend:
         the shared stage's weights they read are ("" where the structure cannot be told)."""
         if not program.structure or st.shared is None:
             return program.structure
-        return f"{program.structure}@{st.shared.offset}"
+        ins = f"+{st.shared_inputs.offset}" if st.shared_inputs is not None else ""
+        return f"{program.structure}@{st.shared.offset}{ins}"
 
     def _unwind(self, res: Resident, st: CudaResident) -> None:
         """A failed LOAD lets go of what it took; the LOAD's own error is the one raised (the
@@ -929,9 +1002,10 @@ class CudaBackend:
             self._residents.pop(st.extent.id, None)
             self.arena.free(st.extent)
         freed = st.extent.nbytes
-        if st.shared_sid:  # (its extent is discarded after the same fences; freed with the last holder)
-            sid, st.shared_sid = st.shared_sid, ""
-            freed += self._drop_stage(sid, discard=not self._failed)
+        for sid in (st.shared_sid, st.inputs_sid):  # (discarded after the same fences; freed with the last holder)
+            if sid:
+                freed += self._drop_stage(sid, discard=not self._failed)
+        st.shared_sid = st.inputs_sid = ""
         res.charged = freed  # what the UNLOAD freed (a stage other plans hold stays)
         # An output slot still lent (a response not yet written reads it) is never handed to another
         # model: it is unpinned, and its memory lives on with the response's view.
@@ -959,6 +1033,8 @@ class CudaBackend:
         stage = st.staging[b]
         slot = -2
         st.lock.acquire()  # a compaction may be moving this model
+        if st.inputs_lock is not None:  # (a shared input block: a LOAD's first runs may be reading it)
+            st.inputs_lock.acquire()
         try:
             api.host_write(stage.region())
             rows = fill(io)
@@ -1008,6 +1084,8 @@ class CudaBackend:
                 st.ring.cancel(slot)
             raise
         finally:
+            if st.inputs_lock is not None:
+                st.inputs_lock.release()
             st.lock.release()
         return outputs, duration
 
@@ -1050,6 +1128,9 @@ class CudaBackend:
                     continue
                 st.lock.acquire()
                 taken.append(st.lock)
+            if lst.inputs_lock is not None:  # the rows go into the lead's inputs (input_block)
+                lst.inputs_lock.acquire()
+                taken.append(lst.inputs_lock)
             # only the requests whose prefix output the cache lacks are copied in and run through it
             api.host_write(stage.region())
             rows = io.fill(plan.run) if plan.run else 0

@@ -5,6 +5,7 @@ as it does alone, through graphs, reloads and compaction."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from daemon.demo import save_model
 from daemon.repository import scan
 from daemon.runtime.arena import aligned
 from daemon.runtime.backend import Resident
-from daemon.runtime.cuda import CudaBackend, extent_layout, prefix_bytes, shared_block, stage_key
+from daemon.runtime.cuda import CudaBackend, extent_layout, input_block, prefix_bytes, shared_block, stage_key
 from daemon.runtime.devapi import DeviceFault
 from daemon.runtime.emucuda import EmuCuda, EmuSettings
 from daemon.runtime.objstore import ObjectStore
@@ -32,12 +33,29 @@ def _own(be: CudaBackend, p: Program) -> int:
     return aligned(extent_layout(p, prefix_bytes(p))[3], be.arena.align)
 
 
+def _inputs(p: Program) -> int:
+    """Bytes of the plan's input block (held apart with its stage)."""
+    block = input_block(p)
+    assert block is not None
+    return block[1]
+
+
+def _held(p: Program, holders: int) -> dict[str, tuple[int, int]]:
+    """What `shared_stages` says when `holders` plans like `p` are resident: its stage and input block."""
+    block = input_block(p)
+    assert block is not None
+    return {stage_key(p): (aligned(prefix_bytes(p)), holders), block[0]: (block[1], holders)}
+
+
 def _within_its_extent(res: Resident) -> bool:
-    """Every static buffer and its own weights lie in its extent (its shared stage's in theirs)."""
+    """Every static buffer and its own weights lie in its extent (its shared stage's and its inputs
+    in their blocks)."""
     st = res.state
-    ext = st.extent
+    ext, ins = st.extent, st.shared_inputs
+    assert ins is not None
     return all(ext.offset <= r.offset and r.offset + r.nbytes <= ext.end
-               for r in (st.weights, *st.inputs, *st.outputs, *st.mids))
+               for r in (st.weights, *st.outputs, *st.mids)) and \
+        all(ins.offset <= r.offset and r.offset + r.nbytes <= ins.offset + ins.nbytes for r in st.inputs)
 
 
 def test_plans_of_one_backbone_hold_it_once(backend: CudaBackend, plans: Plans) -> None:  # noqa: F811
@@ -45,14 +63,16 @@ def test_plans_of_one_backbone_hold_it_once(backend: CudaBackend, plans: Plans) 
     a, b = staged["a"], staged["b"]
     stage = prefix_bytes(a)
     assert stage and stage == prefix_bytes(b) and shared_block(a) == shared_block(b)
-    assert backend.footprint(a) == _own(backend, a) + aligned(stage)
+    assert input_block(a) == input_block(b)
+    assert backend.footprint(a) == _own(backend, a) + aligned(stage) + _inputs(a)
     ra = load(backend, a)
     assert ra.charged == backend.footprint(a)
     rb = load(backend, b)
-    assert rb.charged == _own(backend, b)  # the backbone is there: only b's own extent
+    assert rb.charged == _own(backend, b)  # the backbone and inputs are there: only b's own extent
     assert backend.arena.used == backend.footprint(a) + _own(backend, b)
-    assert backend.shared_stages() == {stage_key(a): (aligned(stage), 2)}
+    assert backend.shared_stages() == _held(a, 2)
     assert ra.state.shared.offset == rb.state.shared.offset  # one copy, read by both
+    assert [r.offset for r in ra.state.inputs] == [r.offset for r in rb.state.inputs]  # one input buffer
     for name, res in (("a", ra), ("b", rb)):
         check(backend, res, 3)
         got = check(backend, res, 16, seed=1)  # the graph of the largest batch too
@@ -63,7 +83,7 @@ def test_plans_of_one_backbone_hold_it_once(backend: CudaBackend, plans: Plans) 
     assert ra.charged == _own(backend, a)  # the backbone stays for b
     check(backend, rb, 5, seed=2)
     backend.unload(rb)
-    assert rb.charged == _own(backend, b) + aligned(stage)
+    assert rb.charged == _own(backend, b) + aligned(stage) + _inputs(b)
     assert backend.arena.used == 0 and backend.shared_stages() == {}
     backend.arena.check()
 
@@ -114,11 +134,11 @@ def test_compaction_moves_plans_around_their_stage_and_they_still_serve(kind: tu
     staged, whole = plans
     a = staged["a"]
     probe = backend_on(EmuCuda(0, EmuSettings(capacity=64 << 20)))
-    own, stage = _own(probe, a), aligned(prefix_bytes(a))
+    own, stage = _own(probe, a), aligned(prefix_bytes(a)) + _inputs(a)
     probe.close()
     probe.host.close()
     api = make_api(k, mode, seed=seed)
-    # room for the stage, three plans and half of one
+    # room for the stage and its inputs, three plans and half of one
     be = backend_on(api, budget=(1 << 20) + stage + 3 * own + own // 2, workspace=1 << 20)
     r1, r2, r3 = (load(be, a, key) for key in ("a1", "a2", "a3"))
     where = r1.state.shared.offset
@@ -163,7 +183,7 @@ def test_a_failed_load_lets_go_of_the_stage_it_made(plans: Plans) -> None:  # no
     api.fail_allocation(after=0)
     with pytest.raises(Exception):  # noqa: B017
         load(be, staged["b"])
-    assert be.shared_stages() == {stage_key(staged["a"]): (aligned(prefix_bytes(staged["a"])), 1)}
+    assert be.shared_stages() == _held(staged["a"], 1)
     check(be, held, 3)
     be.unload(held)
     assert be.arena.used == 0
@@ -187,7 +207,7 @@ def test_an_unload_that_raises_still_lets_go_of_its_extent_and_stage(plans: Plan
     with pytest.raises(RuntimeError, match="parking failed"):
         be.unload(ra)
     assert ra.charged == _own(be, staged["a"])
-    assert be.shared_stages() == {stage_key(staged["a"]): (aligned(prefix_bytes(staged["a"])), 1)}
+    assert be.shared_stages() == _held(staged["a"], 1)
     assert not be.failed  # (the device was done with the memory: it stays usable)
     check(be, rb, 3)
     with pytest.raises(RuntimeError, match="parking failed"):
@@ -263,7 +283,7 @@ def test_plans_of_one_stage_laid_out_differently_do_not_share_its_bytes(tmp_path
     ra, rb = load(be, a), load(be, b)
     for res in (ra, rb):
         check(be, res, 4)  # (b over a's bytes answered wrongly, every output)
-    assert len(be.shared_stages()) == 2
+    assert len(be.shared_stages()) == 4  # (each stage and its plan's input block)
     for res in (ra, rb):
         be.unload(res)
     assert be.arena.used == 0
@@ -316,3 +336,46 @@ def test_compaction_moves_a_stage_whose_plans_are_idle(tmp_path: Path) -> None:
     be.host.close()
     api.release()
     assert not api.races.races
+
+
+def test_loads_over_a_held_input_block_never_race_another_plans_infers(kind: tuple[str, str, int],
+                                                                       plans: Plans) -> None:  # noqa: F811
+    """Plans of one backbone share their static inputs (input_block): a LOAD's first runs read that
+    block while another plan's INFERs copy their rows into it, from another thread. The block's
+    lock orders them (the stand-in's race check sees every access), and every answer stays right."""
+    k, mode, seed = kind
+    api = make_api(k, mode, seed=seed) if k != "cuda" else make_api(k, mode)
+    be = backend_on(api)
+    staged, _ = plans
+    ra = load(be, staged["a"])
+    done = threading.Event()
+    failures: list[BaseException] = []
+
+    def serve() -> None:
+        i = 0
+        try:
+            while not done.is_set() or i < 8:
+                check(be, ra, 1 + i % 16, seed=i)
+                i += 1
+        except BaseException as e:  # (the test's thread reports it)
+            failures.append(e)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        for i in range(3):  # (new keys: each LOAD runs its first runs, none finds parked graphs)
+            rb = load(be, staged["b"], f"b{i}")
+            assert rb.state.shared_inputs is not None and rb.state.inputs[0].offset == ra.state.inputs[0].offset
+            check(be, rb, 3, seed=i)
+            be.unload(rb)
+    finally:
+        done.set()
+        t.join()
+    assert not failures, failures
+    be.unload(ra)
+    assert be.arena.used == 0 and be.shared_stages() == {}
+    be.close()
+    be.host.close()
+    if isinstance(api, EmuCuda):
+        api.release()
+        assert not api.races.races, api.races.races[:3]

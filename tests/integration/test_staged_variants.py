@@ -140,7 +140,8 @@ def test_staged_variants_share_their_backbone_stage_on_the_cuda_backend(family: 
                 np.testing.assert_allclose(g[n], w[n], rtol=1e-5, atol=1e-5)
         assert dt.call(lambda: dt.daemon.controller.scheduler.counters["cross_model_batches"]) >= 1
         (stages, charged, counted), = held
-        assert [holders for _, holders in stages.values()] == [len(NAMES)]  # one backbone, every variant's
+        # one backbone and one input buffer, every variant's
+        assert [holders for _, holders in stages.values()] == [len(NAMES), len(NAMES)]
         assert counted + 16 * 2**20 == charged  # the controller counts what the device holds (and its workspace)
         assert not dt.errors
     finally:
