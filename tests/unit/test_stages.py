@@ -4,6 +4,7 @@ models, and the cache of its outputs by input."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -87,6 +88,50 @@ def test_identical_leading_stages_are_one_prefix_and_weights_are_stored_once(fam
     shared = {c for c, _ in a.blocks} & {c for c, _ in b.blocks}  # type: ignore[attr-defined]
     assert len(shared) == 4  # the backbone's two weights and two biases
     assert a.stage_timings and set(a.stage_timings) == {1, 2, 16}  # type: ignore[attr-defined]
+
+
+def test_variants_of_one_backbone_file_read_it_once_and_check_it_once(family: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:
+    """Variants listing one backbone file share its stage program (read once, not once per variant),
+    and their load-time checks run the backbone on the probe batches once for all of them; each
+    still computes exactly what its monolithic model does. A changed file is read again."""
+    store = ObjectStore()
+    specs = {s.name: s for s in scan(family[1]).models}
+    calls = {"n": 0}
+    a = load_program(specs["a"], store)
+    first = a.stages[0].program
+    real = first.bind_graph
+    assert real is not None
+
+    def counting(*args: object, **kw: object) -> object:
+        run = real(*args, **kw)  # type: ignore[arg-type]
+
+        def counted(xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+            calls["n"] += 1
+            return run(xs)
+        return counted
+    first.bind_graph = counting  # type: ignore[assignment]
+    try:
+        b = load_program(specs["b"], store)
+    finally:
+        first.bind_graph = real
+    assert b.stages[0].program is first  # one program for the backbone file
+    assert calls["n"] == 0  # b's checks took the backbone's probe runs from a's
+    assert b.stage_timings[16][0] == a.stage_timings[16][0] > 0  # and their time
+    mono = programs(family[0])
+    g = torch.Generator().manual_seed(5)
+    for name, plan in (("a", a), ("b", b)):
+        x = torch.rand((7, 6), generator=g) * 4
+        with torch.inference_mode():
+            assert torch.equal(plan.host_runner([x])[0], mono[name].host_runner([x])[0])  # type: ignore[attr-defined]
+    # another backbone written over the file: read again, and checked on its own outputs
+    repo = tmp_path / "changed"
+    shutil.copytree(family[1], repo)
+    torch.manual_seed(9)
+    save_model(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU()).eval(), "pt2",
+               torch.zeros(2, 6), 16, repo / ".stages" / "backbone.pt2")
+    c = load_program(next(s for s in scan(repo).models if s.name == "a"), store)
+    assert c.stages[0].program is not first and c.prefix != a.prefix
 
 
 def test_stages_in_config(family: tuple[Path, Path], tmp_path: Path) -> None:
