@@ -4,9 +4,15 @@ A near-null model (`null_784`: one 784 -> 10 linear layer, ~5 µs a sample, buil
 device out of the way, so what is measured is the frontend: parsing, decoding, validation,
 answer encoding, and the controller's own per-request work. Closed loop: `clients` connections
 each keep one batch-1 request in flight (HTTP binary, msgpack frames on the unix socket, or gRPC
-ModelInfer with `raw_input_contents`, sent as pre-serialized messages over 4 channels) for
-`seconds`; the generator runs on the same machine (on 2 cores it takes a share of them: compare
-ratios between worker counts, not absolute figures with other machines).
+ModelInfer with `raw_input_contents`, sent as pre-serialized messages over 4 channels per
+generator) for `seconds`; the generator runs on the same machine (on 2 cores it takes a share of
+them: compare ratios between worker counts, not absolute figures with other machines).
+
+`--generators G` (default 1: the clients on one uvloop loop in this process) splits the clients
+over G spawned processes (bench/ingest_clients.py, no torch), which start each point's warm-up and
+measured window together: one asyncio process cannot offer what many workers take. Every answered
+request's latency is recorded: `p50_ms`, `p99_ms` per row, over all generators. Also
+`--clients N`, `--workers 0,1,2`, `--seconds S`, `--reps N`, `--protocols http,grpc`.
 
 `loop_us_per_request`: CPU of the controller process's main thread (its event loop: the one that
 decides) per request answered, from /proc/PID/task/PID/stat. With 0 workers that thread also
@@ -22,28 +28,30 @@ real client pays).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import statistics
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-import uvloop
 from torch import nn
 
 from bench import results
+from bench.ingest_clients import Generators, InProcess, Target
+from bench.ingest_clients import generators as make_generators
 from bench.scenarios.common import command, http_binary, sample_inputs, socket_frame, spec_of
 from bench.servers import Escapement, cpu_seconds
 from daemon.demo import save_model
 
 MODEL = "null_784"
 PROTOCOLS = ("http", "socket", "grpc")
-GRPC_CHANNELS = 4  # connections: with SO_REUSEPORT, each lands on one worker
 IMAGE = "image_3x224"
 SHM_VARIANTS = ("http binary", "grpc raw", "http shm", "grpc shm")
 
@@ -62,36 +70,6 @@ def _thread_cpu(pid: int, tid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _http_client(port: int, request: bytes, stop: float, counts: list[int]) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        while time.monotonic() < stop:
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = int(head.lower().split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
-            await reader.readexactly(length)
-            if head.startswith(b"HTTP/1.1 200"):
-                counts[0] += 1
-            else:
-                counts[1] += 1
-    finally:
-        writer.close()
-
-
-async def _socket_client(path: str, frame: Any, stop: float, counts: list[int]) -> None:
-    reader, writer = await asyncio.open_unix_connection(path)
-    i = 0
-    try:
-        while time.monotonic() < stop:
-            i += 1
-            writer.write(frame.with_id(i))
-            n = int.from_bytes(await reader.readexactly(4), "big")
-            answer = await reader.readexactly(n)
-            counts[0 if b"\xa6status\xcc\xc8" in answer else 1] += 1
-    finally:
-        writer.close()
-
-
 def grpc_infer_message(spec: Any) -> bytes:
     """A serialized ModelInferRequest of one batch-1 sample in raw_input_contents (what tritonclient sends)."""
     from tritonclient.grpc import service_pb2 as pb
@@ -103,31 +81,6 @@ def grpc_infer_message(spec: Any) -> bytes:
     return req.SerializeToString()
 
 
-async def _grpc_client(call: Any, message: bytes, stop: float, counts: list[int]) -> None:
-    import grpc
-
-    while time.monotonic() < stop:
-        try:
-            await call(message)
-            counts[0] += 1
-        except grpc.aio.AioRpcError:
-            counts[1] += 1
-
-
-async def _grpc_clients(port: int, message: bytes, stop: float, counts: list[int], clients: int) -> None:
-    """`clients` RPCs in flight over GRPC_CHANNELS channels, bytes in and out (no client-side protobuf work)."""
-    import grpc
-
-    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(GRPC_CHANNELS)]
-    try:
-        calls = [ch.unary_unary("/inference.GRPCInferenceService/ModelInfer") for ch in channels]
-        await asyncio.gather(*(_grpc_client(calls[i % len(calls)], message, stop, counts) for i in range(clients)))
-    finally:
-        for ch in channels:
-            await ch.close()
-
-
 def inline_run_ns(port: int) -> int:
     """The loop's CPU spent running models on the latency path so far (0 for a tree without it):
     model work done on the loop's thread to skip two hand-offs, not the loop's own."""
@@ -137,94 +90,169 @@ def inline_run_ns(port: int) -> int:
     return int(float(m.group(1))) if m else 0
 
 
-def _closed_loop(protocol: str, server: Escapement, clients: int, seconds: float, warmup: float,
-                 spec: Any) -> dict[str, float]:
-    request = http_binary(spec).raw
-    frame = socket_frame(spec)
-    message = grpc_infer_message(spec)
+class _ControllerMeter:
+    """The controller process's CPU over a measured window: its loop thread, the whole process, and
+    the models' runs on the loop thread (inline_run_ns)."""
 
-    async def go(duration: float) -> list[int]:
-        counts = [0, 0]
-        stop = time.monotonic() + duration
-        if protocol == "http":
-            await asyncio.gather(*(_http_client(server.port, request, stop, counts) for _ in range(clients)))
-        elif protocol == "grpc":
-            await _grpc_clients(_grpc_port(server), message, stop, counts, clients)
-        else:
-            await asyncio.gather(*(_socket_client(server.socket, frame, stop, counts) for _ in range(clients)))
-        return counts
+    def __init__(self, server: Escapement) -> None:
+        self.server = server
+        self.inline0 = self.loop0 = self.all0 = 0.0
+        self.inline_s = self.loop_s = self.all_s = 0.0
 
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(go(warmup))
-        inline0 = inline_run_ns(server.port)
-        loop0, all0, t0 = _thread_cpu(server.pid, server.pid), cpu_seconds(server.pid), time.monotonic()
-        ok, failed = runner.run(go(seconds))
-        wall = time.monotonic() - t0
-        loop_s, all_s = _thread_cpu(server.pid, server.pid) - loop0, cpu_seconds(server.pid) - all0
-        inline_s = (inline_run_ns(server.port) - inline0) / 1e9
-    return {"requests_per_s": ok / wall, "failed": failed, "loop_us_per_request": loop_s / max(ok, 1) * 1e6,
-            "inline_run_us_per_request": inline_s / max(ok, 1) * 1e6,
-            "loop_us_deciding": (loop_s - inline_s) / max(ok, 1) * 1e6,
-            "controller_process_cores": all_s / wall}
+    def open(self) -> None:
+        pid = self.server.pid
+        self.inline0 = inline_run_ns(self.server.port)
+        self.loop0, self.all0 = _thread_cpu(pid, pid), cpu_seconds(pid)
+
+    def close(self) -> None:
+        pid = self.server.pid
+        self.loop_s, self.all_s = _thread_cpu(pid, pid) - self.loop0, cpu_seconds(pid) - self.all0
+        self.inline_s = (inline_run_ns(self.server.port) - self.inline0) / 1e9
 
 
-def run(quick: bool = False, json_out: str | None = None, workers: list[int] | None = None, reps: int = 3,
+def target(protocol: str, server: Escapement, spec: Any) -> Target:
+    """What one protocol's clients send, prebuilt here (a generator process imports neither torch nor the daemon)."""
+    if protocol == "http":
+        return Target("http", server.port, server.socket, http_binary(spec).raw)
+    if protocol == "socket":
+        frame = socket_frame(spec)
+        return Target("socket", server.port, server.socket, bytes(frame.template), frame.offset)
+    if protocol == "grpc":
+        return Target("grpc", _grpc_port(server), server.socket, grpc_infer_message(spec))
+    raise ValueError(f"unknown protocol {protocol!r}; protocols: {', '.join(PROTOCOLS)}")
+
+
+def _percentiles_ms(latencies: Any) -> tuple[float, float]:
+    lat = np.frombuffer(latencies, dtype=np.float64)
+    if not len(lat):
+        return float("nan"), float("nan")
+    p50, p99 = np.percentile(lat, [50, 99])
+    return float(p50) * 1e3, float(p99) * 1e3
+
+
+def closed_loop(protocol: str, server: Escapement, clients: int, seconds: float, warmup: float, spec: Any,
+                gens: InProcess | Generators) -> dict[str, Any]:
+    """One point: `clients` closed-loop connections (split over `gens`) for a warm-up, then `seconds` measured."""
+    meter = _ControllerMeter(server)
+    out = gens.run(target(protocol, server, spec), clients, warmup, seconds, meter.open, meter.close)
+    ok, wall = out.ok, out.wall_s
+    p50, p99 = _percentiles_ms(out.latencies)
+    return {"requests_per_s": ok / wall, "failed": out.failed, "errors": out.errors, "p50_ms": p50, "p99_ms": p99,
+            "loop_us_per_request": meter.loop_s / max(ok, 1) * 1e6,
+            "inline_run_us_per_request": meter.inline_s / max(ok, 1) * 1e6,
+            "loop_us_deciding": (meter.loop_s - meter.inline_s) / max(ok, 1) * 1e6,
+            "controller_process_cores": meter.all_s / wall,
+            # the generators' CPU: a busiest one near 1 core means the load, not the daemon, was the limit
+            "generator_cores": sum(out.generator_cpu_s) / wall,
+            "generator_busiest_cores": max(out.generator_cpu_s) / wall}
+
+
+def serve(repo: Path, workers: int, device: str | None = None) -> Escapement:
+    """The daemon for one worker count (not started): HTTP, the socket and gRPC, the model on `device` (default CPU)."""
+    server = {"frontend_workers": workers, "grpc": "127.0.0.1:0"}
+    if device is None:
+        return Escapement(repo, server=server)
+    return Escapement(repo, server=server, runtime={"devices": [device]})
+
+
+def points(server: Escapement, spec: Any, workers: int, protocols: Sequence[str], clients: int, seconds: float,
+           warmup: float, gens: InProcess | Generators, rep: int = 0) -> list[dict[str, Any]]:
+    """Every protocol's point against one running daemon."""
+    return [{"label": f"{p} workers={workers}", "protocol": p, "workers": workers, "rep": rep, "clients": clients,
+             **closed_loop(p, server, clients, seconds, warmup, spec, gens)} for p in protocols]
+
+
+def int_list(value: Any) -> list[int]:
+    """`--workers 0,1,2` (a string), `--workers 2` (an int) or `--workers [0,1]` (JSON)."""
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, str):
+        return [int(x) for x in value.split(",") if x.strip()]
+    return [int(x) for x in value]
+
+
+def protocol_list(value: Any) -> list[str]:
+    """`--protocols http,grpc`: a subset of PROTOCOLS, in PROTOCOLS' order."""
+    wanted = value.split(",") if isinstance(value, str) else list(value)
+    unknown = set(wanted) - set(PROTOCOLS)
+    if unknown:
+        raise SystemExit(f"unknown protocol(s) {', '.join(sorted(unknown))}; protocols: {', '.join(PROTOCOLS)}")
+    return [p for p in PROTOCOLS if p in wanted]
+
+
+def _median_by(rows: list[dict[str, Any]], key: str, protocol: str, counts: list[int]) -> dict[str, float]:
+    """{workers: the median of `key`} for the counts measured."""
+    out = {}
+    for n in counts:
+        mine = [r[key] for r in rows if r["protocol"] == protocol and r["workers"] == n]
+        if mine:
+            out[str(n)] = statistics.median(mine)
+    return out
+
+
+def summarize(rows: list[dict[str, Any]], protocols: Sequence[str], counts: list[int]) -> dict[str, Any]:
+    """Per protocol and worker count, medians over reps (the keys of every earlier run, for the protocols run)."""
+    summary: dict[str, Any] = {}
+    rps = {p: _median_by(rows, "requests_per_s", p, counts) for p in protocols}
+    summary["loop_us_per_request"] = {p: _median_by(rows, "loop_us_per_request", p, counts) for p in protocols}
+    summary["loop_us_deciding"] = {p: _median_by(rows, "loop_us_deciding", p, counts) for p in protocols}
+    for p in protocols:
+        summary["requests_per_s_by_workers" if p == "http" else f"{p}_requests_per_s_by_workers"] = rps[p]
+    base = str(counts[0])
+    for p in protocols:
+        ref = rps[p].get(base, 0.0)
+        summary[f"{p}_ratio_to_workers_{base}"] = {n: v / ref if ref else float("nan") for n, v in rps[p].items()}
+    summary["p50_ms_by_workers"] = {p: _median_by(rows, "p50_ms", p, counts) for p in protocols}
+    summary["p99_ms_by_workers"] = {p: _median_by(rows, "p99_ms", p, counts) for p in protocols}
+    summary["failed_requests"] = sum(r["failed"] for r in rows)
+    return summary
+
+
+def run(quick: bool = False, json_out: str | None = None, workers: Any = None, reps: int = 3,
         clients: int = 16, seconds: float | None = None, shm: bool = False,
-        requests: int | None = None) -> dict[str, Any]:
+        requests: int | None = None, generators: int = 1, protocols: Any = None) -> dict[str, Any]:
     if shm:
         return run_shm(quick, json_out, reps, requests or (300 if quick else 1000))
-    counts = workers if workers is not None else [0, 1, 2]
+    counts = int_list(workers) if workers is not None else [0, 1, 2]
+    chosen = protocol_list(protocols) if protocols is not None else list(PROTOCOLS)
     seconds = seconds or (3.0 if quick else 8.0)
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="ingest-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="ingest-") as tmp, closing(make_generators(generators)) as gens:
         repo = _build_repo(Path(tmp) / "repo")
         spec = spec_of(repo, MODEL)
         for rep in range(reps):
             for n in counts:  # interleaved: the machine's noise falls on every count alike
-                with Escapement(repo, server={"frontend_workers": n, "grpc": "127.0.0.1:0"}) as server:
-                    for protocol in PROTOCOLS:
-                        m = _closed_loop(protocol, server, clients, seconds, min(1.0, seconds / 3), spec)
-                        rows.append({"label": f"{protocol} workers={n}", "protocol": protocol, "workers": n,
-                                     "rep": rep, **m})
-    summary: dict[str, Any] = {"model": MODEL, "clients": clients, "reps": reps}
-    loop_us: dict[str, dict[str, float]] = {}
-    deciding: dict[str, dict[str, float]] = {}
-    rps: dict[str, dict[str, float]] = {}
-    for protocol in PROTOCOLS:
-        loop_us[protocol] = {}
-        deciding[protocol] = {}
-        rps[protocol] = {}
-        for n in counts:
-            mine = [r for r in rows if r["protocol"] == protocol and r["workers"] == n]
-            loop_us[protocol][str(n)] = statistics.median(r["loop_us_per_request"] for r in mine)
-            deciding[protocol][str(n)] = statistics.median(r["loop_us_deciding"] for r in mine)
-            rps[protocol][str(n)] = statistics.median(r["requests_per_s"] for r in mine)
-    summary["loop_us_per_request"] = loop_us
-    summary["loop_us_deciding"] = deciding
-    summary["requests_per_s_by_workers"] = rps["http"]
-    summary["socket_requests_per_s_by_workers"] = rps["socket"]
-    summary["grpc_requests_per_s_by_workers"] = rps["grpc"]
-    base = counts[0]
-    summary["http_ratio_to_workers_" + str(base)] = {str(n): rps["http"][str(n)] / rps["http"][str(base)]
-                                                     for n in counts}
-    summary["socket_ratio_to_workers_" + str(base)] = {str(n): rps["socket"][str(n)] / rps["socket"][str(base)]
-                                                       for n in counts}
-    summary["grpc_ratio_to_workers_" + str(base)] = {str(n): rps["grpc"][str(n)] / rps["grpc"][str(base)]
-                                                     for n in counts}
-    summary["failed_requests"] = sum(r["failed"] for r in rows)
-    notes = [f"command: {command('ingest', quick)}",
+                with serve(repo, n) as server:
+                    rows += points(server, spec, n, chosen, clients, seconds, min(1.0, seconds / 3), gens, rep)
+    summary: dict[str, Any] = {"model": MODEL, "clients": clients, "generators": generators, "reps": reps,
+                               **summarize(rows, chosen, counts)}
+    extra = {k: v for k, v in (("workers", ",".join(map(str, counts)) if workers is not None else None),
+                               ("clients", clients if clients != 16 else None),
+                               ("seconds", seconds if seconds != (3.0 if quick else 8.0) else None),
+                               ("reps", reps if reps != 3 else None),
+                               ("generators", generators if generators != 1 else None),
+                               ("protocols", ",".join(chosen) if protocols is not None else None))
+             if v is not None}
+    where = ("in this process (one uvloop loop)" if generators <= 1 else
+             f"in {generators} spawned processes (a uvloop loop each, clients split among them, one shared start)")
+    notes = [f"command: {command('ingest', quick, extra)}",
              f"{clients} closed-loop clients, batch 1, {seconds:g} s per point after a warm-up, {reps} reps "
-             "interleaved; medians. The generator shares the machine's cores with the daemon.",
+             f"interleaved; medians. The clients run {where}, sharing the machine's cores with the daemon.",
              "loop_us_per_request: CPU of the controller process's main (event-loop) thread per answered request.",
              "loop_us_deciding: the same less the models' runs on that thread (the latency path runs a lone or "
              "small batch there, skipping two thread hand-offs; the daemon counts that CPU, latency_path_cpu_ns): "
-             "the link records, the controller and the answers."]
-    config = {"command": command("ingest", quick), "workers": counts, "clients": clients, "seconds": seconds,
-              "reps": reps}
+             "the link records, the controller and the answers.",
+             "p50_ms, p99_ms: latency of every answered request of the measured window (all generators), as each "
+             "client saw it from writing its request to reading the whole answer.",
+             "generator_busiest_cores: the busiest generator's CPU over the window; near 1 the generator, not the "
+             "daemon, limited requests/s."]
+    config = {"command": command("ingest", quick, extra), "workers": counts, "clients": clients, "seconds": seconds,
+              "reps": reps, "generators": generators, "protocols": chosen}
     return results.write("ingest", config,
                          rows, summary, json_out, notes=notes,
-                         columns=["label", "rep", "requests_per_s", "loop_us_per_request", "loop_us_deciding",
-                                  "controller_process_cores", "failed"])
+                         columns=["label", "rep", "requests_per_s", "p50_ms", "p99_ms", "loop_us_per_request",
+                                  "loop_us_deciding", "controller_process_cores", "generator_busiest_cores",
+                                  "failed"])
 
 
 # ---------------------------------------------------------------- the shared-memory variant

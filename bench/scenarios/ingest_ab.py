@@ -21,15 +21,14 @@ from typing import Any
 import uvloop
 
 from bench import servers
+from bench.ingest_clients import http_client, socket_client
 from bench.scenarios.common import http_binary, socket_frame, spec_of
 from bench.scenarios.ingest import (
     IMAGE,
     MODEL,
     _build_image_repo,
     _build_repo,
-    _http_client,
     _shm_point,
-    _socket_client,
     _thread_cpu_ns,
 )
 from bench.scenarios.ingest_profile import _children
@@ -45,9 +44,9 @@ def _point(protocol: str, server: servers.Escapement, spec: Any, seconds: float)
         counts = [0, 0]
         stop = time.monotonic() + duration
         if protocol == "http":
-            await asyncio.gather(*(_http_client(server.port, request, stop, counts) for _ in range(16)))
+            await asyncio.gather(*(http_client(server.port, request, stop, counts) for _ in range(16)))
         else:
-            await asyncio.gather(*(_socket_client(server.socket, frame, stop, counts) for _ in range(16)))
+            await asyncio.gather(*(socket_client(server.socket, frame, stop, counts) for _ in range(16)))
         return counts
 
     pids = [server.pid, *_children(server.pid)]

@@ -26,14 +26,12 @@ from typing import Any
 
 import uvloop
 
+from bench.ingest_clients import grpc_clients, http_client, socket_client
 from bench.scenarios.common import http_binary, socket_frame, spec_of
 from bench.scenarios.ingest import (
     MODEL,
     _build_repo,
-    _grpc_clients,
     _grpc_port,
-    _http_client,
-    _socket_client,
     _thread_cpu_ns,
     grpc_infer_message,
 )
@@ -53,11 +51,11 @@ def _load(protocol: str, server: Escapement, spec: Any, clients: int, seconds: f
     async def go() -> None:
         stop = time.monotonic() + seconds
         if protocol == "http":
-            await asyncio.gather(*(_http_client(server.port, request, stop, counts) for _ in range(clients)))
+            await asyncio.gather(*(http_client(server.port, request, stop, counts) for _ in range(clients)))
         elif protocol == "grpc":
-            await _grpc_clients(_grpc_port(server), grpc_infer_message(spec), stop, counts, clients)
+            await grpc_clients(_grpc_port(server), grpc_infer_message(spec), stop, counts, clients)
         else:
-            await asyncio.gather(*(_socket_client(server.socket, frame, stop, counts) for _ in range(clients)))
+            await asyncio.gather(*(socket_client(server.socket, frame, stop, counts) for _ in range(clients)))
 
     uvloop.run(go())
 
