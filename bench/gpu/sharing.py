@@ -161,6 +161,7 @@ def load_times(device: str, work: Path, names: list[str], budget: int, workspace
     full: list[tuple[float, float]] = []
     held: list[tuple[float, float]] = []
     charged = (0, 0)
+    alone = 0
     try:
         for r in range(reps + 2):
             t0 = time.perf_counter()
@@ -169,6 +170,9 @@ def load_times(device: str, work: Path, names: list[str], budget: int, workspace
             b, copy_b = be.load("second", second, time.monotonic() + 30)  # type: ignore[attr-defined]
             t2 = time.perf_counter()
             charged = (a.charged, b.charged)
+            be.shares = False  # what a black-box LOAD of it would charge (its whole extent)
+            alone = be.footprint(first)  # type: ignore[attr-defined]
+            be.shares = True
             be.unload(b)
             be.unload(a)
             if r >= 2:
@@ -183,7 +187,7 @@ def load_times(device: str, work: Path, names: list[str], budget: int, workspace
 
     out = {"full_load_ms": med(full, 0), "full_copy_ms": med(full, 1), "held_load_ms": med(held, 0),
            "held_copy_ms": med(held, 1), "full_charged_bytes": charged[0], "held_charged_bytes": charged[1],
-           "reps": reps}
+           "all_blackbox_bytes": alone, "reps": reps}
     out["held_over_full_load"] = out["held_load_ms"] / out["full_load_ms"] if out["full_load_ms"] else None
     return out
 
@@ -198,8 +202,10 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [f"# Shared backbone against black-box on {result['device']}", "",
              f"`{result['command']}` (torch {result['torch']}, {result['seconds']:.0f} s)", "",
              f"{f['variants']} variants of {f['backbone']} with their own heads, Zipf s=1.0, SLO 100 ms; weight budget "
-             f"{f['weight_budget'] / 2**20:.0f} MiB beside a {f['workspace'] / 2**20:.0f} MiB workspace (every "
-             f"variant fits, ~{f['unshared_variant_bytes'] / 1e6:.1f} MB each); backbone batch-1 "
+             f"{f['weight_budget'] / 2**20:.0f} MiB beside a {f['workspace'] / 2**20:.0f} MiB workspace ("
+             + (f"{f['weight_share']:g} of the variants' unshared bytes" if f.get("weight_share")
+                else "every variant fits")
+             + f", ~{f['unshared_variant_bytes'] / 1e6:.1f} MB each); backbone batch-1 "
              f"{f['backbone_b1_ms']:.3f} ms eager. The prefix cache is off in both modes (each variant gets one "
              "fixed input: with it on, the shared mode would serve its backbones from the cache).", "",
              "| mode | capacity at SLO (req/s) | cross-model batches | actions | variants resident at the end "
@@ -240,6 +246,11 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", f"capacity_ratio (shared / black-box): {num(s['capacity_ratio'])}; p99_ratio (black-box / shared, "
               f"at {num(s['p99_at_rps'])} req/s): {num(s['p99_ratio'])}; memory_ratio (device bytes per resident "
               f"variant, black-box / shared): {num(s['memory_ratio'])}.", "",
+              *([f"Every variant held at once on the device (the backend's own charges): black-box "
+                 f"{s['all_variants_bytes']['black-box'] / 1e6:.1f} MB, shared "
+                 f"{s['all_variants_bytes']['shared'] / 1e6:.1f} MB: all_variants_memory_ratio "
+                 f"{s['all_variants_memory_ratio']:.1f}.", ""]
+                if s.get("all_variants_bytes") else []),
               "Capacity at SLO is a lower bound (the ladder is coarse); a ratio is null where a mode passed no rung."]
     return "\n".join(lines)
 
@@ -276,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget", type=float, help="seconds for the whole run (default: the plan's)")
+    ap.add_argument("--variants", type=int, help="how many variants (default: 32 on CUDA, 8 on the stand-in)")
+    ap.add_argument("--weight-share", type=float, default=0.0,
+                    help="the weight budget as a share of every variant's unshared bytes (issue 17's setup: "
+                         "0.1); default: room for every variant")
+    ap.add_argument("--warmup", type=float, help="seconds of load before the first measured one (default: the plan's)")
     ap.add_argument("--spy", action="store_true",
                     help="sample each daemon with py-spy at every load (bench/spy.py; where it is installed)")
     ap.add_argument("--loads-only", action="store_true",
@@ -286,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_for(kind, args.quick)
     if args.budget:
         plan = replace(plan, budget_s=args.budget)
+    if args.variants:
+        plan = replace(plan, n=args.variants)
+    if args.warmup:
+        plan = replace(plan, warmup_s=args.warmup)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -295,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         names = build(kind, plan, work)
         assert len(scan(work).models) == plan.n
         unshared = footprint_bytes(work)
-        # every variant fits (with IO buffers and alignment: a fifth more)
-        budget = plan.workspace + plan.n * unshared * 6 // 5
+        # every variant fits (with IO buffers and alignment: a fifth more), or the share asked for
+        budget = plan.workspace + int(plan.n * unshared * (args.weight_share or 1.2))
         if args.loads_only:
             return _loads_only(args.device, kind, work, names, budget, plan, out, time.monotonic() - t0)
         b1 = backbone_b1_s(args.device, plan, kind)
@@ -328,11 +348,20 @@ def main(argv: list[str] | None = None) -> int:
                "memory_ratio": _ratio(black["device_bytes_at_end"] / max(black["models_resident_at_end"], 1),
                                       shared["device_bytes_at_end"] / max(shared["models_resident_at_end"], 1))}
     cmd = (f"python -m bench.gpu.sharing --device {args.device} --out DIR" + (" --quick" if args.quick else "")
-           + (f" --budget {args.budget:g}" if args.budget else "") + (" --spy" if args.spy else ""))
+           + (f" --budget {args.budget:g}" if args.budget else "") + (" --spy" if args.spy else "")
+           + (f" --variants {args.variants}" if args.variants else "")
+           + (f" --weight-share {args.weight_share:g}" if args.weight_share else "")
+           + (f" --warmup {args.warmup:g}" if args.warmup else ""))
+    if loads.get("all_blackbox_bytes") and loads.get("full_charged_bytes"):
+        # every variant held at once: black-box, each whole; shared, the first whole and the rest their own
+        all_shared = loads["full_charged_bytes"] + (plan.n - 1) * loads["held_charged_bytes"]
+        summary["all_variants_bytes"] = {"black-box": plan.n * loads["all_blackbox_bytes"], "shared": all_shared}
+        summary["all_variants_memory_ratio"] = plan.n * loads["all_blackbox_bytes"] / all_shared
     result = {"device": device_name(args.device), "device_kind": kind, "torch": torch.__version__, "command": cmd,
               "seconds": time.monotonic() - t0, "plan": asdict(plan),
               "facts": {"variants": plan.n, "backbone": "ResNet-18 features" if kind == "cuda" else "small conv net",
                         "weight_budget": budget, "workspace": plan.workspace, "unshared_variant_bytes": unshared,
+                        "weight_share": args.weight_share or None,
                         "backbone_b1_ms": b1 * 1e3, "offered_rps": rates},
               "modes": modes, "summary": summary, "load_times": loads}
     (out / "sharing.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
