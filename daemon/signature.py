@@ -13,6 +13,7 @@ The result is the raw table a config.toml would hold; model_config.py validates 
 from __future__ import annotations
 
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,16 @@ def inferred_config(path: Path) -> dict[str, Any]:
     return dict(config)
 
 
+def read_exported_file(path: Path) -> Any:
+    """torch.export.load, quiet about torch 2.11's warning that it reads the archive's weights from a
+    read-only buffer (where warnings are errors, as under pytest on the H200, the read failed)."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.export.load(str(path))
+
+
 def _infer(path: Path) -> dict[str, Any]:
     import torch  # the scan imports this module; only a bare model.pt2 needs torch here
     from torch.export.graph_signature import InputKind
@@ -47,7 +58,7 @@ def _infer(path: Path) -> dict[str, Any]:
     from daemon.datatypes import BY_TORCH
 
     try:
-        ep = torch.export.load(str(path))
+        ep = read_exported_file(path)
     except Exception as e:  # torch raises many types for a bad file
         raise SignatureError(f"cannot read {path.name} as an exported program: {type(e).__name__}: {e}") from e
     nodes = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}

@@ -17,6 +17,7 @@ import torch
 from torch.export.graph_signature import InputKind
 
 from daemon.model import ModelSpec
+from daemon.signature import read_exported_file
 
 NormMode = Literal["recalibrate", "batch", "frozen"]
 
@@ -128,7 +129,7 @@ class Lifted(torch.nn.Module):
 def export(parity: torch.nn.Module, spec: ModelSpec, path: Path) -> None:
     """Write the parity model as a torch.export program with a dynamic batch dimension."""
     assert isinstance(parity, Lifted)
-    ep = torch.export.load(str(spec.path))
+    ep = read_exported_file(spec.path)
     module = ep.module()
     state = parity.state()
     with torch.no_grad():

@@ -50,6 +50,7 @@ from daemon.model import ModelSpec
 from daemon.parity import codes
 from daemon.parity.datasets import Dataset
 from daemon.parity.lifted import Lifted, NormMode
+from daemon.signature import read_exported_file
 
 log = logging.getLogger("escapement.parity")
 
@@ -245,7 +246,7 @@ def train(spec: ModelSpec, runner: Callable[[list[torch.Tensor]], tuple[torch.Te
     enc = codes.encoder(encoder_name)
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
-    parity = Lifted(torch.export.load(str(spec.path)), cfg.norm, cfg.dropout, cfg.init == "fresh")
+    parity = Lifted(read_exported_file(spec.path), cfg.norm, cfg.dropout, cfg.init == "fresh")
     tr, va = _split(len(data.x_train), cfg, k)
     x_all = torch.from_numpy(np.ascontiguousarray(data.x_train)).float()
     l_all = _logits(runner, data.x_train.astype(np.float32), spec.max_batch_size)

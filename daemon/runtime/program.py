@@ -303,9 +303,9 @@ def _stored(weights: list[tuple[str, torch.Tensor]], store: ObjectStore
 
 
 def read_exported(spec: ModelSpec) -> torch.export.ExportedProgram:
-    with warnings.catch_warnings():  # torch 2.11 reads the archive's weights from a read-only buffer
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.export.load(str(spec.path))
+    from daemon.signature import read_exported_file
+
+    return read_exported_file(spec.path)
 
 
 def exported_weights(ep: torch.export.ExportedProgram, spec: ModelSpec
