@@ -203,7 +203,10 @@ class _HttpConn(asyncio.Protocol):
         self.closed = True
         if self.current >= 0:
             idx, self.current = self.current, -1
-            self.pool.answered(self, idx, CONN_ERROR, False)
+            if self.pool.closing:  # closed by the run's end: still unanswered (NO_ANSWER), not a broken connection
+                self.pool.outstanding -= 1
+            else:
+                self.pool.answered(self, idx, CONN_ERROR, False)
         self.pool.lost(self)
 
     def _close(self) -> None:
@@ -264,6 +267,7 @@ class HttpPool:
         self.connecting = 0
         self.loop = asyncio.get_event_loop()
         self.outstanding = 0
+        self.closing = False  # the run is over: what is still in flight was never answered
 
     async def open(self, n: int) -> None:
         await asyncio.gather(*(self._connect() for _ in range(n)))
@@ -324,6 +328,7 @@ class HttpPool:
         self.conns.discard(conn)
 
     def close(self) -> None:
+        self.closing = True
         for c in list(self.conns):
             c._close()
 
@@ -383,6 +388,7 @@ class SocketLoad:
         self.outstanding = 0
         self._next = 0
         self.inflight: set[int] = set()
+        self.closing = False  # the run is over: what is still in flight was never answered
 
     async def open(self) -> None:
         for _ in range(self.n):
@@ -413,13 +419,14 @@ class SocketLoad:
 
     def lost(self) -> None:
         now = _now()
-        for idx in self.inflight:
+        for idx in self.inflight if not self.closing else ():  # (closing: they stay NO_ANSWER)
             self.records.done[idx] = now
             self.records.status[idx] = CONN_ERROR
         self.outstanding -= len(self.inflight)
         self.inflight.clear()
 
     def close(self) -> None:
+        self.closing = True
         for c in self.conns:
             if c.transport is not None:
                 c.transport.close()

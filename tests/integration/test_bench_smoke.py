@@ -97,3 +97,44 @@ def test_a_tiny_soak_finds_no_crash_5xx_or_leak(demo_repo: Path, tmp_path: Path,
     assert "--capacity-rps 200.0" in r["config"]["command"]
     assert json.loads((tmp_path / "soak.json").read_text())["checks"] == c
     assert (tmp_path / "soak.md").read_text().startswith("# soak")
+
+
+@pytest.mark.parametrize("server_closes", [False, True])
+def test_unanswered_requests_are_no_answer_and_broken_connections_are_connection_errors(
+        tmp_path: Path, server_closes: bool) -> None:
+    """A request the run's drain ended before an answer came is NO_ANSWER (closing our own
+    connections then is not a broken connection); one whose connection the server closed is
+    CONN_ERROR. The two were one figure, which read late answers as dropped connections."""
+    import asyncio
+
+    path = str(tmp_path / "s.sock")
+
+    async def go() -> loadgen.Run:
+        ended = asyncio.Event()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                await reader.readexactly(4)  # a frame begins: never answered
+                if not server_closes:
+                    while await reader.read(65536):  # until the client closes its end
+                        pass
+                writer.close()
+                await writer.wait_closed()
+            finally:
+                ended.set()
+
+        server = await asyncio.start_unix_server(handle, path)
+        frame = loadgen.SocketFrame({"model_name": "m", "inputs": []})
+        try:
+            run = await loadgen.run_socket(loadgen.constant(50, 0.1), path, [frame], ["m"], drain_s=0.2,
+                                           connections=1)
+            await asyncio.wait_for(ended.wait(), 10)
+            return run
+        finally:
+            server.close()
+
+    statuses = set(asyncio.run(go()).records.status.tolist())
+    if server_closes:  # (those sent after it closed were never in flight on it: unanswered)
+        assert loadgen.CONN_ERROR in statuses and statuses <= {loadgen.CONN_ERROR, loadgen.NO_ANSWER}
+    else:
+        assert statuses == {loadgen.NO_ANSWER}
