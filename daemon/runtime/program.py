@@ -118,7 +118,7 @@ class Program:
     bind_graph: Binder | None  # any device (None for TorchScript files)
     bind_native: Binder | None  # CPU devices: one call without the GIL
     seed_timings: dict[int, float] = field(default_factory=dict)  # batch size -> seconds, host CPU
-    host_runner: Runner = field(init=False)
+    _host: Runner | None = field(default=None, init=False, repr=False)  # host_runner, once bound
     graph: torch.fx.GraphModule | None = None  # the exported graph (None for TorchScript files)
     capture_problem: str | None = None  # why a CUDA graph cannot capture it (retarget.capture_lint)
     checked_on: set[str] = field(default_factory=set)  # device types check_device passed on
@@ -156,7 +156,20 @@ class Program:
             if cid not in seen and t.numel():
                 seen[cid] = block_bytes(t)
         self.blocks = tuple(seen.items())
-        self.host_runner = self.bind(list(self.host_tensors), native=True)
+
+    @property
+    def host_runner(self) -> Runner:
+        """It over the host's copy of its weights, bound at first use: a model only ever served
+        from a GPU holds no CPU instance of it (a traced runner per variant was most of what 200
+        variants of one backbone held in host memory beyond their weights)."""
+        runner = self._host
+        if runner is None:
+            runner = self._host = self.bind(list(self.host_tensors), native=True)
+        return runner
+
+    @host_runner.setter
+    def host_runner(self, runner: Runner) -> None:
+        self._host = runner
 
     @property
     def prefix(self) -> str:
