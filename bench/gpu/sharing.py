@@ -147,6 +147,7 @@ def load_times(device: str, work: Path, names: list[str], budget: int, workspace
     copied too), then a second variant (its head and IO buffers alone), then both unloaded. The
     first two rounds warm up (graph captures); medians of the rest, wall time and the copy's own
     device time, and the bytes each LOAD charged."""
+    from daemon.runtime.cuda import CudaBackend
     from daemon.runtime.devices import Device
     from daemon.runtime.executor import make_backend
     from daemon.runtime.hostmem import HostPins
@@ -166,14 +167,15 @@ def load_times(device: str, work: Path, names: list[str], budget: int, workspace
     try:
         for r in range(reps + 2):
             t0 = time.perf_counter()
-            a, copy_a = be.load("first", first, time.monotonic() + 30)  # type: ignore[attr-defined]
+            a, copy_a = be.load("first", first, time.monotonic() + 30)
             t1 = time.perf_counter()
-            b, copy_b = be.load("second", second, time.monotonic() + 30)  # type: ignore[attr-defined]
+            b, copy_b = be.load("second", second, time.monotonic() + 30)
             t2 = time.perf_counter()
             charged = (a.charged, b.charged)
-            be.shares = False  # what a black-box LOAD of it would charge (its whole extent)
-            alone = be.footprint(first)  # type: ignore[attr-defined]
-            be.shares = True
+            if isinstance(be, CudaBackend):  # what a black-box LOAD of it would charge (its whole extent)
+                be.shares = False
+                alone = be.footprint(first)
+                be.shares = True
             be.unload(b)
             be.unload(a)
             if r >= 2:
@@ -186,7 +188,7 @@ def load_times(device: str, work: Path, names: list[str], budget: int, workspace
     def med(xs: list[tuple[float, float]], i: int) -> float:
         return float(np.median([x[i] for x in xs])) * 1e3
 
-    out = {"full_load_ms": med(full, 0), "full_copy_ms": med(full, 1), "held_load_ms": med(held, 0),
+    out: dict[str, Any] = {"full_load_ms": med(full, 0), "full_copy_ms": med(full, 1), "held_load_ms": med(held, 0),
            "held_copy_ms": med(held, 1), "full_charged_bytes": charged[0], "held_charged_bytes": charged[1],
            "all_blackbox_bytes": alone, "reps": reps}
     out["held_over_full_load"] = out["held_load_ms"] / out["full_load_ms"] if out["full_load_ms"] else None
