@@ -272,14 +272,52 @@ def _owned_tensors(module: torch.nn.Module) -> list[tuple[str, str, torch.Tensor
     return out
 
 
+# Weightless copies of traced modules by structure: variants' heads traced alike (same code, same
+# weights' places, dtypes and shapes) share one, as each bind copies it anyway. ~100 KiB of host
+# memory a head; alive while a binder holds it.
+_SHELLS: weakref.WeakValueDictionary[tuple[object, ...], torch.jit.ScriptModule] = weakref.WeakValueDictionary()
+_SHELLS_LOCK = threading.Lock()
+
+
+def _code(sub: torch.nn.Module) -> str | None:
+    try:
+        return str(sub.code)
+    except AttributeError:
+        return None
+
+
+def _shell(module: torch.jit.ScriptModule, owned: list[tuple[str, str, torch.Tensor]]) -> torch.jit.ScriptModule:
+    """`module` without its weights (each an empty tensor of its dtype): one made before for the
+    same structure, or a new copy."""
+    key: tuple[object, ...] | None
+    try:
+        # (a submodule with no method of its own, such as a weights holder the parent's code reads,
+        # has no code: its place and its weights' are in the key all the same)
+        key = (tuple((path, _code(sub)) for path, sub in module.named_modules()),
+               tuple((path, attr, t.dtype, tuple(t.shape)) for path, attr, t in owned))
+    except Exception:  # (what cannot be told apart keeps a shell of its own)
+        key = None
+    if key is not None:
+        with _SHELLS_LOCK:
+            shell = _SHELLS.get(key)
+        if shell is not None:
+            return shell
+    shell = copy.deepcopy(module)
+    for path, attr, t in owned:  # drop the shell's own copies of the weights
+        _set_tensor(_submodule(shell, path), attr, torch.empty(0, dtype=t.dtype))
+    if key is None:
+        return shell
+    with _SHELLS_LOCK:
+        return _SHELLS.setdefault(key, shell)
+
+
 def _script_binder(module: torch.jit.ScriptModule, spec: ModelSpec, slot: Callable[[str, str, torch.Tensor], int]
                    ) -> tuple[Binder, Callable[[str], None]]:
     """A binder that points a weightless copy of `module` at the views, and its releaser."""
-    owners = [(path, attr, slot(path, attr, t)) for path, attr, t in _owned_tensors(module)]
-    empties = {(path, attr): torch.empty(0, dtype=t.dtype) for path, attr, t in _owned_tensors(module)}
-    shell = copy.deepcopy(module)
-    for path, attr, _ in owners:  # drop the shell's own copies of the weights
-        _set_tensor(_submodule(shell, path), attr, empties[(path, attr)])
+    owned = _owned_tensors(module)
+    owners = [(path, attr, slot(path, attr, t)) for path, attr, t in owned]
+    empties = {(path, attr): torch.empty(0, dtype=t.dtype) for path, attr, t in owned}
+    shell = _shell(module, owned)
     instances: dict[str, torch.jit.ScriptModule] = {}  # owner -> its instance (one per device)
 
     def bind(views: list[torch.Tensor], owner: str | None = None, device: torch.device | None = None) -> Runner:

@@ -134,6 +134,35 @@ def test_variants_of_one_backbone_file_read_it_once_and_check_it_once(family: tu
     assert c.stages[0].program is not first and c.prefix != a.prefix
 
 
+def test_heads_traced_alike_share_one_weightless_copy_and_each_computes_its_own(tmp_path: Path) -> None:
+    """The CPU runner of a head is a traced module; variants whose heads have the same structure
+    (code, weights' places, dtypes and shapes) share one weightless copy of it, and each binds its
+    own weights: the same answers as each head alone, by the graph runner and by torch."""
+    from daemon.runtime import program as programs_module
+
+    torch.manual_seed(3)
+    backbone = nn.Sequential(nn.Linear(5, 9), nn.ReLU(), nn.Linear(9, 7), nn.ReLU()).eval()
+    save_model(backbone, "pt2", torch.zeros(2, 5), 16, tmp_path / ".stages" / "backbone.pt2")
+    heads = {name: nn.Linear(7, 4).eval() for name in ("p", "q")}
+    cfg = config(4).replace("shape = [-1, 6]", "shape = [-1, 5]")
+    for name, head in heads.items():
+        save_model(head, "pt2", torch.zeros(2, 7), 16, tmp_path / name / "1" / "head.pt2")
+        (tmp_path / name / "config.toml").write_text(cfg.replace("max_batch_size", STAGES + "\nmax_batch_size", 1))
+    specs = {sp.name: sp for sp in scan(tmp_path).models}
+    before = len(programs_module._SHELLS)
+    store = ObjectStore()
+    plans = {name: load_program(specs[name], store) for name in heads}
+    assert len(programs_module._SHELLS) == before + 2  # the backbone's, and one for both heads
+    x = torch.rand((6, 5), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        for name, plan in plans.items():
+            native = plan.bind(list(plan.host_tensors), native=True)
+            graph = plan.bind(list(plan.host_tensors), native=False)
+            want = heads[name](backbone(x))
+            assert torch.allclose(native([x])[0], want, rtol=1e-5, atol=1e-6)
+            assert torch.equal(native([x])[0], graph([x])[0])
+
+
 def test_stages_in_config(family: tuple[Path, Path], tmp_path: Path) -> None:
     staged = family[1]
     spec = next(s for s in scan(staged).models if s.name == "a")
