@@ -315,9 +315,15 @@ def _script_binder(module: torch.jit.ScriptModule, spec: ModelSpec, slot: Callab
                    ) -> tuple[Binder, Callable[[str], None]]:
     """A binder that points a weightless copy of `module` at the views, and its releaser."""
     owned = _owned_tensors(module)
-    owners = [(path, attr, slot(path, attr, t)) for path, attr, t in owned]
-    empties = {(path, attr): torch.empty(0, dtype=t.dtype) for path, attr, t in owned}
-    shell = _shell(module, owned)
+    return _binder_over(_shell(module, owned), [(path, attr, slot(path, attr, t)) for path, attr, t in owned],
+                        [t.dtype for _, _, t in owned], spec)
+
+
+def _binder_over(shell: torch.jit.ScriptModule, owners: list[tuple[str, str, int]], dtypes: list[torch.dtype],
+                 spec: ModelSpec, keep: object = None) -> tuple[Binder, Callable[[str], None]]:
+    """The binder of a weightless traced module: each (path, attribute) of `owners` is pointed at the
+    views' slot it names; `keep`: what must live as long as the binder (a cache entry)."""
+    empties = {(path, attr): torch.empty(0, dtype=dt) for (path, attr, _), dt in zip(owners, dtypes, strict=True)}
     instances: dict[str, torch.jit.ScriptModule] = {}  # owner -> its instance (one per device)
 
     def bind(views: list[torch.Tensor], owner: str | None = None, device: torch.device | None = None) -> Runner:
@@ -340,6 +346,7 @@ def _script_binder(module: torch.jit.ScriptModule, spec: ModelSpec, slot: Callab
             for path, attr, _ in owners:
                 _set_tensor(_submodule(inst, path), attr, empties[(path, attr)])
 
+    bind.keep = keep  # type: ignore[attr-defined]  # (alive as long as the binder)
     return bind, release
 
 
@@ -422,10 +429,12 @@ def _load_exported(spec: ModelSpec, store: ObjectStore, ep: torch.export.Exporte
                    native_runner: bool = True) -> Program:
     ep = ep if ep is not None else read_exported(spec)
     weights, plan = exported_weights(ep, spec)
-    gm = ep.graph_module
+    key = _exported_structure(ep, weights, plan, spec)
+    with _STRUCTURE_LOCK:  # programs exported alike (variants' heads) share one graph module
+        gm = _GRAPHS.setdefault(key, ep.graph_module)
     layout, tensors, cids = _stored(weights, store)
     bind_graph = _graph_binder(gm, plan, len(weights), spec)
-    native = _trace_binder(ep, spec, layout) if native_runner else None
+    native = _trace_binder(ep, spec, layout, key) if native_runner else None
     lint = capture_lint(gm)
     if native is None:
         return Program(spec, layout, tensors, cids, bind_graph, None, graph=gm, capture_problem=lint)
@@ -477,24 +486,64 @@ def _trace_graph(gm: torch.fx.GraphModule, spec: ModelSpec, weights: Sequence[to
         return None
 
 
-def _trace_binder(ep: torch.export.ExportedProgram, spec: ModelSpec, layout: WeightLayout
-                  ) -> tuple[Binder, Callable[[str], None]] | None:
-    """A TorchScript trace of the program over the same weight slots, or None if it cannot be made."""
+def _trace_binder(ep: torch.export.ExportedProgram, spec: ModelSpec, layout: WeightLayout,
+                  key: tuple[object, ...] | None = None) -> tuple[Binder, Callable[[str], None]] | None:
+    """A TorchScript trace of the program over the same weight slots, or None if it cannot be made.
+    `key` (_exported_structure): a program exported alike was traced before: its trace serves
+    (a variant's head is not traced again: ~50 ms and its garbage each)."""
     slots = {e.name: i for i, e in enumerate(layout.entries)}
 
-    def slot(path: str, attr: str, _t: torch.Tensor) -> int:
+    def slot(path: str, attr: str) -> int:
         return slots[f"{path}.{attr}" if path else attr]
 
-    example = [torch.zeros((min(2, spec.max_batch_size), *t.sample_shape), dtype=t.datatype.tensor_dtype)
-               for t in spec.inputs]
+    with _STRUCTURE_LOCK:
+        done = _TRACED.get(key) if key is not None else None
+    if done is None:
+        example = [torch.zeros((min(2, spec.max_batch_size), *t.sample_shape), dtype=t.datatype.tensor_dtype)
+                   for t in spec.inputs]
+        try:
+            with warnings.catch_warnings(), torch.inference_mode():
+                warnings.simplefilter("ignore")  # tracer and deprecation warnings
+                traced = torch.jit.trace(ep.module(), tuple(example), check_trace=False, strict=False)
+            owned = _owned_tensors(traced)
+            done = _Traced(_shell(traced, owned), tuple((path, attr, t.dtype) for path, attr, t in owned))
+        except Exception as e:  # tracing is an optimisation: any failure falls back to the graph
+            log.info("%s: no native runner (%s: %s); CPU devices use the graph runner", spec.key, type(e).__name__, e)
+            return None
+        if key is not None:
+            with _STRUCTURE_LOCK:
+                done = _TRACED.setdefault(key, done)
     try:
-        with warnings.catch_warnings(), torch.inference_mode():
-            warnings.simplefilter("ignore")  # tracer and deprecation warnings
-            traced = torch.jit.trace(ep.module(), tuple(example), check_trace=False, strict=False)
-        return _script_binder(traced, spec, slot)
-    except Exception as e:  # tracing is an optimisation: any failure falls back to the graph
-        log.info("%s: no native runner (%s: %s); CPU devices use the graph runner", spec.key, type(e).__name__, e)
+        owners = [(path, attr, slot(path, attr)) for path, attr, _ in done.owned]
+    except KeyError as e:  # (names the trace gave that the layout lacks: no native runner)
+        log.info("%s: no native runner (the trace's weight %s is not the program's)", spec.key, e)
         return None
+    return _binder_over(done.shell, owners, [dt for _, _, dt in done.owned], spec, keep=done)
+
+
+@dataclass(eq=False, slots=True, weakref_slot=True)
+class _Traced:
+    """A trace's weightless module and its weights' places (path, attribute, dtype)."""
+
+    shell: torch.jit.ScriptModule
+    owned: tuple[tuple[str, str, torch.dtype], ...]
+
+
+# Exported programs by structure (_exported_structure): their graph module and their trace, shared
+# by the programs alike while any of them lives. Variants fine-tuned from one model are exported
+# alike: 200 heads need one graph and one trace, not 200 (~50 KiB of host memory and ~50 ms each).
+_GRAPHS: weakref.WeakValueDictionary[tuple[object, ...], torch.fx.GraphModule] = weakref.WeakValueDictionary()
+_TRACED: weakref.WeakValueDictionary[tuple[object, ...], _Traced] = weakref.WeakValueDictionary()
+_STRUCTURE_LOCK = threading.Lock()
+
+
+def _exported_structure(ep: torch.export.ExportedProgram, weights: list[tuple[str, torch.Tensor]],
+                        plan: list[int], spec: ModelSpec) -> tuple[object, ...]:
+    """What a program's graph and trace depend on, besides its weights' values: the graph's code,
+    each weight's name, dtype and shape in signature order, the argument plan, and its inputs'
+    and outputs' types."""
+    return (ep.graph_module.code, tuple((n, t.dtype, tuple(t.shape)) for n, t in weights), tuple(plan),
+            tuple((t.datatype.name, tuple(t.sample_shape)) for t in (*spec.inputs, *spec.outputs)))
 
 
 # ------------------------------------------------------------------ a plan of stages

@@ -134,10 +134,10 @@ def test_variants_of_one_backbone_file_read_it_once_and_check_it_once(family: tu
     assert c.stages[0].program is not first and c.prefix != a.prefix
 
 
-def test_heads_traced_alike_share_one_weightless_copy_and_each_computes_its_own(tmp_path: Path) -> None:
-    """The CPU runner of a head is a traced module; variants whose heads have the same structure
-    (code, weights' places, dtypes and shapes) share one weightless copy of it, and each binds its
-    own weights: the same answers as each head alone, by the graph runner and by torch."""
+def test_heads_exported_alike_share_one_graph_and_trace_and_each_computes_its_own(tmp_path: Path) -> None:
+    """Variants whose heads are exported alike (graph code, weights' names, dtypes and shapes) share
+    one graph module and one weightless traced CPU runner (read and traced once, not per variant),
+    and each binds its own weights: the same answers as each head alone, by both runners."""
     from daemon.runtime import program as programs_module
 
     torch.manual_seed(3)
@@ -153,6 +153,10 @@ def test_heads_traced_alike_share_one_weightless_copy_and_each_computes_its_own(
     store = ObjectStore()
     plans = {name: load_program(specs[name], store) for name in heads}
     assert len(programs_module._SHELLS) == before + 2  # the backbone's, and one for both heads
+    p, q = (plans[n].stages[1].program for n in ("p", "q"))
+    assert p.graph is q.graph  # exported alike: one graph module, one trace
+    assert p.bind_native is not None and q.bind_native is not None
+    assert p.bind_native.keep is q.bind_native.keep  # type: ignore[attr-defined]
     x = torch.rand((6, 5), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         for name, plan in plans.items():
