@@ -405,13 +405,10 @@ def exported_weights(ep: torch.export.ExportedProgram, spec: ModelSpec
 def _graph_binder(gm: torch.fx.GraphModule, plan: list[int], n_weights: int, spec: ModelSpec) -> Binder:
     """A binder calling the lifted graph `gm` with the weights as arguments, in `plan`'s order."""
     simple = plan == list(range(n_weights)) + [-(k + 1) for k in range(len(plan) - n_weights)]
-    moved: dict[str, torch.fx.GraphModule] = {"cpu": gm}
 
     def bind_graph(views: list[torch.Tensor], owner: str | None = None,
                    device: torch.device | None = None) -> Runner:
-        g = gm
-        if device is not None:
-            g = moved.get(str(device)) or moved.setdefault(str(device), to_device(gm, device))
+        g = _on_device(gm, device) if device is not None else gm
         if simple:
             def run(xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
                 return _as_tuple(g(*views, *xs), spec)
@@ -430,8 +427,10 @@ def _load_exported(spec: ModelSpec, store: ObjectStore, ep: torch.export.Exporte
     ep = ep if ep is not None else read_exported(spec)
     weights, plan = exported_weights(ep, spec)
     key = _exported_structure(ep, weights, plan, spec)
-    with _STRUCTURE_LOCK:  # programs exported alike (variants' heads) share one graph module
-        gm = _GRAPHS.setdefault(key, ep.graph_module)
+    gm = ep.graph_module
+    if key is not None:
+        with _STRUCTURE_LOCK:  # programs exported alike (variants' heads) share one graph module
+            gm = _GRAPHS.setdefault(key, gm)
     layout, tensors, cids = _stored(weights, store)
     bind_graph = _graph_binder(gm, plan, len(weights), spec)
     native = _trace_binder(ep, spec, layout, key) if native_runner else None
@@ -535,14 +534,46 @@ class _Traced:
 _GRAPHS: weakref.WeakValueDictionary[tuple[object, ...], torch.fx.GraphModule] = weakref.WeakValueDictionary()
 _TRACED: weakref.WeakValueDictionary[tuple[object, ...], _Traced] = weakref.WeakValueDictionary()
 _STRUCTURE_LOCK = threading.Lock()
+# A graph module's copies for other devices (retarget.to_device), by device; None: itself serves
+# there (never the module itself as a value: the entry would keep its key alive).
+_MOVED: weakref.WeakKeyDictionary[torch.fx.GraphModule, dict[str, torch.fx.GraphModule | None]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _on_device(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
+    """`gm` as it runs on `device`: made once per graph module and device, so the programs that
+    share one graph module (exported alike) share its copies too."""
+    where = str(device)
+    if where == "cpu":
+        return gm
+    with _STRUCTURE_LOCK:
+        copies = _MOVED.setdefault(gm, {})
+        if where in copies:
+            got = copies[where]
+            return gm if got is None else got
+    moved = to_device(gm, device)
+    with _STRUCTURE_LOCK:
+        got = copies.setdefault(where, None if moved is gm else moved)
+    return gm if got is None else got
+
+
+def _attr(root: object, dotted: str) -> object:
+    for part in dotted.split("."):
+        root = getattr(root, part, None)
+    return root
 
 
 def _exported_structure(ep: torch.export.ExportedProgram, weights: list[tuple[str, torch.Tensor]],
-                        plan: list[int], spec: ModelSpec) -> tuple[object, ...]:
+                        plan: list[int], spec: ModelSpec) -> tuple[object, ...] | None:
     """What a program's graph and trace depend on, besides its weights' values: the graph's code,
     each weight's name, dtype and shape in signature order, the argument plan, and its inputs'
-    and outputs' types."""
-    return (ep.graph_module.code, tuple((n, t.dtype, tuple(t.shape)) for n, t in weights), tuple(plan),
+    and outputs' types. None (never shared) where the graph module holds tensors of its own, whose
+    values the code does not show (export lifts them into the signature; this is the guard)."""
+    gm = ep.graph_module
+    if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()) or any(
+            isinstance(_attr(gm, str(n.target)), torch.Tensor) for n in gm.graph.nodes if n.op == "get_attr"):
+        return None
+    return (gm.code, tuple((n, t.dtype, tuple(t.shape)) for n, t in weights), tuple(plan),
             tuple((t.datatype.name, tuple(t.sample_shape)) for t in (*spec.inputs, *spec.outputs)))
 
 
