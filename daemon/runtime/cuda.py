@@ -300,7 +300,7 @@ def shared_blocks(program: Program) -> tuple[tuple[str, int], ...]:
     """Every block a CUDA device holds once for all plans alike (its leading stage's weights, its
     static inputs), as the controller's memory map counts them: (id, bytes) each."""
     stage, ins = shared_block(program), input_block(program)
-    return tuple(b for b in (stage, (ins[0], ins[1]) if ins is not None else None) if b is not None)
+    return (*((stage,) if stage is not None else ()), *(((ins[0], ins[1]),) if ins is not None else ()))
 
 
 def extent_layout(program: Program, skip: int = 0) -> tuple[int, list[int], list[int], int, list[int]]:

@@ -276,7 +276,6 @@ def _owned_tensors(module: torch.nn.Module) -> list[tuple[str, str, torch.Tensor
 # weights' places, dtypes and shapes) share one, as each bind copies it anyway. ~100 KiB of host
 # memory a head; alive while a binder holds it.
 _SHELLS: weakref.WeakValueDictionary[tuple[object, ...], torch.jit.ScriptModule] = weakref.WeakValueDictionary()
-_SHELLS_LOCK = threading.Lock()
 
 
 def _code(sub: torch.nn.Module) -> str | None:
@@ -298,7 +297,7 @@ def _shell(module: torch.jit.ScriptModule, owned: list[tuple[str, str, torch.Ten
     except Exception:  # (what cannot be told apart keeps a shell of its own)
         key = None
     if key is not None:
-        with _SHELLS_LOCK:
+        with _STRUCTURE_LOCK:
             shell = _SHELLS.get(key)
         if shell is not None:
             return shell
@@ -307,7 +306,7 @@ def _shell(module: torch.jit.ScriptModule, owned: list[tuple[str, str, torch.Ten
         _set_tensor(_submodule(shell, path), attr, torch.empty(0, dtype=t.dtype))
     if key is None:
         return shell
-    with _SHELLS_LOCK:
+    with _STRUCTURE_LOCK:
         return _SHELLS.setdefault(key, shell)
 
 
@@ -533,7 +532,7 @@ class _Traced:
 # alike: 200 heads need one graph and one trace, not 200 (~50 KiB of host memory and ~50 ms each).
 _GRAPHS: weakref.WeakValueDictionary[tuple[object, ...], torch.fx.GraphModule] = weakref.WeakValueDictionary()
 _TRACED: weakref.WeakValueDictionary[tuple[object, ...], _Traced] = weakref.WeakValueDictionary()
-_STRUCTURE_LOCK = threading.Lock()
+_STRUCTURE_LOCK = threading.Lock()  # (and _SHELLS')
 # A graph module's copies for other devices (retarget.to_device), by device; None: itself serves
 # there (never the module itself as a value: the entry would keep its key alive).
 _MOVED: weakref.WeakKeyDictionary[torch.fx.GraphModule, dict[str, torch.fx.GraphModule | None]] = \
