@@ -376,7 +376,8 @@ SYSTEMS = "escapement,triton,pytriton,torchserve,ray-serve,plain-aiohttp"
 # recorded sweep (`python -m bench run peers-tuning`, bench/results/peers-tuning.md). escapement
 # gets only what its own docs recommend on 2 cores: one CPU device with one intra-op thread.
 TUNED: dict[str, Any] = {
-    "escapement": {"runtime": {"devices": ["cpu:0"], "cpu_threads": 1}, "controller": {"batch_wait_ms": 0.0}},
+    # two CPU devices, as Triton's two instances (peers-tuning, 2026-11-30: the best median of three sweeps)
+    "escapement": {"runtime": {"devices": ["cpu:0", "cpu:1"], "cpu_threads": 1}, "controller": {"batch_wait_ms": 1.0}},
     "triton": TritonConfig(instances=2, max_batch=32, delay_us=500),
     "pytriton": TritonConfig(instances=2, max_batch=32, delay_us=500),
     "torchserve": BatchConfig(workers=2, max_batch=32, delay_ms=1.0),

@@ -17,8 +17,10 @@ from bench.scenarios.common import command, demo_repo, spec_of
 from bench.scenarios.peers import MISSING, BatchConfig, TritonConfig, _near, capacity_search, serving
 
 SWEEP: dict[str, list[Any]] = {
-    "escapement": [{"runtime": {"devices": ["cpu:0"], "cpu_threads": 1}, "controller": {"batch_wait_ms": w}}
-                   for w in (0.0, 4.0)],
+    "escapement": [{"runtime": {"devices": devs, "cpu_threads": t}, "controller": {"batch_wait_ms": w}}
+                   for devs, t, ws in ((["cpu:0"], 1, (0.0, 4.0)), (["cpu:0", "cpu:1"], 1, (0.0, 1.0)),
+                                       (["cpu:0"], 2, (0.0,)))
+                   for w in ws],
     "triton": [TritonConfig(i, b, d) for i in (1, 2) for b, d in ((32, 0), (32, 500), (16, 500), (32, 2000))],
     "pytriton": [TritonConfig(i, 32, d) for i in (1, 2) for d in (0, 500)],
     "torchserve": [BatchConfig(w, 32, d) for w in (1, 2) for d in (1.0, 5.0)],
