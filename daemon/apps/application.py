@@ -16,16 +16,14 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from daemon.apps.queryid import new_query_id
+from daemon.apps.answered import AnsweredQueries
 from daemon.apps.selection import Combine, PolicyName
-from daemon.clock import Clock
 from daemon.errors import BadRequest, Unavailable
 from daemon.model import ModelSpec, TensorSpec
 
@@ -194,49 +192,8 @@ class AppQuery:
         self.nbytes = QUERY_OVERHEAD + sum(o.nbytes for o in self.outputs)
 
 
-class AppQueries:
+class AppQueries(AnsweredQueries[AppQuery]):
     """Answered queries by id, oldest first; bounded in count, bytes and age."""
-
-    def __init__(self, max_queries: int, max_bytes: int, ttl_s: float, clock: Clock) -> None:
-        self.max_queries = max(1, max_queries)
-        self.max_bytes = max_bytes
-        self.ttl_s = ttl_s
-        self.clock = clock
-        self._queries: OrderedDict[str, AppQuery] = OrderedDict()
-        self.bytes = 0
-        self.evictions = 0
-
-    def __len__(self) -> int:
-        return len(self._queries)
-
-    def add(self, q: AppQuery) -> str:
-        qid = new_query_id()  # not guessable: feedback moves weights
-        self._queries[qid] = q
-        self.bytes += q.nbytes
-        self._expire(q.at)
-        while len(self._queries) > 1 and (len(self._queries) > self.max_queries or self.bytes > self.max_bytes):
-            self._pop_oldest()
-        return qid
-
-    def get(self, qid: str) -> AppQuery | None:
-        self._expire(self.clock.now())
-        return self._queries.get(qid)
-
-    def take(self, qid: str) -> AppQuery | None:
-        self._expire(self.clock.now())
-        q = self._queries.pop(qid, None)
-        if q is not None:
-            self.bytes -= q.nbytes
-        return q
-
-    def _expire(self, now: float) -> None:
-        while self._queries and now - next(iter(self._queries.values())).at > self.ttl_s:
-            self._pop_oldest()
-
-    def _pop_oldest(self) -> None:
-        _, q = self._queries.popitem(last=False)
-        self.bytes -= q.nbytes
-        self.evictions += 1
 
 
 def unavailable(app: str, why: str) -> Unavailable:
