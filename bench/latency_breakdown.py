@@ -48,7 +48,9 @@ def _loop_ns(pid: int) -> int:
 
 def idle_effect() -> None:
     """The null model's INFER through the CPU backend in this process: back to back, then after
-    sleeping 1 and 10 ms, then after spinning 10 ms (median µs each): what idleness alone costs."""
+    sleeping 1 and 10 ms, after spinning 10 ms, and after 10 ms in which the same INFER ran every
+    0.1 or 1 ms (kept warm: what keeping the path hot between requests would buy, and cost);
+    median µs each: what idleness alone costs."""
     import numpy as np
 
     from daemon.repository import scan
@@ -74,10 +76,18 @@ def idle_effect() -> None:
         while time.perf_counter() < end:
             pass
 
+    def kept_warm(period_s: float, total_s: float = 0.01) -> None:
+        end = time.perf_counter() + total_s
+        while time.perf_counter() < end:
+            one()
+            spin(period_s)
+
     for _ in range(300):
         one()
     cases = {"back to back": lambda: None, "after sleeping 1 ms": lambda: time.sleep(0.001),
-             "after sleeping 10 ms": lambda: time.sleep(0.01), "after spinning 10 ms": lambda: spin(0.01)}
+             "after sleeping 10 ms": lambda: time.sleep(0.01), "after spinning 10 ms": lambda: spin(0.01),
+             "after 10 ms running it every 0.1 ms": lambda: kept_warm(1e-4),
+             "after 10 ms running it every 1 ms": lambda: kept_warm(1e-3)}
     for label, before in cases.items():
         times = []
         for _ in range(200):

@@ -399,6 +399,14 @@ class ControllerSettings:
                              "engine.", True)
     latency_path_max_ms: float = doc("The longest estimated run the latency path takes (ms); it holds the event "
                                      "loop that long.", 2.0)
+    keep_warm_ms: float = doc("After a request ran on the latency path, keep the event loop spinning and its "
+                              "model's code and weights in cache (one run on scratch rows each keep_warm_touch_ms) "
+                              "for this long (ms): at light load the next lone request then runs hot instead of "
+                              "after the machine evicted it. Costs one core while it lasts; 0 disables "
+                              "(docs/controller.md).", 0.0)
+    keep_warm_touch_ms: float = doc("How often the kept-warm model runs on scratch rows (ms).", 1.0)
+    keep_warm_spin: bool = doc("Keep-warm spins the event loop between those runs (the loop's core never idles: "
+                               "the next request finds it awake); false: it sleeps between them (less CPU).", True)
     default_priority: int = doc("The priority of requests that give none (or 0); smaller is more urgent.", 10)
     client_priorities: bool = doc("Honour a priority more urgent than default_priority when a client asks for it "
                                   "(off: a client may lower its own priority, never jump everyone else's).", False)
@@ -435,6 +443,9 @@ class ControllerSettings:
               "must be in (0, 1000]")
         _need(0 <= self.latency_path_max_ms <= 100, "controller.latency_path_max_ms", self.latency_path_max_ms,
               "must be in [0, 100]")
+        _need(0 <= self.keep_warm_ms <= 10_000, "controller.keep_warm_ms", self.keep_warm_ms, "must be in [0, 10000]")
+        _need(0.05 <= self.keep_warm_touch_ms <= 1000, "controller.keep_warm_touch_ms", self.keep_warm_touch_ms,
+              "must be in [0.05, 1000]")
         _need(self.default_priority >= 1, "controller.default_priority", self.default_priority, "must be >= 1")
         _need(self.max_pending >= 1, "controller.max_pending", self.max_pending, "must be >= 1")
         _need(self.max_pending_per_model >= 1, "controller.max_pending_per_model",

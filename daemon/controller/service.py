@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -65,6 +66,15 @@ class ControllerService:
         self._results: list[Result] = []  # came back since the last step
         ctl = scheduler.settings
         self.latency = LatencyPath(ctl.latency_path, ctl.latency_path_max_ms / 1000.0)
+        # keep-warm (controller.keep_warm_ms): after a run on the latency path the loop spins, and
+        # the model runs on scratch rows every touch_s, until warm_until
+        self.keep_warm_s = ctl.keep_warm_ms / 1000.0
+        self.touch_s = ctl.keep_warm_touch_ms / 1000.0
+        self.spin = ctl.keep_warm_spin
+        self._warm_target: tuple[str, str] | None = None  # (device, holder)
+        self._warm_until = -math.inf
+        self._touched = -math.inf
+        self._spinning = False
 
     # ---------------------------------------------------------------- from frontends
 
@@ -167,7 +177,49 @@ class ControllerService:
             return
         decision.actions.remove(action)
         self._deliver(decision)  # whatever else the step finished (answers)
-        self._deliver(self.driver.step(self.clock.now(), (result,), on_error=_result_failed))
+        now = self.clock.now()
+        self._deliver(self.driver.step(now, (result,), on_error=_result_failed))
+        if self.keep_warm_s > 0:
+            self._keep_warm(action.device, action.holder, now)
+
+    # ---------------------------------------------------------------- keep-warm
+
+    def _keep_warm(self, device: str, holder: str, now: float) -> None:
+        """At light load the machine evicts a model's code and weights from the caches between
+        requests (its next run takes 10-20x as long after 10 ms idle on a shared 2-core VM:
+        bench/latency_breakdown.py --idle). Until `keep_warm_s` after this run, the loop spins
+        instead of sleeping (a ready callback each turn) and runs the model on scratch rows every
+        `touch_s` while nothing else is queued or running."""
+        self._warm_target = (device, holder)
+        self._warm_until = now + self.keep_warm_s
+        self._touched = now
+        if not self._spinning:
+            self._spinning = True
+            self.loop.call_soon(self._warm_tick)
+
+    @property
+    def keeping_warm(self) -> bool:
+        """Whether the keep-warm spin (or its timer) is running."""
+        return self._spinning
+
+    def _warm_tick(self) -> None:
+        now = self.clock.now()
+        if now >= self._warm_until or not self.accepting or self._warm_target is None:
+            self._spinning = False
+            return
+        sched = self.scheduler
+        if now - self._touched >= self.touch_s and sched.pending == 0 and not sched.inflight:
+            device, holder = self._warm_target
+            keep = getattr(self.executors[device], "keep_warm", None)
+            t0 = time.thread_time_ns()
+            if keep is not None and keep(holder):
+                sched.counters["keep_warm_runs"] += 1
+                sched.counters["keep_warm_cpu_ns"] += time.thread_time_ns() - t0
+            self._touched = self.clock.now()
+        if self.spin:
+            self.loop.call_soon(self._warm_tick)
+        else:
+            self.loop.call_later(self.touch_s, self._warm_tick)
 
     def _arm(self, now: float) -> None:
         wake = self.scheduler.next_wakeup(now)
@@ -261,6 +313,7 @@ class ControllerService:
         self._deliver(self.scheduler.abort_all(Unavailable(why), self.clock.now()))
 
     def close(self) -> None:
+        self._warm_until = -math.inf  # the keep-warm spin ends at its next turn
         # what the latency path did, for benchmarks reading the log (bench/scenarios/overhead.py)
         log.info("latency path, steps by outcome: %s", json.dumps(self.latency.statistics(), sort_keys=True))
         if self._timer is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 import os
 import threading
 import time
@@ -143,6 +144,24 @@ class Lane:
                 if self._heap or self._stopping:  # queued meanwhile (from another thread): the lane's turn
                     self._cond.notify()
 
+    def touch_here(self, run: Callable[[], None]) -> bool:
+        """Call `run` on the calling thread if the lane is idle with nothing queued, holding the lane
+        as `run_here` does (work outside the schedule: keeping a model warm); whether it ran."""
+        with self._cond:
+            if self._stopping or self.busy or self._here or self._heap:
+                return False
+            self._here = True
+            self.busy = True
+        try:
+            run()
+        finally:
+            with self._cond:
+                self.busy = False
+                self._here = False
+                if self._heap or self._stopping:
+                    self._cond.notify()
+        return True
+
     def _execute(self, action: Action, received: float) -> Result:
         """Run one taken action inside its window (the lane is marked busy); its result."""
         now = self._clock.now()
@@ -170,6 +189,11 @@ class Lane:
         self.busy = False
         self._free_since = self._clock.now()
         return result
+
+
+def _one_row(io: IOBuffers) -> int:
+    """A fill that copies nothing in: one row of whatever the buffers hold (a keep-warm run)."""
+    return 1
 
 
 def _failure(e: BaseException) -> Failure:
@@ -261,6 +285,24 @@ class Executor:
             self.backend.thread_setup("here")
             self._here_threads.add(threading.get_ident())
         return self.infer_lane.run_here(action)
+
+    def keep_warm(self, holder: str) -> bool:
+        """Run `holder`'s model once on one row of its scratch inputs on the calling thread, its
+        output dropped, if the INFER lane is idle (the controller's keep-warm, ControllerService):
+        its code and weights stay in the caches for the next request. Only where `run_here` runs
+        (a CPU device, no fault injected); whether it ran."""
+        if self.device.kind != "cpu" or self.faults.spec is not None:
+            return False
+        res = self.resident.get(holder)
+        if res is None or not res.io:
+            return False
+        io = res.io[min(res.io)]
+        if threading.get_ident() not in self._here_threads:
+            self.backend.thread_setup("here")
+            self._here_threads.add(threading.get_ident())
+        def run() -> None:
+            self.backend.infer(res, io, _one_row, math.inf)  # (a plan of stages runs through as one chain)
+        return self.infer_lane.touch_here(run)
 
     # ---------------------------------------------------------------- lanes
 

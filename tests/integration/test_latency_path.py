@@ -88,3 +88,36 @@ def test_off_sends_every_infer_to_the_batch_engine(path_off: DaemonThread) -> No
                                        rtol=1e-5)
     counts = _counts(path_off)
     assert counts.get(Why.TAKEN, 0) == 0 and counts.get(Why.OFF, 0) >= 5
+
+
+@pytest.mark.parametrize("spin", [True, False])
+def test_keep_warm_runs_the_model_after_a_lone_request_then_stops(test_repo: Path, spin: bool) -> None:
+    """controller.keep_warm_ms: after a run on the path the daemon runs the model on scratch rows
+    (on the CPU backend, through the executor's INFER lane) until the window ends; answers stay right."""
+    d = short_tmpdir()
+    try:
+        cfg = settings(test_repo, d, controller={"keep_warm_ms": 20.0, "keep_warm_touch_ms": 1.0,
+                                                  "keep_warm_spin": spin})
+        with DaemonThread(cfg) as dt:
+            svc = dt.daemon.controller
+            counters = svc.scheduler.counters
+            x = np.full((1, 4), 3.0, np.float32)
+            with SocketClient(dt.socket) as c:
+                for _ in range(3):  # the first may meet the model's warm-up: one of them takes the path
+                    r = c.infer("tiny_pt2", {"INPUT__0": x})
+                    np.testing.assert_allclose(r.outputs["OUTPUT__0"], reference(x), rtol=1e-5)
+
+            async def window_over() -> None:
+                while svc.keeping_warm:  # noqa: ASYNC110 - it ends on a turn of the loop, not an event
+                    await asyncio.sleep(0 if spin else 0.001)
+
+            dt.on_loop(window_over(), timeout=10)
+            assert counters["latency_path_runs"] >= 1
+            assert counters["keep_warm_runs"] >= 1 and counters["keep_warm_cpu_ns"] > 0
+            runs = counters["keep_warm_runs"]
+            with SocketClient(dt.socket) as c:  # the scratch runs left the model's answers alone
+                r = c.infer("tiny_pt2", {"INPUT__0": x})
+                np.testing.assert_allclose(r.outputs["OUTPUT__0"], reference(x), rtol=1e-5)
+            assert counters["keep_warm_runs"] >= runs
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

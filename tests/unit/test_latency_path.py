@@ -4,7 +4,10 @@ thread, the lane's `run_here`, and the service's switch between it and the batch
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -227,6 +230,21 @@ def test_the_lane_thread_waits_while_an_action_runs_here() -> None:
         lane.stop()
 
 
+def test_touch_here_runs_on_an_idle_lane_only() -> None:
+    """Keep-warm runs (work outside the schedule) hold the lane as a run here does, and never
+    while an action is queued or the lane is stopping."""
+    clock = FakeClock()
+    rec = Recorder(clock)
+    lane = _lane(rec)
+    ran: list[int] = []
+    assert lane.touch_here(lambda: ran.append(threading.get_ident()) or None)
+    assert ran == [threading.get_ident()] and not lane.busy and rec.posted == []
+    lane.submit(_infer_action(clock, earliest=1.0, latest=2.0))
+    assert not lane.touch_here(lambda: ran.append(0) or None) and len(ran) == 1
+    lane.begin_stop()
+    assert not lane.touch_here(lambda: ran.append(0) or None) and len(ran) == 1
+
+
 # ---------------------------------------------------------------- the service's switch
 
 
@@ -240,6 +258,7 @@ class FakeExecutor:
         self.here = here
         self.ran_here: list[Action] = []
         self.submitted: list[Action] = []
+        self.warmed: list[tuple[str, float]] = []  # (holder, when) of each keep-warm run
 
     def _result(self, action: Action) -> Result:
         t = self.clock.now()
@@ -257,11 +276,19 @@ class FakeExecutor:
         self.submitted.append(action)
         self.service[0].post_result(self._result(action))
 
+    def keep_warm(self, holder: str) -> bool:
+        self.warmed.append((holder, self.clock.now()))
+        return True
 
-def _serve(here: bool, enabled: bool = True) -> tuple[FakeExecutor, ControllerService, list[int]]:
-    """One request through a ControllerService over a fake executor; which way it went."""
+
+def _serve(here: bool, enabled: bool = True, keep_warm_ms: float = 0.0, spin: bool = True,
+           after: Callable[[ControllerService, FakeClock], Awaitable[None]] | None = None,
+           ) -> tuple[FakeExecutor, ControllerService, list[int]]:
+    """One request through a ControllerService over a fake executor; which way it went. `after`
+    runs once it is answered, before the service closes."""
     clock = FakeClock()
-    settings = ControllerSettings(latency_path=enabled, latency_path_max_ms=1.0)
+    settings = ControllerSettings(latency_path=enabled, latency_path_max_ms=1.0, keep_warm_ms=keep_warm_ms,
+                                  keep_warm_touch_ms=1.0, keep_warm_spin=spin)
     sched = Scheduler([Device("cpu:0", "cpu", 0, 1000)], DynamicBatchingPolicy(0.0), settings)
     spec = make_spec()
     sched.add_model(spec, 100, {1: 0.2 * MS, spec.max_batch_size: 0.5 * MS}, "cpu")
@@ -288,6 +315,8 @@ def _serve(here: bool, enabled: bool = True) -> tuple[FakeExecutor, ControllerSe
         await done
         assert req.ok
         await svc.settled()
+        if after is not None:
+            await after(svc, clock)
         svc.close()
         return ex, svc
 
@@ -315,3 +344,52 @@ def test_service_with_the_path_off_never_asks() -> None:
     assert len(answered) == 1 and ex.ran_here == []
     assert [a.kind for a in ex.submitted] == [ActionKind.LOAD, ActionKind.INFER]
     assert svc.latency.statistics().get("taken", 0) == 0
+
+
+async def _idle_for(svc: ControllerService, clock: FakeClock, seconds: float, step: float = 0.25 * MS) -> None:
+    """Let the loop turn while the fake clock moves on by `step` a turn, `seconds` in all."""
+    end = clock.now() + seconds
+    while clock.now() < end:
+        clock.advance(step)
+        await asyncio.sleep(0)
+
+
+def test_keep_warm_runs_the_model_between_requests_for_its_window_then_stops() -> None:
+    seen: dict[str, Any] = {}
+
+    async def after(svc: ControllerService, clock: FakeClock) -> None:
+        seen["spinning"] = svc.keeping_warm
+        await _idle_for(svc, clock, 0.010)  # 10 ms of idle loop turns, the window 5 ms
+        seen["after"] = svc.keeping_warm
+
+    ex, svc, answered = _serve(here=True, keep_warm_ms=5.0, after=after)
+    assert len(answered) == 1 and seen == {"spinning": True, "after": False}
+    when = [t for _, t in ex.warmed]
+    assert {h for h, _ in ex.warmed} == {ex.ran_here[0].holder}
+    assert 4 <= len(when) <= 5  # one a touch period (1 ms) within the 5 ms window, none after it
+    assert all(b - a >= 1.0 * MS - 1e-9 for a, b in itertools.pairwise(when))
+    assert svc.scheduler.counters["keep_warm_runs"] == len(when)
+
+
+def test_keep_warm_off_never_spins() -> None:
+    seen: dict[str, Any] = {}
+
+    async def after(svc: ControllerService, clock: FakeClock) -> None:
+        seen["spinning"] = svc.keeping_warm
+        await _idle_for(svc, clock, 0.010)
+
+    ex, _, answered = _serve(here=True, after=after)
+    assert len(answered) == 1 and seen == {"spinning": False} and ex.warmed == []
+
+
+def test_keep_warm_follows_only_runs_on_the_latency_path() -> None:
+    """Through the batch engine (the executor declined the path) nothing is kept warm: the load
+    is not light, or the device runs its own thread."""
+    seen: dict[str, Any] = {}
+
+    async def after(svc: ControllerService, clock: FakeClock) -> None:
+        seen["spinning"] = svc.keeping_warm
+        await _idle_for(svc, clock, 0.010)
+
+    ex, _, _ = _serve(here=False, keep_warm_ms=5.0, after=after)
+    assert seen == {"spinning": False} and ex.warmed == []
