@@ -187,9 +187,9 @@ class ControllerService:
     def _keep_warm(self, device: str, holder: str, now: float) -> None:
         """At light load the machine evicts a model's code and weights from the caches between
         requests (its next run takes 10-20x as long after 10 ms idle on a shared 2-core VM:
-        bench/latency_breakdown.py --idle). Until `keep_warm_s` after this run, the loop spins
-        instead of sleeping (a ready callback each turn) and runs the model on scratch rows every
-        `touch_s` while nothing else is queued or running."""
+        bench/latency_breakdown.py --idle). Until `keep_warm_s` after this run, the model runs on
+        scratch rows every `touch_s` while nothing else is queued or running, and between those
+        runs the loop spins (`spin`: a ready callback each turn) or sleeps."""
         self._warm_target = (device, holder)
         self._warm_until = now + self.keep_warm_s
         self._touched = now
