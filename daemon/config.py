@@ -402,7 +402,7 @@ class ControllerSettings:
     keep_warm_ms: float = doc("After a request ran on the latency path, keep the event loop spinning and its "
                               "model's code and weights in cache (one run on scratch rows each keep_warm_touch_ms) "
                               "for this long (ms): at light load the next lone request then runs hot instead of "
-                              "after the machine evicted it. Costs one core while it lasts; 0 disables "
+                              "after the machine evicted it. Costs up to a core while it lasts; 0 disables "
                               "(docs/controller.md).", 0.0)
     keep_warm_touch_ms: float = doc("How often the kept-warm model runs on scratch rows (ms).", 1.0)
     keep_warm_spin: bool = doc("Keep-warm spins the event loop between those runs (the loop's core never idles: "

@@ -17,7 +17,6 @@ call `.result()`. A store names its table in `SCHEMA` and answers one operation 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import sqlite3
@@ -65,9 +64,9 @@ class SqliteStore(ABC):
         self._ready: Future[None] = Future()
         self.writes = self.commits = self.reads = self.failures = 0
         self.commit_s = 0.0
-        # queued = submitted - finished; each counter written by one thread only
-        self._submitted = itertools.count()
-        self._last_submitted = 0
+        # queued = submitted - finished, each written by one thread only (operations come from the
+        # event loop, the writer finishes them)
+        self._submitted = 0
         self._finished = 0
 
     # ---------------------------------------------------------------- lifecycle
@@ -97,9 +96,9 @@ class SqliteStore(ABC):
 
     def stats(self) -> DBStats:
         return DBStats(self.writes, self.commits, self.reads, self.failures, self.commit_s * 1e3,
-                       max(0, self._last_submitted - self._finished))
+                       max(0, self._submitted - self._finished))
 
-    # ---------------------------------------------------------------- operations (any thread)
+    # ---------------------------------------------------------------- operations (the event loop's thread)
 
     def submit(self, op: str, args: tuple[Any, ...]) -> Future[Any]:
         """Queue one operation for `apply` (its future resolves after its transaction commits)."""
@@ -107,7 +106,7 @@ class SqliteStore(ABC):
         if self._thread is None:
             fut.set_exception(RuntimeError(f"the {self.LABEL} is not open"))
             return fut
-        self._last_submitted = next(self._submitted) + 1
+        self._submitted += 1
         self._queue.put((op, args, fut))
         return fut
 

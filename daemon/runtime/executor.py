@@ -131,36 +131,40 @@ class Lane:
         idle with nothing queued; else None and nothing done (the caller submits it instead). The
         lane's thread takes nothing meanwhile: one action at a time per lane, wherever it runs."""
         received = self._clock.now()
-        with self._cond:
-            if self._stopping or self.busy or self._here or self._heap:
-                return None
-            self._here = True
-            self.busy = True
+        if not self._hold():
+            return None
         try:
             return self._execute(action, received)
         finally:
-            with self._cond:
-                self._here = False
-                if self._heap or self._stopping:  # queued meanwhile (from another thread): the lane's turn
-                    self._cond.notify()
+            self._let_go()
 
     def touch_here(self, run: Callable[[], None]) -> bool:
         """Call `run` on the calling thread if the lane is idle with nothing queued, holding the lane
         as `run_here` does (work outside the schedule: keeping a model warm); whether it ran."""
+        if not self._hold():
+            return False
+        try:
+            run()
+        finally:
+            self._let_go()
+        return True
+
+    def _hold(self) -> bool:
+        """Take the idle lane for the calling thread (its own thread waits meanwhile); False if it
+        is busy, has work queued or is stopping."""
         with self._cond:
             if self._stopping or self.busy or self._here or self._heap:
                 return False
             self._here = True
             self.busy = True
-        try:
-            run()
-        finally:
-            with self._cond:
-                self.busy = False
-                self._here = False
-                if self._heap or self._stopping:
-                    self._cond.notify()
         return True
+
+    def _let_go(self) -> None:
+        with self._cond:
+            self.busy = False
+            self._here = False
+            if self._heap or self._stopping:  # queued meanwhile (from another thread): the lane's turn
+                self._cond.notify()
 
     def _execute(self, action: Action, received: float) -> Result:
         """Run one taken action inside its window (the lane is marked busy); its result."""
@@ -277,29 +281,32 @@ class Executor:
         cannot run here (then nothing was done: submit it). Only on a CPU device (a CUDA device's
         streams belong to its lane's thread), and never under an injected fault (a hang or slowdown
         must not hold the caller)."""
-        if action.kind != ActionKind.INFER or self.device.kind != "cpu" or self.faults.spec is not None:
+        if action.kind != ActionKind.INFER or not self._runs_here():
             return None
+        return self.infer_lane.run_here(action)
+
+    def _runs_here(self) -> bool:
+        """Whether work may run on the calling thread (a CPU device, no fault injected); sets the
+        thread up for it once."""
+        if self.device.kind != "cpu" or self.faults.spec is not None:
+            return False
         if threading.get_ident() not in self._here_threads:
             # intra-op threads are per calling thread under OpenMP (the lane's own set-up does the
             # same); no core pinning: the caller keeps its cores
             self.backend.thread_setup("here")
             self._here_threads.add(threading.get_ident())
-        return self.infer_lane.run_here(action)
+        return True
 
     def keep_warm(self, holder: str) -> bool:
         """Run `holder`'s model once on one row of its scratch inputs on the calling thread, its
         output dropped, if the INFER lane is idle (the controller's keep-warm, ControllerService):
         its code and weights stay in the caches for the next request. Only where `run_here` runs
         (a CPU device, no fault injected); whether it ran."""
-        if self.device.kind != "cpu" or self.faults.spec is not None:
-            return False
         res = self.resident.get(holder)
-        if res is None or not res.io:
+        if res is None or not res.io or not self._runs_here():
             return False
         io = res.io[min(res.io)]
-        if threading.get_ident() not in self._here_threads:
-            self.backend.thread_setup("here")
-            self._here_threads.add(threading.get_ident())
+
         def run() -> None:
             self.backend.infer(res, io, _one_row, math.inf)  # (a plan of stages runs through as one chain)
         return self.infer_lane.touch_here(run)
