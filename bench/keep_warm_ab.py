@@ -3,8 +3,10 @@ req/s, one daemon each way, measured in turn in the same run, against the raw ca
 
     python -m bench.keep_warm_ab [--model mlp_784] [--workers 0] [--reps 3] [--seconds 5] [--out FILE.json]
 
-Three daemons, all with the latency path on: keep-warm off, keep-warm spinning between its runs,
-and keep-warm sleeping between them (controller.keep_warm_ms 100, keep_warm_touch_ms 1). Each
+Four daemons, all with the latency path on: keep-warm off; keep-warm spinning between its runs, the
+model's alone (`spin_model`: keep_warm_path false) and with the socket's path replayed (`spin`);
+and keep-warm sleeping between them, path replayed (`sleep`); controller.keep_warm_ms 100,
+keep_warm_touch_ms 1. Each
 repetition plays the same schedule against each, the order reversed every other repetition.
 Reported per daemon: p50, p99, the p50 over the paced raw call, and the daemon's CPU (cores) while
 measured (keep-warm spends CPU to keep the model hot: that is its price).
@@ -26,6 +28,7 @@ from bench.servers import Escapement
 WARM = {"latency_path": True, "keep_warm_ms": 100.0, "keep_warm_touch_ms": 1.0}
 CONFIGS: dict[str, dict[str, Any]] = {
     "off": {"latency_path": True},
+    "spin_model": {**WARM, "keep_warm_spin": True, "keep_warm_path": False},
     "spin": {**WARM, "keep_warm_spin": True},
     "sleep": {**WARM, "keep_warm_spin": False},
 }
@@ -49,7 +52,7 @@ def run(model: str, workers: int | None, reps: int, seconds: float, rate: float 
                             specs=[spec], warmup=min(1.0, seconds / 5))
                 r = results.row(m.run, k, spec.slo_s, rep=rep, server_cores=m.server_cores)
                 rows[k].append(r)
-                print(f"rep {rep} {k:5s} p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.2f} ms  "
+                print(f"rep {rep} {k:10s} p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.2f} ms  "
                       f"daemon cores {m.server_cores:.3f}", flush=True)
     summary: dict[str, Any] = {"model": model, "frontend_workers": workers, "rate_rps": rate, "reps": reps,
                                "raw_paced_p50_ms": raw_p50}

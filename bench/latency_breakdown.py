@@ -2,6 +2,7 @@
 100 req/s, one request at a time, with inclusive timers on the daemon's request path.
 
     python -m bench.latency_breakdown [--rate 100] [--seconds 4] [--workers 0] [--latency-path true]
+        [--keep-warm off|spin|sleep]
     python -m bench.latency_breakdown --idle     (the same INFER in-process: hot, after sleeping, after spinning)
 
 The daemon runs with bench/scenarios/_profile_hook on its path: each function of `TIMED` gets an
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--latency-path", default="true")
+    ap.add_argument("--keep-warm", choices=("off", "spin", "sleep"), default="off",
+                    help="controller.keep_warm_ms 100 (touch every 1 ms), spinning or sleeping between touches")
     a = ap.parse_args(argv)
     if a.idle:
         idle_effect()
@@ -115,8 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the daemon inherits them
     try:
+        warm = {} if a.keep_warm == "off" else {"keep_warm_ms": 100.0, "keep_warm_touch_ms": 1.0,
+                                                  "keep_warm_spin": a.keep_warm == "spin"}
         server = Escapement(repo, server={"frontend_workers": a.workers},
-                            controller={"latency_path": a.latency_path == "true"})
+                            controller={"latency_path": a.latency_path == "true", **warm})
         server.__enter__()
     finally:
         for k, v in old.items():
@@ -143,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         server.__exit__(None, None, None)
     row = results.row(m.run, "x", 0.1)
     n = int(a.rate * a.seconds)
-    print(f"{n} requests at {a.rate:g} req/s, workers {a.workers}, latency path {a.latency_path}: "
+    print(f"{n} requests at {a.rate:g} req/s, workers {a.workers}, latency path {a.latency_path}, "
+          f"keep-warm {a.keep_warm}: "
           f"p50 {row['p50_ms']:.3f} ms, p99 {row['p99_ms']:.3f} ms; loop thread {loop_ns / n / 1e3:.0f} µs/request")
     print("| function (inclusive) | calls/request | µs/request | µs/call |")
     print("|---|---|---|---|")

@@ -407,6 +407,10 @@ class ControllerSettings:
     keep_warm_touch_ms: float = doc("How often the kept-warm model runs on scratch rows (ms).", 1.0)
     keep_warm_spin: bool = doc("Keep-warm spins the event loop between those runs (the loop's core never idles: "
                                "the next request finds it awake); false: it sleeps between them (less CPU).", True)
+    keep_warm_path: bool = doc("Keep-warm also replays the socket's request path with each run: it decodes the "
+                               "last small request frame (at most 64 KiB) and encodes the last answer again, "
+                               "dropping both, so the frontend's code is hot too. Only where the socket is served "
+                               "by the controller's process (server.frontend_workers = 0).", True)
     default_priority: int = doc("The priority of requests that give none (or 0); smaller is more urgent.", 10)
     client_priorities: bool = doc("Honour a priority more urgent than default_priority when a client asks for it "
                                   "(off: a client may lower its own priority, never jump everyone else's).", False)

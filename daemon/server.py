@@ -258,6 +258,8 @@ class Daemon:
         if s.server.socket and self.frontends is None:
             self.socket = SocketFrontend(self.gateway)
             await self.socket.start(s.server.socket)
+            if s.controller.keep_warm_ms > 0 and s.controller.keep_warm_path and self._controller is not None:
+                self._controller.on_touch.append(self.socket.rehearsal.replay)
             log.info("socket listening on %s", s.server.socket)
         self._monitor = LoopMonitor(self.overload, clock=time.monotonic)
         self._monitor.start()

@@ -67,6 +67,7 @@ FRAMES_PER_TURN = 64  # frames handled per event-loop turn (~1-2 ms of decoding 
 # second). A request is a few dozen objects around large binary payloads.
 SCAN_ABOVE = 64 * 1024  # frames larger than this have their objects counted before decoding
 MAX_OBJECTS = 4096
+REHEARSE_MAX_BYTES = 64 * 1024  # a frame, or an answer's outputs, kept for keep-warm's replay at most
 UNPACK_LIMITS: dict[str, int] = {"max_map_len": 64, "max_array_len": 1024, "max_str_len": 65536, "max_ext_len": 0}
 
 
@@ -363,6 +364,8 @@ class SocketConnection(asyncio.Protocol):
             op = msg.get("op", "infer")
             if op == "infer":
                 self._infer(req_id, msg, lease)
+                if len(frame) <= REHEARSE_MAX_BYTES:
+                    self.frontend.rehearsal.frame = frame
                 return
             if op in ASYNC_OPS:
                 self._async_op(req_id, op, msg, lease)  # the op holds the frame's memory until answered
@@ -464,6 +467,8 @@ class SocketConnection(asyncio.Protocol):
             self.send(error_frame(req_id, e))
             return
         self.send({"id": req_id, "status": 200, **body})
+        if not targets:
+            self.frontend.rehearsal.answered(req)
 
 
 @dataclass(slots=True)
@@ -693,9 +698,62 @@ def _version(msg: dict[str, Any]) -> str | int | None:
     return v
 
 
+class Rehearsal:
+    """The socket's request path, replayed between requests while the controller keeps a model warm
+    (controller.keep_warm_path): the last small infer frame decoded, checked and made into a
+    request again, and the last answer encoded again, all dropped. At light load the machine
+    evicts the frontend's code as it does the model's (its decode runs 3-5x slower after a few ms
+    idle: bench/latency_breakdown.py); replayed, the next request finds it hot. Nothing replayed is
+    submitted, counted or sent. Frames and answers over REHEARSE_MAX_BYTES, and any that name a
+    shared-memory region, are not kept; a frame that no longer parses (its model unloaded) is
+    forgotten."""
+
+    __slots__ = ("answer", "frame", "gateway")
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.frame: bytes | None = None  # the last infer frame handled, if small
+        self.answer: tuple[InferenceRequest, list[int]] | None = None  # the last answered, if small
+
+    def answered(self, req: InferenceRequest) -> None:
+        """`req` was answered with its outputs in the frame: kept if they are small."""
+        outputs = req.outputs
+        if outputs is not None and sum(a.nbytes for a in outputs) <= REHEARSE_MAX_BYTES:
+            self.answer = (req, req.context[1])
+
+    def replay(self) -> bool:
+        """Decode the kept frame and encode the kept answer again; True if anything was replayed."""
+        frame, gw = self.frame, self.gateway
+        if frame is None or gw.overload.overloaded:  # (admitting it would count a refusal)
+            return False
+        try:
+            msg = msgpack.unpackb(frame, raw=False, max_bin_len=REHEARSE_MAX_BYTES, **UNPACK_LIMITS)
+            p = parse_infer(gw, msg)
+            try:
+                if p.copied or p.targets:  # it reads or writes shared memory: not replayed
+                    self.frame = None
+                    return False
+                gw.new_request(p.spec, p.arrays, p.samples, p.timeout_us, p.priority, "")
+            finally:
+                p.targets.release()
+            if self.answer is not None:
+                req, out_idx = self.answer
+                pack_frame({"id": msg.get("id"), "status": 200,
+                            **answer_body(req, out_idx, OutputTargets(gw.shared_memory))})
+        except Exception as e:  # (its model went away, or its version): nothing to replay
+            log.debug("keep-warm replay of the socket path stopped: %s", e)
+            self.frame = self.answer = None
+            return False
+        return True
+
+    def clear(self) -> None:
+        self.frame = self.answer = None
+
+
 class SocketFrontend:
     def __init__(self, gateway: Gateway, connection: type[SocketConnection] = SocketConnection) -> None:
         self.gateway = gateway
+        self.rehearsal = Rehearsal(gateway)
         self._connection = connection  # a frontend worker's forwards some control ops
         self.settings = gateway.settings.server
         self.server: asyncio.AbstractServer | None = None
@@ -777,6 +835,7 @@ class SocketFrontend:
                 os.unlink(self.path)
 
     async def close(self) -> None:
+        self.rehearsal.clear()
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)

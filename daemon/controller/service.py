@@ -75,6 +75,9 @@ class ControllerService:
         self._warm_until = -math.inf
         self._touched = -math.inf
         self._spinning = False
+        # called after each keep-warm run: a frontend in this process replays its request path
+        # (api/uds.py Rehearsal), True when it did
+        self.on_touch: list[Callable[[], bool]] = []
 
     # ---------------------------------------------------------------- from frontends
 
@@ -213,8 +216,12 @@ class ControllerService:
             keep = getattr(self.executors[device], "keep_warm", None)
             t0 = time.thread_time_ns()
             if keep is not None and keep(holder):
-                sched.counters["keep_warm_runs"] += 1
-                sched.counters["keep_warm_cpu_ns"] += time.thread_time_ns() - t0
+                counters = sched.counters
+                counters["keep_warm_runs"] += 1
+                for replay in self.on_touch:
+                    if replay():
+                        counters["keep_warm_replays"] += 1
+                counters["keep_warm_cpu_ns"] += time.thread_time_ns() - t0
             self._touched = self.clock.now()
         if self.spin:
             self.loop.call_soon(self._warm_tick)

@@ -4,6 +4,7 @@ answer as the batch engine does; a crowd goes to the batch engine; the setting t
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,4 +121,103 @@ def test_keep_warm_runs_the_model_after_a_lone_request_then_stops(test_repo: Pat
                 np.testing.assert_allclose(r.outputs["OUTPUT__0"], reference(x), rtol=1e-5)
             assert counters["keep_warm_runs"] >= runs
     finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _model_counts(dt: DaemonThread) -> tuple[int, int]:
+    """(requests admitted, samples answered successfully) over every model."""
+    sched = dt.daemon.controller.scheduler
+    return sched.counters["admitted"], sum(m.inference_count for m in sched.telemetry.models.values())
+
+
+def test_keep_warm_replays_the_socket_path_and_leaves_no_trace(test_repo: Path) -> None:
+    """controller.keep_warm_path: each keep-warm run also decodes the last socket frame and encodes
+    the last answer again; nothing replayed is admitted, counted or sent to the client."""
+    d = short_tmpdir()
+    try:
+        cfg = settings(test_repo, d, controller={"keep_warm_ms": 30.0, "keep_warm_touch_ms": 1.0})
+        with DaemonThread(cfg) as dt:
+            svc = dt.daemon.controller
+            counters = svc.scheduler.counters
+            x = np.full((1, 4), 2.0, np.float32)
+            with SocketClient(dt.socket) as c:
+                for _ in range(3):
+                    r = c.infer("tiny_pt2", {"INPUT__0": x})
+                    np.testing.assert_allclose(r.outputs["OUTPUT__0"], reference(x), rtol=1e-5)
+
+                async def window_over() -> None:
+                    while svc.keeping_warm:  # noqa: ASYNC110 - it ends on a turn of the loop, not an event
+                        await asyncio.sleep(0)
+
+                dt.on_loop(window_over(), timeout=10)
+                assert counters["keep_warm_replays"] >= 1
+                assert counters["keep_warm_replays"] <= counters["keep_warm_runs"]
+                assert _model_counts(dt) == (3, 3)
+                # the connection got exactly its three answers: the next one read is the next request's
+                y = np.full((1, 4), -1.0, np.float32)
+                np.testing.assert_allclose(c.infer("tiny_pt2", {"INPUT__0": y}).outputs["OUTPUT__0"],
+                                           reference(y), rtol=1e-5)
+            assert _model_counts(dt)[0] == 4
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_keep_warm_path_off_replays_nothing(test_repo: Path) -> None:
+    d = short_tmpdir()
+    try:
+        cfg = settings(test_repo, d, controller={"keep_warm_ms": 20.0, "keep_warm_path": False})
+        with DaemonThread(cfg) as dt:
+            svc = dt.daemon.controller
+            assert svc.on_touch == []
+            with SocketClient(dt.socket) as c:
+                for _ in range(3):
+                    c.infer("tiny_pt2", {"INPUT__0": np.ones((1, 4), np.float32)})
+
+            async def window_over() -> None:
+                while svc.keeping_warm:  # noqa: ASYNC110 - it ends on a turn of the loop, not an event
+                    await asyncio.sleep(0)
+
+            dt.on_loop(window_over(), timeout=10)
+            assert counters_of(dt)["keep_warm_runs"] >= 1 and counters_of(dt)["keep_warm_replays"] == 0
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def counters_of(dt: DaemonThread) -> dict[str, int]:
+    return dt.daemon.controller.scheduler.counters
+
+
+def test_keep_warm_forgets_a_frame_that_reads_shared_memory(test_repo: Path) -> None:
+    """A frame naming a shared-memory region is never replayed: reading regions is the client's
+    request, not the frontend's code, and a replay must not touch what the client owns."""
+    import tritonclient.utils.shared_memory as shm
+
+    from daemon.client import ShmInput
+
+    d = short_tmpdir()
+    key = f"/escapement-test-{os.getpid()}-keep-warm"
+    h = shm.create_shared_memory_region("kw_in", key, 16)
+    try:
+        x = np.full((1, 4), 5.0, np.float32)
+        shm.set_shared_memory_region(h, [x])
+        cfg = settings(test_repo, d, controller={"keep_warm_ms": 200.0, "keep_warm_touch_ms": 1.0})
+        with DaemonThread(cfg) as dt:
+            svc = dt.daemon.controller
+            rehearsal = dt.daemon.socket.rehearsal
+            with SocketClient(dt.socket) as c:
+                c.register_shared_memory("kw_in", key, 16)
+                for _ in range(3):
+                    c.infer("tiny_pt2", {"INPUT__0": x})
+                r = c.infer("tiny_pt2", {"INPUT__0": ShmInput("kw_in", 16, "FP32", [1, 4])})
+                np.testing.assert_allclose(r.outputs["OUTPUT__0"], reference(x), rtol=1e-5)
+
+                async def window_over() -> None:
+                    while svc.keeping_warm:  # noqa: ASYNC110 - it ends on a turn of the loop, not an event
+                        await asyncio.sleep(0)
+
+                dt.on_loop(window_over(), timeout=10)
+                assert rehearsal.frame is None  # the region's frame, seen by a replay, was dropped
+                c.unregister_shared_memory()
+    finally:
+        shm.destroy_shared_memory_region(h)
         shutil.rmtree(d, ignore_errors=True)
