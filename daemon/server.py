@@ -259,6 +259,7 @@ class Daemon:
             self.socket = SocketFrontend(self.gateway)
             await self.socket.start(s.server.socket)
             if s.controller.keep_warm_ms > 0 and s.controller.keep_warm_path and self._controller is not None:
+                self.socket.rehearsal.enabled = True
                 self._controller.on_touch.append(self.socket.rehearsal.replay)
             log.info("socket listening on %s", s.server.socket)
         self._monitor = LoopMonitor(self.overload, clock=time.monotonic)

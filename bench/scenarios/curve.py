@@ -19,7 +19,7 @@ from bench.servers import Escapement
 
 def run(quick: bool = False, json_out: str | None = None, model: str = "cnn_heavy", frontend: Frontend = "socket",
         policy: str = "clockwork", seconds: float | None = None, refine: int | None = None,
-        latency_path: bool = True) -> dict[str, Any]:
+        latency_path: bool = True, keep_warm_ms: float = 0.0, frontend_workers: int | None = None) -> dict[str, Any]:
     seconds = seconds or (6.0 if quick else 20.0)
     refine = 1 if quick and refine is None else (refine if refine is not None else 3)
     repo = demo_repo()
@@ -30,7 +30,12 @@ def run(quick: bool = False, json_out: str | None = None, model: str = "cnn_heav
     fractions = [0.2, 0.5, 0.7, 0.85, 1.0, 1.15] if quick else [0.1, 0.3, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0,
                                                                   1.1, 1.25]
     rows: list[dict[str, Any]] = []
-    with Escapement(repo, controller={"policy": policy, "latency_path": latency_path}) as server:
+    # keep_warm_ms: the controller's keep-warm (docs/controller.md), spinning, the socket path replayed
+    ctl: dict[str, Any] = {"policy": policy, "latency_path": latency_path}
+    if keep_warm_ms:
+        ctl["keep_warm_ms"] = keep_warm_ms
+    server_cfg = {"server": {"frontend_workers": frontend_workers}} if frontend_workers is not None else {}
+    with Escapement(repo, controller=ctl, **server_cfg) as server:
 
         def point(rate: float, seed: int) -> dict[str, Any]:
             sched = loadgen.poisson(rate, seconds, seed=seed)
@@ -60,9 +65,13 @@ def run(quick: bool = False, json_out: str | None = None, model: str = "cnn_heav
     extra: dict[str, Any] = {"model": model} if model != "cnn_heavy" else {}
     if not latency_path:
         extra["latency_path"] = "false"
+    if keep_warm_ms:
+        extra["keep_warm_ms"] = keep_warm_ms
+    if frontend_workers is not None:
+        extra["frontend_workers"] = frontend_workers
     config = {"command": command("curve", quick, extra or None),
               "model": model, "frontend": frontend, "policy": policy, "seconds_per_point": seconds,
-              "latency_path": latency_path,
+              "latency_path": latency_path, "keep_warm_ms": keep_warm_ms, "frontend_workers": frontend_workers,
               "arrivals": "poisson", "load_fractions": fractions, "raw_samples_per_s_by_batch": per_size,
               "server": "escapement, one cpu device, 1 intra-op thread"}
     png = results.plot_curve(f"curve-{model}", rows, spec.slo_s * 1e3, f"{model}: latency vs offered load",

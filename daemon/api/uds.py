@@ -22,6 +22,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -363,9 +364,8 @@ class SocketConnection(asyncio.Protocol):
                 raise BadRequest(f"id is longer than {limit} bytes (server.max_request_id_bytes)")
             op = msg.get("op", "infer")
             if op == "infer":
-                self._infer(req_id, msg, lease)
-                if len(frame) <= REHEARSE_MAX_BYTES:
-                    self.frontend.rehearsal.frame = frame
+                if self._infer(req_id, msg, lease):
+                    self.frontend.rehearsal.heard(frame)
                 return
             if op in ASYNC_OPS:
                 self._async_op(req_id, op, msg, lease)  # the op holds the frame's memory until answered
@@ -415,7 +415,9 @@ class SocketConnection(asyncio.Protocol):
 
     # ---------------------------------------------------------------- inference
 
-    def _infer(self, req_id: Any, msg: dict[str, Any], lease: Lease) -> None:
+    def _infer(self, req_id: Any, msg: dict[str, Any], lease: Lease) -> bool:
+        """Submit an infer frame's request; True if it names no shared-memory region (keep-warm may
+        replay such a frame: Rehearsal)."""
         p = parse_infer(self.gateway, msg)
         targets = p.targets
         try:
@@ -433,6 +435,7 @@ class SocketConnection(asyncio.Protocol):
         except BaseException:
             targets.release()
             raise
+        return not p.copied and not targets
 
     def _finished(self, req: InferenceRequest) -> None:
         self._inflight.pop(req.id, None)
@@ -558,23 +561,29 @@ def answer_body(req: InferenceRequest, out_idx: list[int], targets: OutputTarget
     """An answered request's frame (less id and status): outputs as bytes, or where in their regions
     they were written."""
     assert req.outputs is not None
-    spec = req.model
-    outputs: list[dict[str, Any]] = []
+    return answer_fields(req.model, req.outputs, out_idx, targets, req.reconstructed, req.cached, req.defaulted,
+                         req.query_id)
+
+
+def answer_fields(spec: ModelSpec, outputs: Sequence[np.ndarray], out_idx: list[int], targets: OutputTargets,
+                  reconstructed: bool, cached: bool, defaulted: bool, query_id: str) -> dict[str, Any]:
+    """`answer_body` from the fields of the answer it encodes."""
+    items: list[dict[str, Any]] = []
     for i in out_idx:
-        o, arr = spec.served_outputs[i], req.outputs[i]
+        o, arr = spec.served_outputs[i], outputs[i]
         item: dict[str, Any] = {"name": o.name, "datatype": o.datatype.name, "shape": list(arr.shape)}
         written = targets.write(i, arr, f"output {o.name}") if targets else None
         if written is None:
             item["data"] = tensor_bytes(arr)
         else:
             item["parameters"] = written
-        outputs.append(item)
-    body = {"model": spec.name, "version": str(spec.version), "outputs": outputs, "reconstructed": req.reconstructed,
-            "cached": req.cached}
-    if req.defaulted:  # its model's default_output: no answer could make the deadline
+        items.append(item)
+    body = {"model": spec.name, "version": str(spec.version), "outputs": items, "reconstructed": reconstructed,
+            "cached": cached}
+    if defaulted:  # its model's default_output: no answer could make the deadline
         body["default"] = True
-    if req.query_id:  # personalized: feedback names this query
-        body["query_id"] = req.query_id
+    if query_id:  # personalized: feedback names this query
+        body["query_id"] = query_id
     return body
 
 
@@ -704,45 +713,62 @@ class Rehearsal:
     request again, and the last answer encoded again, all dropped. At light load the machine
     evicts the frontend's code as it does the model's (its decode runs 3-5x slower after a few ms
     idle: bench/latency_breakdown.py); replayed, the next request finds it hot. Nothing replayed is
-    submitted, counted or sent. Frames and answers over REHEARSE_MAX_BYTES, and any that name a
-    shared-memory region, are not kept; a frame that no longer parses (its model unloaded) is
-    forgotten."""
+    submitted, counted or sent. Kept only while `enabled` (the daemon turns it on where keep-warm
+    replays it); never a frame that names a shared-memory region, nor a frame or an answer over
+    REHEARSE_MAX_BYTES, nor BYTES outputs; a frame that no longer parses (its model unloaded) is
+    forgotten with the answer."""
 
-    __slots__ = ("answer", "frame", "gateway")
+    __slots__ = ("answer", "enabled", "frame", "gateway")
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
-        self.frame: bytes | None = None  # the last infer frame handled, if small
-        self.answer: tuple[InferenceRequest, list[int]] | None = None  # the last answered, if small
+        self.enabled = False
+        self.frame: bytes | None = None  # the last small infer frame handled
+        # the last small answer, as answer_fields takes it (not the request: its inputs, its
+        # connection and callbacks stay out of this)
+        self.answer: tuple[ModelSpec, tuple[np.ndarray, ...], list[int], bool, bool, bool, str] | None = None
+
+    def heard(self, frame: bytes) -> None:
+        """An infer frame that names no shared-memory region was handled."""
+        if self.enabled and len(frame) <= REHEARSE_MAX_BYTES:
+            self.frame = frame
 
     def answered(self, req: InferenceRequest) -> None:
-        """`req` was answered with its outputs in the frame: kept if they are small."""
+        """`req` was answered with its outputs in the frame."""
         outputs = req.outputs
-        if outputs is not None and sum(a.nbytes for a in outputs) <= REHEARSE_MAX_BYTES:
-            self.answer = (req, req.context[1])
+        if not self.enabled or outputs is None:
+            return
+        size = 0
+        for a in outputs:
+            if a.dtype == object:  # (BYTES: nbytes counts pointers, not the strings)
+                return
+            size += a.nbytes
+        if size <= REHEARSE_MAX_BYTES:
+            self.answer = (req.model, tuple(outputs), list(req.context[1]), req.reconstructed, req.cached,
+                           req.defaulted, req.query_id)
 
     def replay(self) -> bool:
-        """Decode the kept frame and encode the kept answer again; True if anything was replayed."""
-        frame, gw = self.frame, self.gateway
-        if frame is None or gw.overload.overloaded:  # (admitting it would count a refusal)
+        """Decode the kept frame and encode the kept answer again; True if both were replayed."""
+        frame, answer, gw = self.frame, self.answer, self.gateway
+        if frame is None or answer is None:
+            self.answer = None if frame is None else answer  # (nothing of a frame forgotten stays)
+            return False
+        if gw.overload.overloaded:  # (admitting it would count a refusal)
             return False
         try:
             msg = msgpack.unpackb(frame, raw=False, max_bin_len=REHEARSE_MAX_BYTES, **UNPACK_LIMITS)
             p = parse_infer(gw, msg)
             try:
-                if p.copied or p.targets:  # it reads or writes shared memory: not replayed
-                    self.frame = None
-                    return False
                 gw.new_request(p.spec, p.arrays, p.samples, p.timeout_us, p.priority, "")
             finally:
                 p.targets.release()
-            if self.answer is not None:
-                req, out_idx = self.answer
-                pack_frame({"id": msg.get("id"), "status": 200,
-                            **answer_body(req, out_idx, OutputTargets(gw.shared_memory))})
+            spec, outputs, out_idx, reconstructed, cached, defaulted, query_id = answer
+            pack_frame({"id": msg.get("id"), "status": 200,
+                        **answer_fields(spec, outputs, out_idx, OutputTargets(gw.shared_memory), reconstructed,
+                                        cached, defaulted, query_id)})
         except Exception as e:  # (its model went away, or its version): nothing to replay
             log.debug("keep-warm replay of the socket path stopped: %s", e)
-            self.frame = self.answer = None
+            self.clear()
             return False
         return True
 

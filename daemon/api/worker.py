@@ -87,17 +87,17 @@ class WorkerSocketConnection(SocketConnection):
         self._tasks.add(task)
         task.add_done_callback(functools.partial(self._async_done, lease))
 
-    def _infer(self, req_id: Any, msg: dict[str, Any], lease: Lease) -> None:
+    def _infer(self, req_id: Any, msg: dict[str, Any], lease: Lease) -> bool:
         # a user's request: the controller process owns the users (their weights, the queries)
         regions = self.gateway.shared_memory
         if msg.get("user") is None and regions.serves(region_names(msg.get("inputs")) +
                                                        region_names(msg.get("outputs"))):
-            super()._infer(req_id, msg, lease)
-            return
+            return super()._infer(req_id, msg, lease)
         lease.release()  # the frame is small (the tensors are in the regions) and is passed on whole
         task = self._forward(req_id, "infer", {k: v for k, v in msg.items() if k != "id"})
         self._forwarded_infers.add(task)
         task.add_done_callback(self._forwarded_infers.discard)
+        return False
 
     def _forward(self, req_id: Any, op: str, msg: dict[str, Any]) -> asyncio.Task[None]:
         gw = self.gateway

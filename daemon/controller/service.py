@@ -192,7 +192,13 @@ class ControllerService:
         requests (its next run takes 10-20x as long after 10 ms idle on a shared 2-core VM:
         bench/latency_breakdown.py --idle). Until `keep_warm_s` after this run, the model runs on
         scratch rows every `touch_s` while nothing else is queued or running, and between those
-        runs the loop spins (`spin`: a ready callback each turn) or sleeps."""
+        runs the loop spins (`spin`: a ready callback each turn) or sleeps. Only while requests
+        arrive less often than once a touch period: faster, they keep the path hot themselves, and
+        a spinning loop would only take CPU from the rest of the machine (a window running stops)."""
+        if self.latency.arrivals.value(now) * self.touch_s >= 1.0:
+            self._warm_until = now
+            self.scheduler.counters["keep_warm_declined"] += 1
+            return
         self._warm_target = (device, holder)
         self._warm_until = now + self.keep_warm_s
         self._touched = now

@@ -153,7 +153,11 @@ def test_keep_warm_replays_the_socket_path_and_leaves_no_trace(test_repo: Path) 
                 assert counters["keep_warm_replays"] >= 1
                 assert counters["keep_warm_replays"] <= counters["keep_warm_runs"]
                 assert _model_counts(dt) == (3, 3)
-                # the connection got exactly its three answers: the next one read is the next request's
+                sock = c._conn()  # noqa: SLF001 - nothing more waits: the connection got exactly its three answers
+                sock.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    sock.recv(1)
+                sock.settimeout(c.timeout)
                 y = np.full((1, 4), -1.0, np.float32)
                 np.testing.assert_allclose(c.infer("tiny_pt2", {"INPUT__0": y}).outputs["OUTPUT__0"],
                                            reference(y), rtol=1e-5)
@@ -188,8 +192,8 @@ def counters_of(dt: DaemonThread) -> dict[str, int]:
 
 
 def test_keep_warm_forgets_a_frame_that_reads_shared_memory(test_repo: Path) -> None:
-    """A frame naming a shared-memory region is never replayed: reading regions is the client's
-    request, not the frontend's code, and a replay must not touch what the client owns."""
+    """A frame naming a shared-memory region is never kept for replay (a replay would read the
+    client's region); the plain frame before it goes on being replayed."""
     import tritonclient.utils.shared_memory as shm
 
     from daemon.client import ShmInput
@@ -208,6 +212,9 @@ def test_keep_warm_forgets_a_frame_that_reads_shared_memory(test_repo: Path) -> 
                 c.register_shared_memory("kw_in", key, 16)
                 for _ in range(3):
                     c.infer("tiny_pt2", {"INPUT__0": x})
+                plain = rehearsal.frame
+                assert plain is not None
+                replays = svc.scheduler.counters["keep_warm_replays"]
                 r = c.infer("tiny_pt2", {"INPUT__0": ShmInput("kw_in", 16, "FP32", [1, 4])})
                 np.testing.assert_allclose(r.outputs["OUTPUT__0"], reference(x), rtol=1e-5)
 
@@ -216,7 +223,8 @@ def test_keep_warm_forgets_a_frame_that_reads_shared_memory(test_repo: Path) -> 
                         await asyncio.sleep(0)
 
                 dt.on_loop(window_over(), timeout=10)
-                assert rehearsal.frame is None  # the region's frame, seen by a replay, was dropped
+                assert rehearsal.frame == plain and b"kw_in" not in plain
+                assert svc.scheduler.counters["keep_warm_replays"] > replays
                 c.unregister_shared_memory()
     finally:
         shm.destroy_shared_memory_region(h)

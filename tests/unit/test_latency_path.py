@@ -283,9 +283,10 @@ class FakeExecutor:
 
 def _serve(here: bool, enabled: bool = True, keep_warm_ms: float = 0.0, spin: bool = True,
            after: Callable[[ControllerService, FakeClock], Awaitable[None]] | None = None,
+           before: Callable[[ControllerService, FakeClock], None] | None = None,
            ) -> tuple[FakeExecutor, ControllerService, list[int]]:
-    """One request through a ControllerService over a fake executor; which way it went. `after`
-    runs once it is answered, before the service closes."""
+    """One request through a ControllerService over a fake executor; which way it went. `before`
+    runs before it is submitted, `after` once it is answered, before the service closes."""
     clock = FakeClock()
     settings = ControllerSettings(latency_path=enabled, latency_path_max_ms=1.0, keep_warm_ms=keep_warm_ms,
                                   keep_warm_touch_ms=1.0, keep_warm_spin=spin)
@@ -311,6 +312,8 @@ def _serve(here: bool, enabled: bool = True, keep_warm_ms: float = 0.0, spin: bo
             done.set_result(None)
 
         req.on_finish = finish
+        if before is not None:
+            before(svc, clock)
         svc.submit(req)
         await done
         assert req.ok
@@ -393,3 +396,23 @@ def test_keep_warm_follows_only_runs_on_the_latency_path() -> None:
 
     ex, _, _ = _serve(here=False, keep_warm_ms=5.0, after=after)
     assert seen == {"spinning": False} and ex.warmed == []
+
+
+def test_keep_warm_stands_aside_while_requests_come_faster_than_its_touches() -> None:
+    """Requests more often than once a touch period keep the path hot themselves: no spin, no
+    scratch runs (a spinning loop would take CPU from them on a small machine)."""
+    seen: dict[str, Any] = {}
+
+    def busy(svc: ControllerService, clock: FakeClock) -> None:  # 1,200 arrivals 0.1 ms apart: ~1,100/s
+        for _ in range(1200):
+            clock.advance(0.1 * MS)
+            svc.latency.arrived(clock.now())
+
+    async def after(svc: ControllerService, clock: FakeClock) -> None:
+        seen["spinning"] = svc.keeping_warm
+        await _idle_for(svc, clock, 0.010)
+
+    ex, svc, answered = _serve(here=True, keep_warm_ms=5.0, before=busy, after=after)
+    assert len(answered) == 1 and len(ex.ran_here) == 1
+    assert seen == {"spinning": False} and ex.warmed == []
+    assert svc.scheduler.counters["keep_warm_declined"] == 1
