@@ -52,6 +52,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -427,14 +428,11 @@ async def _send(case: Case, writer: asyncio.StreamWriter) -> bool:
     return True
 
 
-async def http_case(case: Case, port: int) -> Outcome:
-    reqs: list[Request] = case.items
-    methods = [r.method for r in reqs]
-    out = Outcome()
-    expected = _expected_http(reqs)
-    reader, writer = await _connect(case, port)
+async def _exchange(case: Case, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, out: Outcome,
+                    enough: Callable[[bytes], bool]) -> bytes | None:
+    """Send a case's bytes and finish as it says (reset, half-close, or read until `enough` of the
+    bytes read); the bytes read, or None for a case that resets the connection itself. Closes it."""
     buf = b""
-    answers: list[HttpAnswer] = []
     try:
         try:
             await _send(case, writer)
@@ -443,7 +441,7 @@ async def http_case(case: Case, port: int) -> Outcome:
         if case.finish == "reset":
             await asyncio.sleep(0.002)
             _abort(writer)
-            return out
+            return None
         if case.finish == "half_close" and not out.reset and not writer.transport.is_closing():
             try:
                 writer.write_eof()
@@ -458,16 +456,26 @@ async def http_case(case: Case, port: int) -> Outcome:
             if not chunk:
                 break
             buf += chunk
-            if case.finish == "read":
-                answers, complaint, _ = parse_http(buf, methods)
-                if len(answers) >= expected:
-                    break
-        answers, complaint, used = parse_http(buf, methods)
-        if complaint or (case.finish != "read" and used < len(buf)):
-            out.malformed = complaint or f"{len(buf) - used} bytes after the last whole answer: {buf[used:used + 80]!r}"
+            if case.finish == "read" and enough(buf):
+                break
     finally:
         if not writer.transport.is_closing():
             writer.close()
+    return buf
+
+
+async def http_case(case: Case, port: int) -> Outcome:
+    reqs: list[Request] = case.items
+    methods = [r.method for r in reqs]
+    out = Outcome()
+    expected = _expected_http(reqs)
+    reader, writer = await _connect(case, port)
+    buf = await _exchange(case, reader, writer, out, lambda b: len(parse_http(b, methods)[0]) >= expected)
+    if buf is None:
+        return out
+    answers, complaint, used = parse_http(buf, methods)
+    if complaint or (case.finish != "read" and used < len(buf)):
+        out.malformed = complaint or f"{len(buf) - used} bytes after the last whole answer: {buf[used:used + 80]!r}"
     if len(answers) < expected and not out.reset:
         out.unanswered = expected - len(answers)
     if len(answers) > len(reqs) and all(r.framed for r in reqs):  # unframed bytes may read as more requests
@@ -513,35 +521,9 @@ async def socket_case(case: Case, path: str) -> Outcome:
             break
         expected += 1
     reader, writer = await _connect(case, path)
-    buf = b""
-    try:
-        try:
-            await _send(case, writer)
-        except OSError:  # reset, broken pipe, ENOTCONN: the daemon ended the connection first
-            out.reset = True
-        if case.finish == "reset":
-            await asyncio.sleep(0.002)
-            _abort(writer)
-            return out
-        if case.finish == "half_close" and not out.reset and not writer.transport.is_closing():
-            try:
-                writer.write_eof()
-            except (OSError, RuntimeError):  # closed meanwhile: read what was answered
-                pass
-        while True:
-            try:
-                chunk = await reader.read(65536)
-            except OSError:
-                out.reset = True
-                break
-            if not chunk:
-                break
-            buf += chunk
-            if case.finish == "read" and len(_frames(buf)[0]) >= expected:
-                break
-    finally:
-        if not writer.transport.is_closing():
-            writer.close()
+    buf = await _exchange(case, reader, writer, out, lambda b: len(_frames(b)[0]) >= expected)
+    if buf is None:
+        return out
     answers, used, complaint = _frames(buf)
     if complaint or (case.finish != "read" and used < len(buf)):
         out.malformed = complaint or f"{len(buf) - used} bytes after the last whole answer: {buf[used:used + 80]!r}"
