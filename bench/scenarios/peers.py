@@ -115,6 +115,25 @@ def _wait_http(port: int, raw: bytes, timeout: float, proc: subprocess.Popen[byt
     raise RuntimeError(f"not ready after {timeout:.0f} s: {last}")
 
 
+
+def _stopper(proc: subprocess.Popen[bytes], work: Path) -> Callable[[], None]:
+    """A server's stop: kill its process group and remove its directory."""
+    def stop() -> None:
+        _kill_group(proc)
+        shutil.rmtree(work, ignore_errors=True)
+    return stop
+
+
+def _answering(proc: subprocess.Popen[bytes], port: int, raw: bytes, timeout_s: float,
+               stop: Callable[[], None]) -> Callable[[], None]:
+    """Wait until a started server answers `raw`; `stop`, run here if it never answers."""
+    try:
+        _wait_http(port, raw, timeout_s, proc)
+    except Exception:
+        stop()
+        raise
+    return stop
+
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     # Descendants that left the group (PyTriton starts tritonserver in a session of its own) too.
     strays = [p for p in tree_pids(proc.pid) if p != proc.pid] if proc.poll() is None else []
@@ -199,15 +218,7 @@ def start_torchserve(model_file: Path, x: np.ndarray, cfg: BatchConfig = BatchCo
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     req = HttpRequest.build("POST", "/predictions/mlp", _json_body(x), {"Content-Type": "application/json"})
 
-    def stop() -> None:
-        _kill_group(proc)
-        shutil.rmtree(work, ignore_errors=True)
-
-    try:
-        _wait_http(port, req.raw, 240, proc)
-    except Exception:
-        stop()
-        raise
+    stop = _answering(proc, port, req.raw, 240, _stopper(proc, work))
     return System("torchserve", port, req, proc.pid, stop,
                   [f"torchserve 0.12.0: {workers} workers (OMP_NUM_THREADS=1 each), batchSize {cfg.max_batch}, "
                    f"maxBatchDelay {int(cfg.delay_ms)} ms"])
@@ -228,11 +239,7 @@ def start_ray(model_file: Path, x: np.ndarray, cfg: BatchConfig = BatchConfig(1,
         _kill_group(proc)
         subprocess.run([str(env_dir / "bin" / "ray"), "stop", "--force"], capture_output=True, timeout=120)
 
-    try:
-        _wait_http(port, req.raw, 300, proc)
-    except Exception:
-        stop()
-        raise
+    _answering(proc, port, req.raw, 300, stop)
     return System("ray-serve", port, req, proc.pid, stop,
                   [f"ray-serve: one replica, @serve.batch(max_batch_size={cfg.max_batch}, "
                    f"batch_wait_timeout_s={cfg.delay_ms / 1000:g}), 1 intra-op thread"])
@@ -296,15 +303,7 @@ parameters: {{ key: "threads", value: {{ string_value: "1" }} }}
                              "--allow-metrics", "false", "--log-verbose", "0"], cwd=work, env=_triton_env(),
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    def stop() -> None:
-        _kill_group(proc)
-        shutil.rmtree(work, ignore_errors=True)
-
-    try:
-        _wait_http(port, request.raw, 240, proc)
-    except Exception:
-        stop()
-        raise
+    stop = _answering(proc, port, request.raw, 240, _stopper(proc, work))
     return System("triton", port, request, proc.pid, stop,
                   [f"triton: tritonserver 2.51 (nvidia-pytriton 0.7.0 wheel), python backend, {cfg.describe()}, "
                    "the program traced to TorchScript, 1 intra-op thread per instance"], grpc_port=grpc_port)
@@ -322,10 +321,7 @@ def start_pytriton(model_file: Path, request: HttpRequest, cfg: TritonConfig = T
                              str(free_port()), str(cfg.instances), str(cfg.max_batch), str(cfg.delay_us)], cwd=work,
                             env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
 
-    def stop() -> None:
-        _kill_group(proc)
-        shutil.rmtree(work, ignore_errors=True)
-
+    stop = _stopper(proc, work)
     try:
         _wait_http(port, request.raw, 300, proc)
     except Exception as e:
