@@ -2,14 +2,14 @@
 
 Counted in samples (slots) as well as requests. Entries are invalidated rather than removed
 (a request finished while queued, or taken from the middle for a batch, leaves a dead entry
-that is dropped when it reaches the head); each entry carries the sequence number it was
-pushed with, so a request pushed again after an action was refused is never there twice.
+that is dropped when it reaches the head, or when a walk passes over too many); each entry
+carries the sequence number it was pushed with, so a request pushed again after an action was
+refused is never there twice.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from heapq import heappop, heappush  # (module globals: a read of `heapq.x` is a generic attribute lookup compiled)
 from typing import Final, final
 
 from daemon.request import InferenceRequest, RequestStatus
@@ -35,8 +35,8 @@ _SEQ: Final = _Sequence()
 @final
 class _Entry:
     """A queued request's place: its rank, deadline (or arrival, in the best-effort lane) and the
-    sequence number it was pushed with. A compiled class ordered by `__lt__`, not a tuple: heapq
-    compares tuples item by item through generic calls, and `first` compares entries directly."""
+    sequence number it was pushed with. A compiled class, not a tuple (compiled code compares
+    tuples item by item through generic calls); the queue orders entries with `_before`."""
 
     __slots__ = ("key", "rank", "req", "seq")
 
@@ -46,63 +46,40 @@ class _Entry:
         self.seq = seq
         self.req = req
 
-    def __lt__(self, other: _Entry) -> bool:  # (as the tuple (rank, key, seq) orders; seq is unique)
-        if self.rank != other.rank:
-            return self.rank < other.rank
-        if self.key != other.key:
-            return self.key < other.key
-        return self.seq < other.seq
-
     def live(self) -> bool:
         r = self.req
         return r.status == RequestStatus.QUEUED and r.queue_seq == self.seq
 
 
-def _push_index(heap: list[_Entry], frontier: list[int], i: int) -> None:
-    """Add heap index `i` to `frontier`, a binary heap of indices in the order of their entries."""
-    frontier.append(i)
-    k = len(frontier) - 1
-    e = heap[i]
-    while k > 0:
-        parent = (k - 1) >> 1
-        p = frontier[parent]
-        if not e < heap[p]:
-            break
-        frontier[k] = p
-        k = parent
-    frontier[k] = i
+def _before(a: _Entry, b: _Entry) -> bool:
+    """Whether `a` goes before `b`: as the tuple (rank, key, seq) orders (seq is unique, so two
+    entries never tie). A function, not `__lt__`: compiled, an operator goes through the generic
+    rich comparison."""
+    if a.rank != b.rank:
+        return a.rank < b.rank
+    if a.key != b.key:
+        return a.key < b.key
+    return a.seq < b.seq
 
 
-def _pop_index(heap: list[_Entry], frontier: list[int]) -> int:
-    """Remove and return the index of `frontier`'s most urgent entry."""
-    top = frontier[0]
-    last = frontier.pop()
-    size = len(frontier)
-    if size == 0:
-        return top
-    e = heap[last]
-    k = 0
-    while True:
-        c = 2 * k + 1
-        if c >= size:
-            break
-        if c + 1 < size and heap[frontier[c + 1]] < heap[frontier[c]]:
-            c += 1
-        if not heap[frontier[c]] < e:
-            break
-        frontier[k] = frontier[c]
-        k = c
-    frontier[k] = last
-    return top
+COMPACT_AT: Final = 64  # dead entries passed over by one walk past which the queue drops them all
 
 
 class ModelQueue:
-    __slots__ = ("_by_arrival", "_heap", "max_deadline", "max_rank", "requests", "samples")
+    """A model's queued requests in order (`_before`), in a list sorted from `_start` on: most new
+    requests go at or near the end (a deadline a fixed SLO after their arrival), the head leaves
+    by moving `_start`, and `first(n)` reads the first n live entries as they lie. (A binary heap
+    needed a best-first walk for `first`, with a frontier of heap indices: each a boxed integer
+    written and compared through generic calls, ~3k instructions an entry returned, the most of
+    a batch choice under overload: issue 12's callgrind.)"""
+
+    __slots__ = ("_by_arrival", "_items", "_start", "max_deadline", "max_rank", "requests", "samples")
 
     def __init__(self, by_arrival: bool = False) -> None:
         # the best-effort lane serves oldest first (by arrival, within a priority), not by deadline
         self._by_arrival = by_arrival
-        self._heap: list[_Entry] = []
+        self._items: list[_Entry] = []  # sorted from _start on; dead entries are dropped lazily
+        self._start = 0  # entries before it have left
         self.samples = 0  # queued samples of live (QUEUED) requests
         self.requests = 0
         # Upper bounds of the queued requests' rank and deadline (exact until one leaves, then
@@ -115,7 +92,20 @@ class ModelQueue:
 
     def push(self, req: InferenceRequest) -> None:
         req.queue_seq = seq = _SEQ.next()
-        heappush(self._heap, _Entry(req.rank, req.arrival if self._by_arrival else req.deadline, seq, req))
+        e = _Entry(req.rank, req.arrival if self._by_arrival else req.deadline, seq, req)
+        items = self._items
+        n = len(items)
+        if n == self._start or not _before(e, items[n - 1]):
+            items.append(e)  # (most pushes: after everything queued)
+        else:  # the first entry after it, by bisection
+            lo, hi = self._start, n - 1
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if _before(e, items[mid]):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            items.insert(lo, e)
         if not self.requests:
             self.max_rank, self.max_deadline = req.rank, req.deadline
         else:
@@ -132,21 +122,33 @@ class ModelQueue:
         for r in reqs:
             self.push(r)
 
-    def _skip_dead(self) -> None:
-        h = self._heap
-        while h and not h[0].live():
-            heappop(h)
+    def _advance(self, i: int) -> None:
+        """Entries before `i` have left: forget them (the list is cut once they are half of it)."""
+        items = self._items
+        if i >= len(items):
+            items.clear()
+            self._start = 0
+        elif i > 32 and 2 * i > len(items):
+            del items[:i]
+            self._start = 0
+        else:
+            self._start = i
 
     def head(self) -> InferenceRequest | None:
-        # (_skip_dead and live() inline: several times per request)
-        h = self._heap
+        items = self._items
+        n = len(items)
+        i = self._start
         queued = RequestStatus.QUEUED
-        while h:
-            e = h[0]
+        while i < n:
+            e = items[i]
             r = e.req
             if r.status == queued and r.queue_seq == e.seq:
+                if i != self._start:
+                    self._advance(i)
                 return r
-            heappop(h)
+            i += 1
+        if n:
+            self._advance(n)
         return None
 
     def discard(self, req: InferenceRequest) -> None:
@@ -155,8 +157,9 @@ class ModelQueue:
         self.requests -= 1
 
     def pop(self) -> InferenceRequest:
-        self._skip_dead()
-        r = heappop(self._heap).req
+        r = self.head()
+        assert r is not None, "pop from an empty queue"
+        self._advance(self._start + 1)
         r.queue_seq = 0
         self.samples -= r.samples
         self.requests -= 1
@@ -178,36 +181,29 @@ class ModelQueue:
         self.requests -= len(reqs)
 
     def first(self, n: int) -> list[InferenceRequest]:
-        """Up to `n` live requests, most urgent first, without removing them: a best-first walk of
-        the heap from its root (O(n log n) in what it returns, not in the queue's length, which a
-        flood of best-effort requests can make long). Its frontier holds indices into the heap,
-        ordered by their entries (compiled: with heapq on tuples of entries, compared item by item
-        through generic calls, it took ~9k instructions per request returned)."""
-        heap = self._heap
+        """Up to `n` live requests, most urgent first, without removing them: the first live
+        entries as they lie (a walk that passes over more than COMPACT_AT dead ones, left by
+        requests taken from the middle, drops every dead entry)."""
+        items = self._items
         out: list[InferenceRequest] = []
-        size = len(heap)
-        if size == 0 or n <= 0:
+        if n <= 0:
             return out
         queued = RequestStatus.QUEUED
-        if size <= 2 * n:  # (most calls: the queue is short) a sort of its live entries is cheaper
-            live = [e for e in heap if e.req.status == queued and e.req.queue_seq == e.seq]
-            live.sort()
-            if len(live) > n:
-                del live[n:]
-            return [e.req for e in live]
-        frontier: list[int] = [0]
-        while frontier and len(out) < n:
-            i = _pop_index(heap, frontier)
-            e = heap[i]
+        dead = 0
+        size = len(items)
+        i = self._start
+        while i < size and len(out) < n:
+            e = items[i]
             r = e.req
             if r.status == queued and r.queue_seq == e.seq:
                 out.append(r)
-            c = 2 * i + 1
-            if c < size:
-                _push_index(heap, frontier, c)
-                if c + 1 < size:
-                    _push_index(heap, frontier, c + 1)
+            else:
+                dead += 1
+            i += 1
+        if dead > COMPACT_AT:
+            self._items = [e for e in items[self._start:] if e.req.status == queued and e.req.queue_seq == e.seq]
+            self._start = 0
         return out
 
     def __iter__(self) -> Iterator[InferenceRequest]:
-        return iter([e.req for e in sorted(self._heap) if e.live()])
+        return iter([e.req for e in self._items[self._start:] if e.live()])

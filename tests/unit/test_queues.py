@@ -1,4 +1,5 @@
-"""Per-model queues: `first` walks the heap best-first and returns what a full sort would."""
+"""Per-model queues: `first`, `head` and `pop` return what a full sort of the live requests would,
+through any mix of pushes, takes from the middle, finishes in place and pops."""
 
 from __future__ import annotations
 
@@ -35,3 +36,49 @@ def test_first_matches_a_full_sort_of_the_live_entries() -> None:
             for n in (0, 1, 3, 8, 100):
                 assert q.first(n) == live[:n], (seed, by_arrival, n)
             assert list(q) == live
+
+
+def test_any_sequence_of_operations_keeps_the_order_of_a_full_sort() -> None:
+    """Pushes in and out of order (returned requests go back by urgency), batches taken from the
+    middle (enough to make `first` drop the dead entries it passes), pops and finishes in place."""
+    spec = make_spec()
+    for seed in range(40):
+        rng = random.Random(seed)
+        by_arrival = seed % 3 == 0
+        q = ModelQueue(by_arrival)
+        queued: list[InferenceRequest] = []
+
+        def order(x: InferenceRequest, by_arrival: bool = by_arrival) -> tuple[int, float, int]:
+            return x.rank, x.arrival if by_arrival else x.deadline, x.queue_seq
+
+        t = 0.0
+        for _ in range(600):
+            op = rng.random()
+            if op < 0.5 or not queued:
+                t += rng.random() * 0.01
+                # mostly in deadline order (a fixed SLO), sometimes not (a client timeout, a return)
+                deadline = t + (0.1 if rng.random() < 0.8 else rng.random() * 0.2)
+                r = InferenceRequest(spec, (), 1, t, deadline, rank=rng.choice([1, 10, 10, 10]))
+                q.push(r)
+                queued.append(r)
+            elif op < 0.7:  # a batch from anywhere
+                for r in rng.sample(queued, min(len(queued), rng.randint(1, 8))):
+                    q.take(r)
+                    queued.remove(r)
+            elif op < 0.8:  # finished in place (cancelled, expired)
+                r = rng.choice(queued)
+                r.status = RequestStatus.FAILED
+                q.discard(r)
+                queued.remove(r)
+            elif op < 0.9:
+                want = min(queued, key=order)
+                assert q.head() is want
+                assert q.pop() is want
+                queued.remove(want)
+            else:
+                n = rng.randint(0, 80)
+                assert q.first(n) == sorted(queued, key=order)[:n], seed
+            assert len(q) == len(queued)
+        want_all = sorted(queued, key=order)
+        assert list(q) == want_all
+        assert q.head() is (want_all[0] if want_all else None)
