@@ -750,8 +750,10 @@ class Rehearsal:
     def replay(self) -> bool:
         """Decode the kept frame and encode the kept answer again; True if both were replayed."""
         frame, answer, gw = self.frame, self.answer, self.gateway
-        if frame is None or answer is None:
-            self.answer = None if frame is None else answer  # (nothing of a frame forgotten stays)
+        if frame is None:
+            self.answer = None  # (nothing of a forgotten frame stays)
+            return False
+        if answer is None:
             return False
         if gw.overload.overloaded:  # (admitting it would count a refusal)
             return False

@@ -201,7 +201,7 @@ class ModelQueue:
                 dead += 1
             i += 1
         if dead > COMPACT_AT:
-            self._items = [e for e in items[self._start:] if e.req.status == queued and e.req.queue_seq == e.seq]
+            self._items = [e for e in items[self._start:] if e.live()]
             self._start = 0
         return out
 
