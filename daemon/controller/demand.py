@@ -25,6 +25,9 @@ each LOAD walk all of them (O(models) per device, the controller's growth from 1
 models). In log form, `log(factor x load) + origin / tau` does not change with time (every rate
 decays alike) and only grows with arrivals, so a ranking made at a rebuild stays a lower bound:
 the models it puts under a bound, with those placed since, include every model under it now.
+The ranking is made at a rebuild, and again once a quarter of the device's models were placed
+since (with every LOAD evicting, those recent models otherwise outgrew the search's limit within
+a second, and each failed search walked the whole device).
 
 Plain synchronous code with no I/O; the policy (policies/clockwork.py) feeds it.
 """
@@ -36,6 +39,7 @@ import math
 from typing import Final
 
 REBASE_AFTER: Final = 30.0  # time constants: factors grow as exp(elapsed / tau), ~1e13 at 30
+RERANK_SHARE: Final = 4  # a device's ranking is made again once a quarter of its models are recent
 ROUNDING: Final = 1e-9  # slack on a log-cost bound: the ranking and the policy's own test round differently
 
 
@@ -130,6 +134,11 @@ class DeviceDemand:
             return 0.0
         return f * load_s * self._decay_at(now)
 
+    def lasting_cost(self, key: str, load_s: float) -> float:
+        """`key`'s cold cost with `load_s` in the log form that does not change with time (the
+        ranking's): only its arrivals, or a dearer LOAD, raise it."""
+        return _log(self._factors.get(key, 0.0) * load_s) + self.origin / self.tau
+
     def _decay_at(self, now: float) -> float:
         if now != self._decay_now:
             self._decay = math.exp(-(now - self.origin) / self.tau)
@@ -154,7 +163,17 @@ class DeviceDemand:
             return None
         keys, costs = ranked
         recent = self._recent[device]
-        cut = bisect.bisect_right(costs, _log(bound) + now / self.tau + ROUNDING)
+        at = _log(bound) + now / self.tau + ROUNDING
+        cut = bisect.bisect_right(costs, at)
+        if cut + len(recent) > limit and len(recent) * RERANK_SHARE > len(per):
+            # Models placed since the ranking are all candidates: under thrash (every LOAD
+            # evicting, a ranking made every `rebuild_every`) they grew past the limit and each
+            # search walked the whole device in LRU order, most of them refused. Ranked again from
+            # the current factors, once per 1/RERANK_SHARE of the device's models placed.
+            self._rank(device, per)
+            keys, costs = self._ranked[device]
+            recent = self._recent[device]
+            cut = bisect.bisect_right(costs, at)
         if cut + len(recent) > limit:
             return None
         out: list[str] = []
@@ -170,6 +189,10 @@ class DeviceDemand:
                 out.append(k)
         return out
 
+    def built_at(self, device: str) -> float:
+        """When `device`'s weights were last all made (-inf: never)."""
+        return self._built.get(device, -math.inf)
+
     def stale(self, device: str, now: float) -> bool:
         """Whether `device`'s weights are due to be made again (`rebuild`)."""
         built = self._built.get(device)
@@ -184,17 +207,23 @@ class DeviceDemand:
             self.place(k, device, w, loads[k])
         total = 0.0  # (made again from its terms: drops the rounding of many small updates)
         factors = self._factors
+        for k, w in weights.items():
+            total += factors.get(k, 0.0) * w
+        self._rank(device, weights)
+        self._sums[device] = total
+        self._built[device] = now
+
+    def _rank(self, device: str, on: dict[str, float]) -> None:
+        """Rank the models `on` the device by cold cost, in the log form that does not change
+        with time, from their factors and LOAD times now; none is recent after it."""
+        factors, loads = self._factors, self._loads
         shift = self.origin / self.tau
         ranking: list[tuple[float, str]] = []
-        for k, w in weights.items():
-            f = factors.get(k, 0.0)
-            total += f * w
-            ranking.append((_log(f * loads[k]) + shift, k))
+        for k in on:
+            ranking.append((_log(factors.get(k, 0.0) * loads[k]) + shift, k))
         ranking.sort()
         self._ranked[device] = ([k for _, k in ranking], [c for c, _ in ranking])
         self._recent[device] = []
-        self._sums[device] = total
-        self._built[device] = now
 
     def total(self, device: str, now: float) -> float:
         """Seconds of work per second `device`'s models bring it at `now`."""

@@ -375,6 +375,7 @@ class Scheduler(ControllerView):
         for q in (entry.queue, entry.late):
             while q.head() is not None:
                 self._finish(q.pop(), RequestStatus.FAILED, error, now)
+        self._unwanted(entry)
 
     def _refuse_backing_off(self, entry: ModelEntry, now: float) -> None:
         """A model whose LOADs failed is refused while every device backs off from it."""
@@ -700,6 +701,17 @@ class Scheduler(ControllerView):
         entry = self.models[req.key]
         (entry.late if req.late else entry.queue).discard(req)
         req.inputs = ()
+        if not entry.queue.requests and not entry.late.requests:
+            self._unwanted(entry)
+
+    def _unwanted(self, entry: ModelEntry) -> None:
+        """A model's work went unserved (dropped, cancelled, failed): on the devices holding it, it
+        may now be evicted."""
+        placed = self.placed_on.get(entry.key)
+        if placed:
+            devices = self.devices
+            for name in placed:
+                devices[name].eased += 1
 
     def _finish(self, req: InferenceRequest, status: RequestStatus, error: EscapementError | None,
                 now: float = 0.0) -> None:
@@ -876,6 +888,7 @@ class Scheduler(ControllerView):
             log.error("result for an unknown action %r", result.action)
             return self._take()
         dev = self.devices[action.device]
+        dev.eased += 1
         kind = action.kind
         if kind == ActionKind.INFER:
             dev.timeline.exec.done(action.id, result.end)

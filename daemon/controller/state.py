@@ -44,6 +44,9 @@ class DeviceState:
     load_failures: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     failed: str = ""  # why the device is lost (a sticky error, a hang); "" while it is healthy
     warming: str = ""  # the warm-up running here outside the scheduler ("" when none)
+    # Results back from here, and models here whose last waiting request went unserved, so far:
+    # what may have made room here (a model no longer busy, nor wanted) since a policy looked
+    eased: int = 0
     # When each lane is next free: every INFER (parity batches and replicas too) and LOAD issued
     # here is on it until its result comes back.
     timeline: DeviceTimeline = field(default_factory=DeviceTimeline)

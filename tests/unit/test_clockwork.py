@@ -538,3 +538,28 @@ def test_arrivals_to_a_filling_batch_are_handled_as_the_pass_would() -> None:
     assert policy.filling_kept > 1000  # it took most arrivals behind a head
     assert sum(1 for s in full for x in s if x.startswith("('INFER'")) > 300
     assert fast == full
+
+
+def test_a_search_that_found_no_room_is_not_repeated_until_something_it_read_changed() -> None:
+    """Memory thrash: every LOAD evicts, copy lanes are pressed, and cold models wait for a device
+    whose models all cost more to keep cold. A victim search that found no room is passed over
+    while nothing it read has changed (`_Blocked`); the decisions are those of searching every
+    device at every pass, step by step."""
+    from daemon.sim import Simulation, clockwork_models
+
+    ms = clockwork_models(200)
+    rate, seconds = 3000.0, 1.0
+    times = np.cumsum(np.random.default_rng(5).exponential(1 / rate, int(rate * seconds)))
+    zipf = np.arange(1, len(ms) + 1, dtype=float) ** -1.0
+    targets = np.random.default_rng(6).choice(len(ms), len(times), p=zipf / zipf.sum())
+    steps, cold = [], []
+    policy = ClockworkPolicy()
+    for p in (policy, ClockworkPolicy(shortcuts=False)):
+        sim = Simulation(ms, 2, p, weight_budget=2**30, seed=1)
+        rec = sim.driver = _Recording(sim.driver)  # type: ignore[assignment]
+        sim.run(times, targets, [m[0].key for m in ms], drain_s=1.0)
+        steps.append(rec.steps)
+        cold.append(sim.scheduler.counters["cold_starts"])
+    assert cold[0] > len(times) // 3  # thrashing
+    assert policy.searches_spared > 5000  # the path under test was taken
+    assert steps[0] == steps[1]

@@ -120,3 +120,35 @@ def test_the_models_cheaper_to_keep_cold_than_a_bound_are_all_found() -> None:
             narrowed += len(got) < len(on)
     assert demand.origin > 0.0 and asked == 2000 and narrowed > asked // 4
     assert demand.cheaper("d", math.inf, now, limit=5) is None  # past the limit: walk instead
+
+
+def test_the_ranking_is_made_again_when_placements_since_outgrow_the_limit() -> None:
+    """Every LOAD evicting (thrash): models placed since the ranking would all be candidates, more
+    than the limit within a second, and every search would walk the whole device. The device is
+    ranked again instead, and the answer stays a superset of the cheap models."""
+    rng = random.Random(3)
+    demand = DeviceDemand(TAU, rebuild_every=2.0)
+    meters: dict[str, RateMeter] = {}
+    on: set[str] = {f"m{i}" for i in range(16)}
+    demand.rebuild("d", dict.fromkeys(on, 1e-3), dict.fromkeys(on, 0.01), 0.0)
+    now, answered = 0.0, 0
+    for _ in range(3000):
+        now += 1e-4
+        k = f"m{rng.randrange(400)}"
+        m = meters.setdefault(k, RateMeter())
+        m.add(1, now)
+        demand.arrived(k, m.rate, now)
+        if k not in on:  # a LOAD of it, evicting another
+            out = rng.choice(sorted(on))
+            on.discard(out)
+            demand.remove(out, "d")
+            on.add(k)
+            demand.place(k, "d", 1e-3, 0.01)
+        cost = {m: (meters[m].value(now) if m in meters else 0.0) * 0.01 for m in on}
+        bound = sorted(cost.values())[len(cost) // 4]
+        got = demand.cheaper("d", bound, now, limit=12)
+        if got is not None:
+            answered += 1
+            assert {m for m, c in cost.items() if c <= bound} <= set(got) <= on
+    assert not demand.stale("d", now)  # (no rebuild in between: the ranking was made again by `cheaper`)
+    assert answered > 2500

@@ -59,6 +59,7 @@ MIN_FILL: Final = 8.0  # samples a wait must be expected to bring before a batch
 COLD_CHECKS: Final = 4  # cold models a pass checks for heads no LOAD can save while every copy lane is busy
 UTIL_REBUILD: Final = 2.0  # seconds a device's demand weights (its models' costs per sample) are reused
 CHEAPER_LIMIT: Final = 64  # candidates from the cold-cost ranking past which a victim search walks in LRU order
+BLOCKED_LIMIT: Final = 4096  # cold models whose failed victim searches are remembered (then all forgotten)
 LANE_SLICE: Final = 0.005  # a best-effort batch is cut to run at most this long (one row at least): on-time
 # work that arrives meanwhile waits for it, since a device runs one batch at a time
 
@@ -150,10 +151,10 @@ class _Candidate:
     would end, the bytes it lacks, the model's blocks there. (A record, not a tuple: compiled, its
     fields stay unboxed, where a tuple boxed every float and unboxed it again at each comparison.)"""
 
-    __slots__ = ("blocks", "dev", "done", "finish", "lacks", "load", "name", "short")
+    __slots__ = ("blocks", "dev", "done", "finish", "hopeless", "lacks", "lead", "load", "name", "short")
 
     def __init__(self, short: bool, load: int, finish: float, dev: DeviceState, done: float, lacks: int,
-                 blocks: Blocks) -> None:
+                 blocks: Blocks, lead: float, hopeless: bool) -> None:
         self.short = short
         self.load = load
         self.finish = finish
@@ -162,6 +163,31 @@ class _Candidate:
         self.done = done
         self.lacks = lacks
         self.blocks = blocks
+        self.lead = lead  # the LOAD's and first run's estimates: done, less when the copy lane frees
+        self.hopeless = hopeless  # its victim search would find no room, as it did last time (`_Blocked`)
+
+
+class _Blocked:
+    """A victim search for a cold model that found no room on a device, and what it read that can
+    change its answer: the device's results since (a batch finished, a LOAD landed, an UNLOAD
+    freed) and models whose work went unserved (`DeviceState.eased`), its free bytes, its models'
+    LOAD times, the model's cold cost (time-invariant form: only its arrivals raise
+    it), its head, and under copy pressure when the head turns urgent (then pressure no longer
+    protects the device's models). Under memory thrash the same few cold models were searched on
+    every device at every pass, each search refused, until their heads turned urgent: the
+    controller's cost per request grew 10-20x (bench/results/scale-thrash-issue12.md)."""
+
+    __slots__ = ("cost", "deadline", "eased", "free", "pressed", "ranked", "urgent_at")
+
+    def __init__(self, eased: int, free: int, ranked: float, cost: float, deadline: float, pressed: bool,
+                 urgent_at: float) -> None:
+        self.eased = eased
+        self.free = free
+        self.ranked = ranked  # when the device's demand was last made again (its models' LOAD times)
+        self.cost = cost
+        self.deadline = deadline
+        self.pressed = pressed
+        self.urgent_at = urgent_at
 
 
 def _candidate_before(a: _Candidate, b: _Candidate) -> bool:
@@ -251,10 +277,12 @@ class ClockworkPolicy(Policy):
         self.cross_model = cross_model
         # Lone arrivals planned, and arrivals to a filling batch taken, without a pass (what the
         # pass would decide, found cheaper: `_settle_fresh`, `_still_filling`); off, every arrival
-        # goes through the pass (to check the two decide alike). Counted: how often each is taken.
+        # goes through the pass (to check the two decide alike), and every cold model's LOAD is
+        # searched for on every device at every pass. Counted: how often each is taken.
         self.shortcuts = shortcuts
         self.planned_alone = 0
         self.filling_kept = 0
+        self.searches_spared = 0  # victim searches passed over as found no room before (`_Blocked`)
         self.prefixed: dict[str, set[str]] = {}  # shared prefix -> models having it that gained work (pruned lazily)
         self.rates: dict[str, RateMeter] = {}
         self.replicated_at: dict[str, float] = {}
@@ -275,6 +303,8 @@ class ClockworkPolicy(Policy):
         self._dev_wake: dict[str, float] = {}
         self._lane_cold: set[str] = set()  # models with best-effort work on no device
         self._fresh: list[tuple[ModelEntry, InferenceRequest]] = []  # lone arrivals not indexed yet
+        # cold model -> device -> its last victim search there that found no room (`_Blocked`)
+        self._blocked: dict[str, dict[str, _Blocked]] = {}
 
     # ---------------------------------------------------------------- hooks
 
@@ -1030,6 +1060,11 @@ class ClockworkPolicy(Policy):
         demand.place(key, dev.name, self._weight(view, entry, dev, len(view.placed_on.get(key, ()))),
                      self._load_est(view, entry, _cost_kind(view)))
 
+    def _pressed(self, device: str, now: float) -> bool:
+        """Whether `device`'s copy lane is busier than COPY_PRESSURE."""
+        meter = self.copy_busy.get(device)
+        return meter is not None and meter.value(now) > COPY_PRESSURE
+
     def _backlog(self, view: ControllerView, entry: ModelEntry) -> float:
         """Seconds of work queued for a model, at its largest batch size."""
         spec = entry.spec
@@ -1061,7 +1096,12 @@ class ClockworkPolicy(Policy):
         rules = _LoadRules(self, view, _cost_kind(view), head is None, now)
         # Never evict a model that costs more to keep cold than this one: that only moves the
         # cold starts, and makes more copy work than it saves.
-        mine = rules.mine = self._demand.cold_cost(key, now, self._load_est(view, entry, rules.kind))
+        my_load = self._load_est(view, entry, rules.kind)
+        mine = rules.mine = self._demand.cold_cost(key, now, my_load)
+        # Devices where a search found no room, and nothing it read has changed since, are passed
+        # over as the search would be (none for best-effort work, which has no head)
+        blocked = self._blocked.get(key) if head is not None and self.shortcuts else None
+        lasting = self._demand.lasting_cost(key, my_load) if head is not None else 0.0
 
         # Every device that could take it, with what orders them short of a victim search: any
         # eviction at all, the device's load (tenths), when it could finish, its name.
@@ -1101,8 +1141,16 @@ class ClockworkPolicy(Policy):
             # bring leaves with them; they are idle or the least wanted, so it is counted: knowing
             # it would take a victim search on every device, the most of a LOAD's cost at 10,000
             # models, where this order takes one on the first device that evicts nothing in demand.)
-            c = _Candidate(short, _tenths(self._utilisation(view, dev, now)), finish, dev,
-                           copy_free + load_s + run_s, lacks, blocks)
+            load = _tenths(self._utilisation(view, dev, now))  # (first: it may make the device's demand again)
+            hopeless = False
+            if blocked is not None and head is not None:
+                was = blocked.get(dev.name)
+                hopeless = was is not None and was.eased == dev.eased and was.free == dev.memory.free \
+                    and was.ranked == self._demand.built_at(dev.name) and lasting <= was.cost \
+                    and head.deadline == was.deadline \
+                    and (not was.pressed or (now < was.urgent_at and self._pressed(dev.name, now)))
+            c = _Candidate(short, load, finish, dev, copy_free + load_s + run_s, lacks, blocks, load_s + run_s,
+                           hopeless)
             i = len(candidates)
             candidates.append(c)
             while i > 0 and _candidate_before(c, candidates[i - 1]):  # (insertion: a handful of devices)
@@ -1114,6 +1162,9 @@ class ClockworkPolicy(Policy):
         best: _Option | None = None
         finish = math.inf  # the soonest any LOAD could serve it: of options found, and devices not searched
         for n, c in enumerate(candidates):
+            if c.hopeless:
+                self.searches_spared += 1
+                continue
             short, load, at, name, dev, done, lacks, blocks = c.short, c.load, c.finish, c.name, c.dev, c.done, \
                 c.lacks, c.blocks
             meter = self.copy_busy.get(name)
@@ -1126,6 +1177,13 @@ class ClockworkPolicy(Policy):
             among = self._demand_on(view, dev, now).cheaper(name, mine, now, CHEAPER_LIMIT) if pressed else None
             victims = dev.memory.victims(lacks, rules, keep=dev.memory.present(blocks), among=among)
             if victims is None:
+                if head is not None and self.shortcuts:
+                    if blocked is None:
+                        if len(self._blocked) >= BLOCKED_LIMIT:
+                            self._blocked.clear()
+                        blocked = self._blocked[key] = {}
+                    blocked[name] = _Blocked(dev.eased, dev.memory.free, self._demand.built_at(name), lasting,
+                                             head.deadline, pressed, head.deadline - self.horizon - c.lead)
                 continue
             if at < finish:
                 finish = at
@@ -1156,6 +1214,7 @@ class ClockworkPolicy(Policy):
             if victim is not None:
                 yield Unload(victim.spec, dev.name)
         yield Load(entry.spec, dev.name, self._load_est(view, entry, dev.kind, dev))
+        self._blocked.pop(key, None)
         self._moved(view, dev, entry, victims)
         if _placed(view, key, dev):
             self.replicated_at[key] = now
