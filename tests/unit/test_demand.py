@@ -146,7 +146,7 @@ def test_the_ranking_is_made_again_when_placements_since_outgrow_the_limit() -> 
             demand.place(k, "d", 1e-3, 0.01)
         cost = {m: (meters[m].value(now) if m in meters else 0.0) * 0.01 for m in on}
         bound = sorted(cost.values())[len(cost) // 4]
-        got = demand.cheaper("d", bound, now, limit=12)
+        got = demand.cheaper("d", bound, now, limit=24)
         if got is not None:
             answered += 1
             assert {m for m, c in cost.items() if c <= bound} <= set(got) <= on
