@@ -14,6 +14,12 @@
         requests at 10,000 models need a LOAD) and with one that holds every model (no LOAD), RUNS
         interleaved rounds (seeds 1..): median µs per request and per INFER action, and the ratios;
         WARM seconds of the same load first, not counted: the steady state (every model seen)
+    python -m bench.scale_probe thrash TREE [RUNS [BUDGET_GIB]]
+        memory thrash: 1,000 models at the 20x, 20,000 req/s point with BUDGET_GIB a device
+        (default 3: ~36% of requests need a LOAD, most LOADs wait for room under copy pressure),
+        0.25 s counted after 1.5 s of the same load (where the cost had grown 15x); beside it, in
+        the same rounds, the scale scenario's 64 GiB (no LOAD). Controller µs per request,
+        medians of RUNS interleaved rounds (seeds 1..), and the ratio of the two
     python -m bench.scale_probe decisions TREE
     python -m bench.scale_probe without TREE PART [RUNS]
         the 20x, 20,000 req/s point's controller µs per request (median of RUNS seeds) with one part
@@ -201,6 +207,25 @@ def by_models(runs: int, warm_s: float = 0.0) -> None:
               f" (median {statistics.median(ratios):.2f})")
 
 
+def thrash(runs: int, budget_gib: float) -> None:
+    from bench.scenarios import scale
+    us: dict[float, list[float]] = {budget_gib: [], 64.0: []}
+    cold: list[float] = []
+    for seed in range(1, runs + 1):
+        for gib in us:
+            r = scale.point(1000, 20.0, 20000.0, 0.25, 8, gib, seed, warm_s=1.5)
+            us[gib].append(r["controller_us_per_request"])
+            if gib == budget_gib:
+                cold.append(r["cold_start_rate"])
+            print(f"seed {seed}, {gib:g} GiB: {r['controller_us_per_request']:.1f} us/request, "
+                  f"{r['cold_start_rate']:.1%} cold starts, attainment {r['slo_attainment']:.4f}", flush=True)
+    a, b = statistics.median(us[budget_gib]), statistics.median(us[64.0])
+    ratios = [x / y for x, y in zip(us[budget_gib], us[64.0], strict=True)]
+    print(f"thrash ({budget_gib:g} GiB, {statistics.median(cold):.1%} cold starts): {a:.1f} us/request; "
+          f"64 GiB: {b:.1f}; paired ratios {', '.join(f'{x:.2f}' for x in ratios)} "
+          f"(median {statistics.median(ratios):.2f})")
+
+
 def main(argv: list[str]) -> None:
     mode, tree, *rest = argv
     sys.path.insert(0, tree)
@@ -210,6 +235,9 @@ def main(argv: list[str]) -> None:
         return
     if mode == "models":
         by_models(int(args[0]) if args else 5, float(args[1]) if len(args) > 1 else 0.0)
+        return
+    if mode == "thrash":
+        thrash(int(args[0]) if args else 3, args[1] if len(args) > 1 else 3.0)
         return
     if mode == "hot":
         hot(args[0] if args else 4000.0, args[1] if len(args) > 1 else 5.0, int(args[2]) if len(args) > 2 else 3)

@@ -710,8 +710,9 @@ class Scheduler(ControllerView):
         placed = self.placed_on.get(entry.key)
         if placed:
             devices = self.devices
+            key = entry.key
             for name in placed:
-                devices[name].eased += 1
+                devices[name].ease(key)
 
     def _finish(self, req: InferenceRequest, status: RequestStatus, error: EscapementError | None,
                 now: float = 0.0) -> None:
@@ -888,7 +889,6 @@ class Scheduler(ControllerView):
             log.error("result for an unknown action %r", result.action)
             return self._take()
         dev = self.devices[action.device]
-        dev.eased += 1
         kind = action.kind
         if kind == ActionKind.INFER:
             dev.timeline.exec.done(action.id, result.end)
@@ -933,6 +933,7 @@ class Scheduler(ControllerView):
             self._group_done(action, dev, result, now)
             return
         dev.busy[key] -= 1
+        dev.ease(key)
         role = self.parm.role(action) if self.parm.coding.role or self.parm.coding.replicas else ActionRole.NONE
         ok = result.ok
         if ok:
@@ -975,6 +976,7 @@ class Scheduler(ControllerView):
         assert action.group
         for spec, _ in action.group:
             dev.busy[spec.key] -= 1
+            dev.ease(spec.key)
         if not result.ok or result.parts is None:
             self._counts[f"infer_{result.status.name.lower()}"] += 1
             self._lost(action, result, now)
@@ -1073,6 +1075,7 @@ class Scheduler(ControllerView):
         dev.load_inflight -= 1
         key = action.key
         dev.busy[key] -= 1
+        dev.ease(key)
         entry = self.models.get(key)
         share = self._load_share.pop(action.id, 1.0)
         if result.ok and not dev.failed:

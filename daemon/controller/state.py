@@ -27,6 +27,7 @@ OVERDUE_GRACE: Final = 0.005  # an INFER not back this long after its requests' 
 # Device kinds whose backend holds weights by extent (runtime/cuda.py): a plan's shared leading
 # stage is one block there, held once, and the rest of a model is its own
 EXTENT_KINDS: Final = frozenset({"cuda", "emucuda"})
+EASED_RING: Final = 32  # the last models that may have become evictable on a device, kept by name
 
 
 @dataclass(slots=True, eq=False)
@@ -44,9 +45,11 @@ class DeviceState:
     load_failures: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     failed: str = ""  # why the device is lost (a sticky error, a hang); "" while it is healthy
     warming: str = ""  # the warm-up running here outside the scheduler ("" when none)
-    # Results back from here, and models here whose last waiting request went unserved, so far:
-    # what may have made room here (a model no longer busy, nor wanted) since a policy looked
+    # Models here that may have become evictable (a batch of theirs came back, their LOAD landed,
+    # their last waiting request went unserved), counted, the last EASED_RING by name: what may
+    # have made room here since a policy looked (`ease`)
     eased: int = 0
+    eased_keys: list[str] = field(default_factory=lambda: [""] * EASED_RING)
     # When each lane is next free: every INFER (parity batches and replicas too) and LOAD issued
     # here is on it until its result comes back.
     timeline: DeviceTimeline = field(default_factory=DeviceTimeline)
@@ -57,6 +60,12 @@ class DeviceState:
     def __post_init__(self) -> None:
         self.name = self.device.name
         self.kind = self.device.kind
+
+    def ease(self, key: str) -> None:
+        """`key`, here, may have become evictable: the `eased`-th such event (from 0), kept at
+        `eased_keys[eased % EASED_RING]`."""
+        self.eased_keys[self.eased % EASED_RING] = key
+        self.eased += 1
 
     def healthy_for(self, key: str, now: float) -> bool:
         """Whether `key`'s INFERs should run here rather than on another device holding it: not

@@ -42,7 +42,7 @@ from daemon.controller.estimates import EXACT_ROW_KINDS, RATE_TAU, RateMeter
 from daemon.controller.floats import bisect_left, fmax, fmin
 from daemon.controller.memory import Blocks, EvictionRules
 from daemon.controller.policy import Policy
-from daemon.controller.state import DeviceState, ModelEntry
+from daemon.controller.state import EASED_RING, DeviceState, ModelEntry
 from daemon.controller.view import ControllerView
 from daemon.request import InferenceRequest
 
@@ -60,6 +60,7 @@ COLD_CHECKS: Final = 4  # cold models a pass checks for heads no LOAD can save w
 UTIL_REBUILD: Final = 2.0  # seconds a device's demand weights (its models' costs per sample) are reused
 CHEAPER_LIMIT: Final = 64  # candidates from the cold-cost ranking past which a victim search walks in LRU order
 BLOCKED_LIMIT: Final = 4096  # cold models whose failed victim searches are remembered (then all forgotten)
+COST_SLACK: Final = 1e-9  # on a log cold cost, for the rounding between it and the search's own compare
 LANE_SLICE: Final = 0.005  # a best-effort batch is cut to run at most this long (one row at least): on-time
 # work that arrives meanwhile waits for it, since a device runs one batch at a time
 
@@ -171,25 +172,29 @@ class _Candidate:
 
 class _Blocked:
     """A victim search for a cold model that found no room on a device, and what it read that can
-    change its answer: the device's results since (a batch finished, a LOAD landed, an UNLOAD
-    freed) and models whose work went unserved (`DeviceState.eased`), its free bytes, its models'
-    LOAD times, the model's cold cost (time-invariant form: only its arrivals raise
-    it), its head, and under copy pressure when the head turns urgent (then pressure no longer
-    protects the device's models). Under memory thrash the same few cold models were searched on
-    every device at every pass, each search refused, until their heads turned urgent: the
-    controller's cost per request grew 10-20x (bench/results/scale-thrash-issue12.md)."""
+    change its answer. The answer stands while the device has no more free bytes (a LOAD issued
+    there since only takes room, and its model is no candidate until it lands), its models' LOAD
+    times were not made again, the model's cold cost (time-invariant form) did not rise with an
+    arrival, its head is the same, and no model there may have become evictable since
+    (`DeviceState.eased`: a batch came back, a LOAD landed, work went unserved). Under copy
+    pressure only models cheaper to keep cold than this one may go, so such an event counts only
+    for a model that is, and the pressure must still hold with the head not yet urgent.
 
-    __slots__ = ("cost", "deadline", "eased", "free", "pressed", "ranked", "urgent_at")
+    Under memory thrash the same few cold models were searched for on every device at every pass,
+    each search refused, until their heads turned urgent: the controller's cost per request grew
+    15x (bench/results/scale-thrash-issue12.md)."""
+
+    __slots__ = ("cost", "deadline", "eased", "free", "lead", "pressed", "ranked")
 
     def __init__(self, eased: int, free: int, ranked: float, cost: float, deadline: float, pressed: bool,
-                 urgent_at: float) -> None:
-        self.eased = eased
+                 lead: float) -> None:
+        self.eased = eased  # the device's `eased` when last found to stand
         self.free = free
         self.ranked = ranked  # when the device's demand was last made again (its models' LOAD times)
         self.cost = cost
         self.deadline = deadline
         self.pressed = pressed
-        self.urgent_at = urgent_at
+        self.lead = lead  # the LOAD's and first run's estimates: done, less when the copy lane frees
 
 
 def _candidate_before(a: _Candidate, b: _Candidate) -> bool:
@@ -1066,14 +1071,28 @@ class ClockworkPolicy(Policy):
         demand.place(key, dev.name, self._weight(view, entry, dev, len(view.placed_on.get(key, ()))), load_s)
 
     def _holds(self, blocked: dict[str, _Blocked], dev: DeviceState, lasting: float, head: InferenceRequest,
-               now: float) -> bool:
-        """Whether a search for this model on `dev` would find no room, as the last one did: nothing
-        it read has changed since (`_Blocked`)."""
+               copy_free: float, now: float) -> bool:
+        """Whether a search for this model on `dev` would find no room, as the last one did:
+        nothing it read has changed since in a way that could make room (`_Blocked`)."""
         was = blocked.get(dev.name)
-        return was is not None and was.eased == dev.eased and was.free == dev.memory.free \
-            and was.ranked == self._demand.built_at(dev.name) and lasting <= was.cost \
-            and head.deadline == was.deadline \
-            and (not was.pressed or (now < was.urgent_at and self._pressed(dev.name, now)))
+        if was is None or dev.memory.free > was.free or lasting > was.cost or head.deadline != was.deadline \
+                or was.ranked != self._demand.built_at(dev.name):
+            return False
+        if was.pressed and (head.deadline - (copy_free + was.lead) <= self.horizon
+                            or not self._pressed(dev.name, now)):
+            return False  # pressure no longer protects the device's models
+        eased = dev.eased
+        if eased != was.eased:
+            if not was.pressed or eased - was.eased > EASED_RING:
+                return False
+            keys, demand, bound = dev.eased_keys, self._demand, was.cost + COST_SLACK
+            for i in range(was.eased, eased):
+                k = keys[i % EASED_RING]
+                known = demand.load_s(k)
+                if known < 0.0 or demand.lasting_cost(k, known) <= bound:
+                    return False  # (as cheap as this model: it may go now)
+            was.eased = eased  # (stands as of now: later checks look only at what follows)
+        return True
 
     def _all_blocked(self, view: ControllerView, entry: ModelEntry, blocked: dict[str, _Blocked], lasting: float,
                      head: InferenceRequest, now: float) -> bool:
@@ -1084,9 +1103,10 @@ class ClockworkPolicy(Policy):
         for dev in view.devices.values():
             if dev.memory.state(key) is not None or dev.memory.budget < nbytes or not dev.can_load(key, now):
                 continue
-            if dev.timeline.copy.free_at(now) >= now + self.horizon:
+            copy_free = dev.timeline.copy.free_at(now)
+            if copy_free >= now + self.horizon:
                 continue
-            if self._demand.stale(dev.name, now) or not self._holds(blocked, dev, lasting, head, now):
+            if self._demand.stale(dev.name, now) or not self._holds(blocked, dev, lasting, head, copy_free, now):
                 return False
             spared += 1
         self.searches_spared += spared
@@ -1187,7 +1207,8 @@ class ClockworkPolicy(Policy):
             # it would take a victim search on every device, the most of a LOAD's cost at 10,000
             # models, where this order takes one on the first device that evicts nothing in demand.)
             load = _tenths(self._utilisation(view, dev, now))  # (first: it may make the device's demand again)
-            hopeless = blocked is not None and head is not None and self._holds(blocked, dev, lasting, head, now)
+            hopeless = blocked is not None and head is not None and \
+                self._holds(blocked, dev, lasting, head, copy_free, now)
             c = _Candidate(short, load, finish, dev, copy_free + load_s + run_s, lacks, blocks, load_s + run_s,
                            hopeless)
             i = len(candidates)
@@ -1222,7 +1243,7 @@ class ClockworkPolicy(Policy):
                             self._blocked.clear()
                         blocked = self._blocked[key] = {}
                     blocked[name] = _Blocked(dev.eased, dev.memory.free, self._demand.built_at(name), lasting,
-                                             head.deadline, pressed, head.deadline - self.horizon - c.lead)
+                                             head.deadline, pressed, c.lead)
                 continue
             if at < finish:
                 finish = at
