@@ -18,6 +18,10 @@ batch of SUBMIT records, frames read together, results posted meanwhile): a thir
 20x profile with steps at most every LOOP_QUANTUM of virtual time (`Simulation.step_quantum`, a
 fixed model of the loop, so decisions stay deterministic), and its saturation is reported apart
 (`controller_saturation_rps_20x_loop`); `controller_saturation_rps` stays the per-arrival one.
+
+A last row is memory thrash: 1,000 models with THRASH_GIB a device (~36% of requests need a LOAD),
+counted after THRASH_WARM_S of the same load: `controller_us_per_request_thrash`, and
+`thrash_over_resident`, its ratio to the same point at the run's budget, measured beside it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from daemon.controller.policies.clockwork import ClockworkPolicy
 from daemon.sim import CLOCKWORK_V100, SimProfile, Simulation, sim_spec
 
 GIB = 2**30
+THRASH_GIB = 3.0
+THRASH_WARM_S = 1.5
 LOOP_QUANTUM = 20e-6  # seconds: a loop iteration at high load (the compiled step alone takes ~10-15 µs)
 
 
@@ -142,6 +148,16 @@ def run(quick: bool = False, json_out: str | None = None, devices: int = 8, budg
     summary["us_per_request_by_models"] = by_models
     summary["controller_us_per_request"] = float(np.median([r["controller_us_per_request"] for r in rows
                                                             if r["models"] == 1000 and not r["quantum_us"]]))
+    # Memory thrash: a budget far below the working set (~36% of requests need a LOAD, most LOADs
+    # wait for room under copy pressure), counted after THRASH_WARM_S of it, where the controller's
+    # cost had grown 15x (bench/results/scale-thrash-issue12.md); beside the same load at this run's
+    # budget. Apart from the rows above: none of the summaries above reads it.
+    thrash = point(1000, 20.0, 20_000.0, 0.25, devices, THRASH_GIB, 1, warm_s=THRASH_WARM_S)
+    thrash["label"] = f"1000 models, 20x, {THRASH_GIB:g} GiB a device (thrash)"
+    resident = point(1000, 20.0, 20_000.0, 0.25, devices, budget_gib, 1, warm_s=THRASH_WARM_S)
+    rows.append(thrash)
+    summary["controller_us_per_request_thrash"] = thrash["controller_us_per_request"]
+    summary["thrash_over_resident"] = thrash["controller_us_per_request"] / resident["controller_us_per_request"]
     config = {"command": command("scale", quick), "devices": devices, "weight_budget_gib": budget_gib,
               "seconds_virtual_per_point": seconds, "offered_rps": loads,
               "profiles": "Clockwork V100 (resnet18/50/152, se_resnext101) made 5x and 20x faster",

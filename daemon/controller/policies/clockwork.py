@@ -972,6 +972,7 @@ class ClockworkPolicy(Policy):
             if now_deadline > deadline or (now_deadline == deadline and now_minus > minus_backlog):
                 self.cold.push(key, now_deadline, now_minus)  # less urgent than it was: in its place
                 continue
+            samples = entry.queue.samples
             if lanes_free:
                 if (yield from self._place(view, entry, now)):
                     lanes_free = free_lanes()
@@ -979,7 +980,10 @@ class ClockworkPolicy(Policy):
             else:
                 yield from self._drop_unloadable(view, entry, now)
             if not view.placed_on.get(key) and (h := entry.queue.head()) is not None:
-                later.append((key, h.deadline, -self._backlog(view, entry)))
+                # (its backlog as found above unless requests were dropped: estimates do not
+                # change within a pass)
+                later.append((key, h.deadline, now_minus if entry.queue.samples == samples else
+                              -self._backlog(view, entry)))
                 checked += 1
             if checked >= COLD_CHECKS:
                 break  # the rest are less urgent: looked at as lanes drain and loads land
@@ -1075,7 +1079,7 @@ class ClockworkPolicy(Policy):
         """Whether a search for this model on `dev` would find no room, as the last one did:
         nothing it read has changed since in a way that could make room (`_Blocked`)."""
         was = blocked.get(dev.name)
-        if was is None or dev.memory.free > was.free or lasting > was.cost or head.deadline != was.deadline \
+        if was is None or lasting > was.cost or head.deadline != was.deadline or dev.memory.free > was.free \
                 or was.ranked != self._demand.built_at(dev.name):
             return False
         if was.pressed and (head.deadline - (copy_free + was.lead) <= self.horizon
@@ -1106,7 +1110,7 @@ class ClockworkPolicy(Policy):
             copy_free = dev.timeline.copy.free_at(now)
             if copy_free >= now + self.horizon:
                 continue
-            if self._demand.stale(dev.name, now) or not self._holds(blocked, dev, lasting, head, copy_free, now):
+            if not self._holds(blocked, dev, lasting, head, copy_free, now) or self._demand.stale(dev.name, now):
                 return False
             spared += 1
         self.searches_spared += spared
