@@ -65,6 +65,7 @@ class DeviceDemand:
         # model a victim search looks at, and every device, all at one `now`
         self._decay_now = math.nan
         self._decay = 1.0
+        self.lowered = 0  # LOAD times lowered so far: a model's cold cost fell (all others only rise)
 
     def arrived(self, key: str, rate: float, at: float) -> None:
         """A model's rate is now `rate` as of `at` (it just had an arrival)."""
@@ -84,6 +85,11 @@ class DeviceDemand:
     def place(self, key: str, device: str, weight: float, load_s: float) -> None:
         """`key` is on `device` with `weight` (seconds of work per sample there, per replica);
         `load_s`: a LOAD of it takes that long."""
+        old_load = self._loads.get(key)
+        if old_load is not None and load_s < old_load:  # (as `reloaded`: look at it where it is)
+            self.lowered += 1
+            for d in self._on.get(key, ()):
+                self._recent[d].append(key)
         self._loads[key] = load_s
         per = self._weights.get(device)
         if per is None:
@@ -115,6 +121,11 @@ class DeviceDemand:
         on.remove(device)
         if not on:
             del self._on[key]
+
+    def tracks(self, key: str, device: str) -> bool:
+        """Whether `key` has a weight on `device`."""
+        per = self._weights.get(device)
+        return per is not None and key in per
 
     def load_s(self, key: str) -> float:
         """The LOAD time `key` was last placed or reloaded with; -1.0 if none."""
@@ -150,6 +161,7 @@ class DeviceDemand:
         old = self._loads.get(key)
         self._loads[key] = load_s
         if old is not None and load_s < old:  # (a lower cost may put it under a bound: look at it)
+            self.lowered += 1
             for d in self._on.get(key, ()):
                 self._recent[d].append(key)
 

@@ -82,6 +82,9 @@ class DeviceMemory:
         self._used_at: dict[str, int] = {}
         self._class_of: dict[str, dict[str, None]] = {}  # ready model -> its size class (touched per INFER)
         self._clock = 0
+        # models with shared blocks placed or released so far: what a model lacks here, and what a
+        # victim frees, may have changed (a policy's remembered search reads it)
+        self.shared_changes = 0
 
     @property
     def free(self) -> int:
@@ -123,6 +126,7 @@ class DeviceMemory:
             raise ValueError(f"{key} needs {charge} bytes, {self.free} free")
         self._models[key] = (Residency.LOADING, nbytes)
         if blocks and self.shares:
+            self.shared_changes += 1
             self._blocks_of[key] = blocks
             self._private[key] = nbytes - sum(n for _, n in blocks)
             for b, _ in blocks:
@@ -168,6 +172,7 @@ class DeviceMemory:
         state, nbytes = self._models.pop(key)
         blocks = self._blocks_of.pop(key, None)
         if blocks is not None:
+            self.shared_changes += 1
             freed = self._private.pop(key)
             refs = self._refs
             for b, n in blocks:

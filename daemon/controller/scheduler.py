@@ -566,6 +566,8 @@ class Scheduler(ControllerView):
             # (the key from a request: compiled, `spec.key` is a generic read of an interpreted class)
             entry = self.models[step.requests[0].key if step.requests else step.spec.key]
             (entry.late if step.best_effort else entry.queue).take_all(step.requests)
+            if not entry.queue.requests and not entry.late.requests:
+                self._unwanted(entry, dev.name)  # (wanted no more: a replica elsewhere may go)
             if step.group:
                 return self._issue_group(step, dev, now)
             return self.issue_infer(step.spec, dev, step.requests, step.batch_size, now, earliest=now,
@@ -704,15 +706,17 @@ class Scheduler(ControllerView):
         if not entry.queue.requests and not entry.late.requests:
             self._unwanted(entry)
 
-    def _unwanted(self, entry: ModelEntry) -> None:
-        """A model's work went unserved (dropped, cancelled, failed): on the devices holding it, it
-        may now be evicted."""
+    def _unwanted(self, entry: ModelEntry, but: str = "") -> None:
+        """A model has no waiting work any more (served, dropped, cancelled, failed): on the
+        devices holding it, but `but` (where it now runs: its result eases that one), it may now be
+        evicted."""
         placed = self.placed_on.get(entry.key)
-        if placed:
+        if placed and (len(placed) > 1 or but not in placed):
             devices = self.devices
             key = entry.key
             for name in placed:
-                devices[name].ease(key)
+                if name != but:
+                    devices[name].ease(key)
 
     def _finish(self, req: InferenceRequest, status: RequestStatus, error: EscapementError | None,
                 now: float = 0.0) -> None:
@@ -818,6 +822,8 @@ class Scheduler(ControllerView):
                 due = fmin(due, r.deadline)
             requests.extend(reqs)
             entry.running += samples
+            if not entry.queue.requests and not entry.late.requests:
+                self._unwanted(entry, dev.name)
             counted.append((spec.key, samples))
             dev.busy[spec.key] += 1
             dev.memory.touch(spec.key)

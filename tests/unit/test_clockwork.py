@@ -563,3 +563,121 @@ def test_a_search_that_found_no_room_is_not_repeated_until_something_it_read_cha
     assert cold[0] > len(times) // 3  # thrashing
     assert policy.searches_spared > 5000  # the path under test was taken
     assert steps[0] == steps[1]
+
+
+def _acts(actions: list[Action]) -> list[tuple[str, str, str]]:
+    return [(a.kind.name, a.model.name, a.device) for a in actions]
+
+
+def _replica_case(shortcuts: bool) -> list[Any]:
+    """A replica's queue emptied by a batch on its other device: on this one it may go now."""
+    h = Harness(devices=2, budget=250, policy=ClockworkPolicy(schedule_ahead=5 * MS, shortcuts=shortcuts))
+
+    def add(name: str, prof: dict[int, float]) -> ModelSpec:
+        s = make_spec(name, max_batch=8, slo=1.0)
+        h.sched.add_model(s, 100, prof, "cpu")
+        return s
+    hot = add("hot", {1: 1 * MS, 8: 2 * MS})
+    g0 = add("g0", {1: 50 * MS, 8: 60 * MS})
+    g1 = add("g1", {1: 200 * MS, 8: 210 * MS})
+    a = add("a", {1: 1 * MS, 8: 2 * MS})
+    h.preload(hot, 2)
+    h.preload(g0, 1)
+    h.preload(g1, 1)
+    h.request(g0, timeout=1.0)
+    h.request(g1, timeout=1.0)
+    run0 = h.step()
+    for _ in range(6):
+        h.request(hot, timeout=0.3)
+    h.request(g0, timeout=1.0)
+    h.request(g0, timeout=1.0)
+    h.request(a, timeout=0.9)
+    s1 = h.step()
+    s2 = h.result(next(x for x in run0 if x.model.name == "g0"))
+    return [_acts(run0), _acts(s1), _acts(s2)]
+
+
+def _blocks_case(shortcuts: bool) -> list[Any]:
+    """A model sharing a block with the cold one lands: the cold one lacks less, and fits."""
+    h = Harness(devices=1, budget=300, policy=ClockworkPolicy(schedule_ahead=5 * MS, shortcuts=shortcuts))
+
+    def add(name: str, prof: dict[int, float], nbytes: int, blocks: Any = ()) -> ModelSpec:
+        s = make_spec(name, max_batch=8, slo=1.0)
+        h.sched.add_model(s, nbytes, prof, "cpu", blocks=blocks)
+        return s
+    fast = {1: 1 * MS, 8: 2 * MS}
+    a = add("a", fast, 120, (("X", 100),))
+    b = add("b", fast, 110, (("X", 100),))
+    v = add("v", fast, 100)
+    w = add("w", {1: 300 * MS, 8: 310 * MS}, 100)
+    h.sched.seed(b.key, "cpu", fast, 0.001)
+    for spec, dur in ((v, 0.01), (w, 0.001)):
+        h.sched.preload(spec.key, 1, h.now)
+        (ld,) = h.step()
+        h.result(ld, duration=dur)
+    h.request(w, timeout=2.0)
+    s0 = h.step()
+    for _ in range(3):
+        h.request(v, timeout=1.5)
+    h.request(a, timeout=0.8)  # cold; v costs more to keep cold, w is busy: no room
+    s1 = h.step()
+    for _ in range(40):
+        h.request(b, timeout=0.9)  # cold, dearer than v: evicts it; shares X with a
+    s2 = h.step()
+    h.clock.advance(0.0005)
+    return [_acts(s0), _acts(s1), _acts(s2), _acts(h.step())]
+
+
+def _reloaded_case(shortcuts: bool) -> list[Any]:
+    """A replica's LOAD measured faster on another device: its cold cost falls here too."""
+    from daemon.actions import Result
+    from daemon.clock import FakeClock
+    from daemon.config import ControllerSettings
+    from daemon.controller.driver import Driver
+    from daemon.controller.scheduler import Scheduler
+    from daemon.runtime.devices import Device
+
+    g = 10**7
+    h = Harness.__new__(Harness)
+    h.clock = FakeClock()
+    h.sched = Scheduler([Device("cpu:0", "cpu", 0, 250 * g), Device("cpu:1", "cpu", 1, 110 * g)],
+                        ClockworkPolicy(schedule_ahead=5 * MS, shortcuts=shortcuts), ControllerSettings())
+    h.driver = Driver(h.sched)
+    h.actions, h.finished = [], []
+
+    def add(name: str, prof: dict[int, float], nbytes: int) -> ModelSpec:
+        s = make_spec(name, max_batch=8, slo=1.0)
+        h.sched.add_model(s, nbytes, prof, "cpu")
+        return s
+
+    def landed(act: Action, took: float, set_up: bool = False) -> list[Action]:
+        begin = h.now
+        h.clock.advance(took)
+        return h.collect(h.sched.on_result(Result(act, ResultStatus.OK, begin, begin, h.now, took, set_up=set_up),
+                                           h.now)) + h.step()
+    k = add("k", {1: 1 * MS, 8: 2 * MS}, 100 * g)
+    g0 = add("g0", {1: 300 * MS, 8: 310 * MS}, 100 * g)
+    a = add("a", {1: 1 * MS, 8: 2 * MS}, 120 * g)
+    h.sched.preload(k.key, 1, h.now)
+    (ld,) = h.step()
+    landed(ld, 0.8, set_up=True)  # a first LOAD that set things up: slow
+    h.sched.preload(g0.key, 1, h.now)
+    (ld,) = h.step()
+    landed(ld, 0.001)
+    h.request(g0, timeout=2.0)
+    s0 = h.step()
+    for _ in range(6):
+        h.request(k, timeout=1.0)
+    h.request(a, timeout=1.0)
+    s1 = h.step()
+    h.sched.preload(k.key, 1, h.now)
+    (ld,) = h.step()
+    return [_acts(s0), _acts(s1), _acts(landed(ld, 0.001))]
+
+
+@pytest.mark.parametrize("case", [_replica_case, _blocks_case, _reloaded_case])
+def test_a_remembered_search_is_searched_again_when_room_may_have_been_made(case: Any) -> None:
+    """What a review of the remembered searches found could make room unseen: a replica's queue
+    emptied by a batch on its other device, a model sharing blocks with the cold one landing, a
+    replica's LOAD measured faster elsewhere. The decisions are those of searching every time."""
+    assert case(True) == case(False)

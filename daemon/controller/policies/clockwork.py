@@ -154,10 +154,10 @@ class _Candidate:
     would end, the bytes it lacks, the model's blocks there. (A record, not a tuple: compiled, its
     fields stay unboxed, where a tuple boxed every float and unboxed it again at each comparison.)"""
 
-    __slots__ = ("blocks", "dev", "done", "finish", "hopeless", "lacks", "lead", "load", "name", "short")
+    __slots__ = ("blocks", "dev", "done", "finish", "hopeless", "lacks", "load", "name", "short")
 
     def __init__(self, short: bool, load: int, finish: float, dev: DeviceState, done: float, lacks: int,
-                 blocks: Blocks, lead: float, hopeless: bool) -> None:
+                 blocks: Blocks, hopeless: bool) -> None:
         self.short = short
         self.load = load
         self.finish = finish
@@ -166,15 +166,15 @@ class _Candidate:
         self.done = done
         self.lacks = lacks
         self.blocks = blocks
-        self.lead = lead  # the LOAD's and first run's estimates: done, less when the copy lane frees
         self.hopeless = hopeless  # its victim search would find no room, as it did last time (`_Blocked`)
 
 
 class _Blocked:
     """A victim search for a cold model that found no room on a device, and what it read that can
     change its answer. The answer stands while the device has no more free bytes (a LOAD issued
-    there since only takes room, and its model is no candidate until it lands), its models' LOAD
-    times were not made again, the model's cold cost (time-invariant form) did not rise with an
+    there since only takes room, and its model is no candidate until it lands), no model with
+    shared blocks came or went there (what the model lacks, and what a victim frees, would move),
+    no model's LOAD time was made again or lowered, the model's cold cost (time-invariant form) did not rise with an
     arrival, its head is the same, and no model there may have become evictable since
     (`DeviceState.eased`: a batch came back, a LOAD landed, work went unserved). Under copy
     pressure only models cheaper to keep cold than this one may go, so such an event counts only
@@ -184,17 +184,18 @@ class _Blocked:
     each search refused, until their heads turned urgent: the controller's cost per request grew
     15x (bench/results/scale-thrash-issue12.md)."""
 
-    __slots__ = ("cost", "deadline", "eased", "free", "lead", "pressed", "ranked")
+    __slots__ = ("cost", "deadline", "eased", "free", "lowered", "pressed", "ranked", "shared")
 
-    def __init__(self, eased: int, free: int, ranked: float, cost: float, deadline: float, pressed: bool,
-                 lead: float) -> None:
+    def __init__(self, eased: int, free: int, ranked: float, lowered: int, shared: int, cost: float,
+                 deadline: float, pressed: bool) -> None:
         self.eased = eased  # the device's `eased` when last found to stand
         self.free = free
         self.ranked = ranked  # when the device's demand was last made again (its models' LOAD times)
+        self.lowered = lowered  # LOAD times lowered anywhere so far (DeviceDemand.lowered)
+        self.shared = shared  # models with shared blocks placed or released there so far
         self.cost = cost
         self.deadline = deadline
         self.pressed = pressed
-        self.lead = lead  # the LOAD's and first run's estimates: done, less when the copy lane frees
 
 
 def _candidate_before(a: _Candidate, b: _Candidate) -> bool:
@@ -508,7 +509,15 @@ class ClockworkPolicy(Policy):
                 meter.add(result.end - result.begin, now)
             entry = view.models.get(action.key)
             if entry is not None:  # (a measured LOAD may change its cold cost)
-                self._demand.reloaded(entry.key, self._load_est(view, entry, self._cost_kind(view)))
+                load_s = self._load_est(view, entry, self._cost_kind(view))
+                self._demand.reloaded(entry.key, load_s)
+                dev = view.devices[action.device]
+                if result.ok and dev.memory.is_ready(entry.key) and not self._demand.tracks(entry.key, dev.name):
+                    # a LOAD this policy did not place (a preload, a retry): its demand counted now,
+                    # not at the device's next rebuild (and its cold cost ranked, which a search
+                    # bounded by the ranking relies on)
+                    self._demand.place(entry.key, dev.name, self._weight(
+                        view, entry, dev, len(view.placed_on.get(entry.key, ()))), load_s)
             if entry is not None and entry.queue.requests:
                 self.on_queued(view, entry, now)  # ready here now, or cold again
             if entry is not None and entry.late.requests and not view.placed_on.get(entry.key):
@@ -1049,10 +1058,13 @@ class ClockworkPolicy(Policy):
             kind = self._cost_kind(view)
             for k in dev.memory.models():
                 entry = models.get(k)
+                known = demand.load_s(k)  # (kept up to date by every LOAD of it measured)
                 if entry is not None:
                     weights[k] = self._weight(view, entry, dev, len(placed_on.get(k, ())))
-                    known = demand.load_s(k)  # (kept up to date by every LOAD of it measured)
                     loads[k] = known if known >= 0.0 else self._load_est(view, entry, kind)
+                else:  # removed, still here (busy when it was): no work, but a victim search may take it
+                    weights[k] = 0.0
+                    loads[k] = fmax(known, 0.0)
             demand.rebuild(dev.name, weights, loads, now)
         return demand
 
@@ -1075,15 +1087,16 @@ class ClockworkPolicy(Policy):
         demand.place(key, dev.name, self._weight(view, entry, dev, len(view.placed_on.get(key, ()))), load_s)
 
     def _holds(self, blocked: dict[str, _Blocked], dev: DeviceState, lasting: float, head: InferenceRequest,
-               copy_free: float, now: float) -> bool:
+               done: float, now: float) -> bool:
         """Whether a search for this model on `dev` would find no room, as the last one did:
-        nothing it read has changed since in a way that could make room (`_Blocked`)."""
+        nothing it read has changed since in a way that could make room (`_Blocked`). `done`: when
+        its LOAD and first run there would end, as `_place` finds it."""
         was = blocked.get(dev.name)
         if was is None or lasting > was.cost or head.deadline != was.deadline or dev.memory.free > was.free \
+                or was.lowered != self._demand.lowered or was.shared != dev.memory.shared_changes \
                 or was.ranked != self._demand.built_at(dev.name):
             return False
-        if was.pressed and (head.deadline - (copy_free + was.lead) <= self.horizon
-                            or not self._pressed(dev.name, now)):
+        if was.pressed and (head.deadline - done <= self.horizon or not self._pressed(dev.name, now)):
             return False  # pressure no longer protects the device's models
         eased = dev.eased
         if eased != was.eased:
@@ -1104,17 +1117,45 @@ class ClockworkPolicy(Policy):
         over (and none is due to have its demand made again, which a candidate's load does)."""
         key, nbytes = entry.key, entry.weight_bytes
         spared = 0
+        whole: dict[str, float] = {}
+        profiled: dict[str, float] = {}
         for dev in view.devices.values():
             if dev.memory.state(key) is not None or dev.memory.budget < nbytes or not dev.can_load(key, now):
                 continue
             copy_free = dev.timeline.copy.free_at(now)
             if copy_free >= now + self.horizon:
                 continue
-            if not self._holds(blocked, dev, lasting, head, copy_free, now) or self._demand.stale(dev.name, now):
+            if dev.name not in blocked:
+                return False
+            load_s, run_s = self._load_and_run(view, entry, dev, head.samples, whole, profiled)
+            if not self._holds(blocked, dev, lasting, head, copy_free + load_s + run_s, now) \
+                    or self._demand.stale(dev.name, now):
                 return False
             spared += 1
         self.searches_spared += spared
         return True
+
+    def _load_and_run(self, view: ControllerView, entry: ModelEntry, dev: DeviceState, samples: int,
+                      whole: dict[str, float], profiled: dict[str, float]) -> tuple[float, float]:
+        """A LOAD of `entry` onto `dev` and its first run of `samples` there, estimated; `whole`
+        and `profiled` keep, per kind, what is the same on every device of it."""
+        kind = dev.kind
+        if entry.blocks_on(kind):  # (the bytes it lacks differ by device)
+            load_s = self._load_est(view, entry, kind, dev)
+        else:  # the same on every device of a kind: estimated once per kind
+            known = whole.get(kind)
+            if known is None:
+                known = whole[kind] = self._load_est(view, entry, kind, dev)
+            load_s = known
+        key = entry.key
+        if view.estimator.ran_on(key, dev.name):
+            run_s = self._est_on(view, key, samples, dev)
+        else:  # its kind's profile, as `_est_on` finds it there: looked up once per kind
+            known = profiled.get(kind)
+            if known is None:
+                known = profiled[kind] = self._est_unrun(view, entry, samples, dev)
+            run_s = known
+        return load_s, run_s
 
     def _cost_kind(self, view: ControllerView) -> str:
         """`_cost_kind`, kept for the view's devices (a generic `next(iter(...))` was ~640
@@ -1177,7 +1218,6 @@ class ClockworkPolicy(Policy):
         candidates: list[_Candidate] = []
         whole: dict[str, float] = {}  # kind -> a whole LOAD's estimate there
         profiled: dict[str, float] = {}  # kind -> its first run's estimate on a device that never ran it
-        est = view.estimator
         b1 = head.samples if head is not None else 1
         for dev in view.devices.values():
             if dev.memory.state(key) is not None or dev.memory.budget < nbytes or not dev.can_load(key, now):
@@ -1187,20 +1227,7 @@ class ClockworkPolicy(Policy):
             if copy_free >= now + self.horizon:
                 continue  # its copy lane is busy: plan the load later
             blocks = entry.blocks_on(dev.kind)
-            if blocks:  # (the bytes it lacks differ by device)
-                load_s = self._load_est(view, entry, dev.kind, dev)
-            else:  # the same on every device of a kind: estimated once per kind
-                known = whole.get(dev.kind)
-                if known is None:
-                    known = whole[dev.kind] = self._load_est(view, entry, dev.kind, dev)
-                load_s = known
-            if est.ran_on(key, dev.name):
-                run_s = self._est_on(view, key, b1, dev)
-            else:  # its kind's profile, as `_est_on` finds it there: looked up once per kind
-                known = profiled.get(dev.kind)
-                if known is None:
-                    known = profiled[dev.kind] = self._est_unrun(view, entry, b1, dev)
-                run_s = known
+            load_s, run_s = self._load_and_run(view, entry, dev, b1, whole, profiled)
             finish = fmax(copy_free + load_s, tl.exec.free_at(now)) + run_s
             # shared blocks already there are neither copied again nor freed to make room
             lacks = dev.memory.missing(nbytes, blocks)
@@ -1211,10 +1238,9 @@ class ClockworkPolicy(Policy):
             # it would take a victim search on every device, the most of a LOAD's cost at 10,000
             # models, where this order takes one on the first device that evicts nothing in demand.)
             load = _tenths(self._utilisation(view, dev, now))  # (first: it may make the device's demand again)
-            hopeless = blocked is not None and head is not None and \
-                self._holds(blocked, dev, lasting, head, copy_free, now)
-            c = _Candidate(short, load, finish, dev, copy_free + load_s + run_s, lacks, blocks, load_s + run_s,
-                           hopeless)
+            done = copy_free + load_s + run_s
+            hopeless = blocked is not None and head is not None and self._holds(blocked, dev, lasting, head, done, now)
+            c = _Candidate(short, load, finish, dev, done, lacks, blocks, hopeless)
             i = len(candidates)
             candidates.append(c)
             while i > 0 and _candidate_before(c, candidates[i - 1]):  # (insertion: a handful of devices)
@@ -1246,8 +1272,9 @@ class ClockworkPolicy(Policy):
                         if len(self._blocked) >= BLOCKED_LIMIT:
                             self._blocked.clear()
                         blocked = self._blocked[key] = {}
-                    blocked[name] = _Blocked(dev.eased, dev.memory.free, self._demand.built_at(name), lasting,
-                                             head.deadline, pressed, c.lead)
+                    blocked[name] = _Blocked(dev.eased, dev.memory.free, self._demand.built_at(name),
+                                             self._demand.lowered, dev.memory.shared_changes, lasting,
+                                             head.deadline, pressed)
                 continue
             if at < finish:
                 finish = at
