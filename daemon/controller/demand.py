@@ -65,7 +65,9 @@ class DeviceDemand:
         # model a victim search looks at, and every device, all at one `now`
         self._decay_now = math.nan
         self._decay = 1.0
-        self.lowered = 0  # LOAD times lowered so far: a model's cold cost fell (all others only rise)
+        # device -> LOAD times lowered so far of models on it: a model's cold cost fell there (every
+        # other change only raises one)
+        self._lowered: dict[str, int] = {}
 
     def arrived(self, key: str, rate: float, at: float) -> None:
         """A model's rate is now `rate` as of `at` (it just had an arrival)."""
@@ -87,9 +89,7 @@ class DeviceDemand:
         `load_s`: a LOAD of it takes that long."""
         old_load = self._loads.get(key)
         if old_load is not None and load_s < old_load:  # (as `reloaded`: look at it where it is)
-            self.lowered += 1
-            for d in self._on.get(key, ()):
-                self._recent[d].append(key)
+            self._lower(key)
         self._loads[key] = load_s
         per = self._weights.get(device)
         if per is None:
@@ -161,9 +161,18 @@ class DeviceDemand:
         old = self._loads.get(key)
         self._loads[key] = load_s
         if old is not None and load_s < old:  # (a lower cost may put it under a bound: look at it)
-            self.lowered += 1
-            for d in self._on.get(key, ()):
-                self._recent[d].append(key)
+            self._lower(key)
+
+    def _lower(self, key: str) -> None:
+        """`key`'s LOAD time fell: on each device it is on, it is recent, and counted (`lowered`)."""
+        lowered = self._lowered
+        for d in self._on.get(key, ()):
+            self._recent[d].append(key)
+            lowered[d] = lowered.get(d, 0) + 1
+
+    def lowered(self, device: str) -> int:
+        """LOAD times of models on `device` lowered so far."""
+        return self._lowered.get(device, 0)
 
     def cheaper(self, device: str, bound: float, now: float, limit: int) -> list[str] | None:
         """The models on `device` whose cold cost (rate x LOAD time) may be at most `bound` at

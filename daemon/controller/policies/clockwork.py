@@ -191,7 +191,7 @@ class _Blocked:
         self.eased = eased  # the device's `eased` when last found to stand
         self.free = free
         self.ranked = ranked  # when the device's demand was last made again (its models' LOAD times)
-        self.lowered = lowered  # LOAD times lowered anywhere so far (DeviceDemand.lowered)
+        self.lowered = lowered  # LOAD times of the device's models lowered so far (DeviceDemand.lowered)
         self.shared = shared  # models with shared blocks placed or released there so far
         self.cost = cost
         self.deadline = deadline
@@ -1087,29 +1087,29 @@ class ClockworkPolicy(Policy):
         demand.place(key, dev.name, self._weight(view, entry, dev, len(view.placed_on.get(key, ()))), load_s)
 
     def _holds(self, blocked: dict[str, _Blocked], dev: DeviceState, lasting: float, head: InferenceRequest,
-               done: float, now: float) -> bool:
-        """Whether a search for this model on `dev` would find no room, as the last one did:
-        nothing it read has changed since in a way that could make room (`_Blocked`). `done`: when
-        its LOAD and first run there would end, as `_place` finds it."""
+               now: float) -> _Blocked | None:
+        """The last search for this model on `dev`, if it found no room and nothing it read has
+        changed since in a way that could make room (`_Blocked`), but for the head turning urgent
+        under pressure: the caller, who knows when its LOAD and first run would end, looks at that."""
         was = blocked.get(dev.name)
         if was is None or lasting > was.cost or head.deadline != was.deadline or dev.memory.free > was.free \
-                or was.lowered != self._demand.lowered or was.shared != dev.memory.shared_changes \
+                or was.shared != dev.memory.shared_changes or was.lowered != self._demand.lowered(dev.name) \
                 or was.ranked != self._demand.built_at(dev.name):
-            return False
-        if was.pressed and (head.deadline - done <= self.horizon or not self._pressed(dev.name, now)):
-            return False  # pressure no longer protects the device's models
+            return None
+        if was.pressed and not self._pressed(dev.name, now):
+            return None  # pressure no longer protects the device's models
         eased = dev.eased
         if eased != was.eased:
             if not was.pressed or eased - was.eased > EASED_RING:
-                return False
+                return None
             keys, demand, bound = dev.eased_keys, self._demand, was.cost + COST_SLACK
             for i in range(was.eased, eased):
                 k = keys[i % EASED_RING]
                 known = demand.load_s(k)
                 if known < 0.0 or demand.lasting_cost(k, known) <= bound:
-                    return False  # (as cheap as this model: it may go now)
+                    return None  # (as cheap as this model: it may go now)
             was.eased = eased  # (stands as of now: later checks look only at what follows)
-        return True
+        return was
 
     def _all_blocked(self, view: ControllerView, entry: ModelEntry, blocked: dict[str, _Blocked], lasting: float,
                      head: InferenceRequest, now: float) -> bool:
@@ -1125,12 +1125,13 @@ class ClockworkPolicy(Policy):
             copy_free = dev.timeline.copy.free_at(now)
             if copy_free >= now + self.horizon:
                 continue
-            if dev.name not in blocked:
+            was = self._holds(blocked, dev, lasting, head, now)
+            if was is None or self._demand.stale(dev.name, now):
                 return False
-            load_s, run_s = self._load_and_run(view, entry, dev, head.samples, whole, profiled)
-            if not self._holds(blocked, dev, lasting, head, copy_free + load_s + run_s, now) \
-                    or self._demand.stale(dev.name, now):
-                return False
+            if was.pressed:  # (urgent now, pressure would not protect the device's models)
+                load_s, run_s = self._load_and_run(view, entry, dev, head.samples, whole, profiled)
+                if head.deadline - (copy_free + load_s + run_s) <= self.horizon:
+                    return False
             spared += 1
         self.searches_spared += spared
         return True
@@ -1239,7 +1240,10 @@ class ClockworkPolicy(Policy):
             # models, where this order takes one on the first device that evicts nothing in demand.)
             load = _tenths(self._utilisation(view, dev, now))  # (first: it may make the device's demand again)
             done = copy_free + load_s + run_s
-            hopeless = blocked is not None and head is not None and self._holds(blocked, dev, lasting, head, done, now)
+            hopeless = False
+            if blocked is not None and head is not None:
+                was = self._holds(blocked, dev, lasting, head, now)
+                hopeless = was is not None and not (was.pressed and head.deadline - done <= self.horizon)
             c = _Candidate(short, load, finish, dev, done, lacks, blocks, hopeless)
             i = len(candidates)
             candidates.append(c)
@@ -1273,7 +1277,7 @@ class ClockworkPolicy(Policy):
                             self._blocked.clear()
                         blocked = self._blocked[key] = {}
                     blocked[name] = _Blocked(dev.eased, dev.memory.free, self._demand.built_at(name),
-                                             self._demand.lowered, dev.memory.shared_changes, lasting,
+                                             self._demand.lowered(name), dev.memory.shared_changes, lasting,
                                              head.deadline, pressed)
                 continue
             if at < finish:
