@@ -174,11 +174,12 @@ class _Blocked:
     change its answer. The answer stands while the device has no more free bytes (a LOAD issued
     there since only takes room, and its model is no candidate until it lands), no model with
     shared blocks came or went there (what the model lacks, and what a victim frees, would move),
-    no model's LOAD time was made again or lowered, the model's cold cost (time-invariant form) did not rise with an
-    arrival, its head is the same, and no model there may have become evictable since
-    (`DeviceState.eased`: a batch came back, a LOAD landed, work went unserved). Under copy
-    pressure only models cheaper to keep cold than this one may go, so such an event counts only
-    for a model that is, and the pressure must still hold with the head not yet urgent.
+    no LOAD time of its models was made again or lowered, the cold model's cost (time-invariant
+    form) did not rise with an arrival, its head is the same, and no model there may have become
+    evictable since (`DeviceState.eased`: a batch came back, a LOAD landed, work went unserved or
+    was taken elsewhere). Under copy pressure only models cheaper to keep cold than this one may
+    go, so such an event counts only for a model that is, and the pressure must still hold with
+    the head not yet urgent.
 
     Under memory thrash the same few cold models were searched for on every device at every pass,
     each search refused, until their heads turned urgent: the controller's cost per request grew
