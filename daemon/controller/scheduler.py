@@ -566,8 +566,7 @@ class Scheduler(ControllerView):
             # (the key from a request: compiled, `spec.key` is a generic read of an interpreted class)
             entry = self.models[step.requests[0].key if step.requests else step.spec.key]
             (entry.late if step.best_effort else entry.queue).take_all(step.requests)
-            if not entry.queue.requests and not entry.late.requests:
-                self._unwanted(entry, dev.name)  # (wanted no more: a replica elsewhere may go)
+            self._unwanted(entry, dev.name)  # (if wanted no more: a replica elsewhere may go)
             if step.group:
                 return self._issue_group(step, dev, now)
             return self.issue_infer(step.spec, dev, step.requests, step.batch_size, now, earliest=now,
@@ -703,13 +702,14 @@ class Scheduler(ControllerView):
         entry = self.models[req.key]
         (entry.late if req.late else entry.queue).discard(req)
         req.inputs = ()
-        if not entry.queue.requests and not entry.late.requests:
-            self._unwanted(entry)
+        self._unwanted(entry)
 
     def _unwanted(self, entry: ModelEntry, but: str = "") -> None:
-        """A model has no waiting work any more (served, dropped, cancelled, failed): on the
+        """If a model has no waiting work any more (served, dropped, cancelled, failed): on the
         devices holding it, but `but` (where it now runs: its result eases that one), it may now be
         evicted."""
+        if entry.queue.requests or entry.late.requests:
+            return
         placed = self.placed_on.get(entry.key)
         if placed and (len(placed) > 1 or but not in placed):
             devices = self.devices
@@ -822,8 +822,7 @@ class Scheduler(ControllerView):
                 due = fmin(due, r.deadline)
             requests.extend(reqs)
             entry.running += samples
-            if not entry.queue.requests and not entry.late.requests:
-                self._unwanted(entry, dev.name)
+            self._unwanted(entry, dev.name)
             counted.append((spec.key, samples))
             dev.busy[spec.key] += 1
             dev.memory.touch(spec.key)

@@ -1121,10 +1121,8 @@ class ClockworkPolicy(Policy):
         whole: dict[str, float] = {}
         profiled: dict[str, float] = {}
         for dev in view.devices.values():
-            if dev.memory.state(key) is not None or dev.memory.budget < nbytes or not dev.can_load(key, now):
-                continue
-            copy_free = dev.timeline.copy.free_at(now)
-            if copy_free >= now + self.horizon:
+            copy_free = self._copy_free_for(dev, key, nbytes, now)
+            if copy_free == math.inf:
                 continue
             was = self._holds(blocked, dev, lasting, head, now)
             if was is None or self._demand.stale(dev.name, now):
@@ -1136,6 +1134,15 @@ class ClockworkPolicy(Policy):
             spared += 1
         self.searches_spared += spared
         return True
+
+    def _copy_free_for(self, dev: DeviceState, key: str, nbytes: int, now: float) -> float:
+        """When `dev`'s copy lane frees for a LOAD of `key` (`nbytes`), or inf where none goes now:
+        placed there already, too small, backing off, or its copy lane busy past the horizon (the
+        load is planned later)."""
+        if dev.memory.state(key) is not None or dev.memory.budget < nbytes or not dev.can_load(key, now):
+            return math.inf
+        copy_free = dev.timeline.copy.free_at(now)
+        return copy_free if copy_free < now + self.horizon else math.inf
 
     def _load_and_run(self, view: ControllerView, entry: ModelEntry, dev: DeviceState, samples: int,
                       whole: dict[str, float], profiled: dict[str, float]) -> tuple[float, float]:
@@ -1222,12 +1229,10 @@ class ClockworkPolicy(Policy):
         profiled: dict[str, float] = {}  # kind -> its first run's estimate on a device that never ran it
         b1 = head.samples if head is not None else 1
         for dev in view.devices.values():
-            if dev.memory.state(key) is not None or dev.memory.budget < nbytes or not dev.can_load(key, now):
+            copy_free = self._copy_free_for(dev, key, nbytes, now)
+            if copy_free == math.inf:
                 continue
             tl = dev.timeline
-            copy_free = tl.copy.free_at(now)
-            if copy_free >= now + self.horizon:
-                continue  # its copy lane is busy: plan the load later
             blocks = entry.blocks_on(dev.kind)
             load_s, run_s = self._load_and_run(view, entry, dev, b1, whole, profiled)
             finish = fmax(copy_free + load_s, tl.exec.free_at(now)) + run_s
