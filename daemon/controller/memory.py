@@ -43,6 +43,12 @@ class EvictionRules:
         skip asking again)."""
         return self.evictable(key)
 
+    def idle_victim(self, key: str) -> bool:
+        """Whether `key` is wanted by nobody and `evictable_idle`: one call, so that a policy can ask
+        first whichever test refuses more (under copy pressure most models a search meets are
+        refused for their cold cost, not for their work)."""
+        return not self.wanted(key) and self.evictable_idle(key)
+
 
 class CallableRules(EvictionRules):
     """Rules from two callables (tests, and searches too rare to need their own class)."""
@@ -343,9 +349,7 @@ class DeviceMemory:
                 if best is not None and at >= best_at:
                     break  # (the rest of the class was used later still: none can be the answer)
                 frees = models[k][1] if k not in blocks_of else self._frees_with(k, {}, keep)
-                # (`wanted` first: the cheaper test, and under overload most models are wanted,
-                # while a policy's `evictable` may weigh each one's demand)
-                if frees >= need and not rules.wanted(k) and rules.evictable_idle(k):
+                if frees >= need and rules.idle_victim(k):
                     best, best_at = k, at
                     break
         return best
