@@ -64,10 +64,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("escapement.controller")
 
-# A saturated model's real rate, for admission: measured over windows of DRAIN_WINDOW seconds,
-# trusted once a window spans DRAIN_MIN_SPAN.
+# How busy a backlogged model's devices really were, for admission: measured over windows of
+# DRAIN_WINDOW seconds, trusted once a window spans DRAIN_MIN_SPAN; never taken below BUSY_FLOOR.
 DRAIN_WINDOW = 1.0
 DRAIN_MIN_SPAN = 0.2
+BUSY_FLOOR: Final = 0.1
 # the event count of each failure's class ("failed_DeadlineExceeded"), made once per class
 _FAILED_NAMES: Final[dict[type, str]] = {}
 
@@ -287,19 +288,25 @@ class Scheduler(ControllerView):
         if not q.samples:
             entry.backlog_ended()
         elif not entry.backlog_since:
-            entry.backlog_since = now
+            self._backlog_began(entry, now)
         if q.samples and q.max_rank <= req.rank and q.max_deadline <= req.deadline and not soft:
             # Every queued request goes first, and what runs now. The queue runs in whole batches:
             # the request finishes with the one that holds its samples, at the rate the devices
-            # holding the model get through it (their best, or what they really did while
-            # saturated). Past its deadline it is refused now, in µs, rather than queued to miss it
-            # and be answered 504 at the deadline.
+            # holding the model get through it: their best, times the share of the time they
+            # really ran batches while it waited (`_busy_share`). Past its deadline it is refused
+            # now, in µs, rather than queued to miss it and be answered 504 at the deadline.
+            # (Not the rate this model alone got while it waited, as before: devices busy with
+            # other work give a model more as its head ages, and a queue cut short runs in smaller
+            # batches that get through less, so that rate refused requests that would have made it:
+            # ~2% at 75,000 req/s below capacity, ~8% of capacity at 100,000. What is admitted
+            # past what the devices then run is answered 504 by its deadline instead:
+            # bench/results/scale-admission-issue12.md.)
             rate = self._drain_rate(entry)
-            if entry.drain_seen:
-                rate = fmin(rate, entry.drain_seen)
             batch = entry.spec.max_batch_size
             batches = -(-(q.samples + req.samples) // batch)
             done = (entry.running + batches * batch) / rate if rate > 0 else 0.0
+            if done > 0.0 and now + done / BUSY_FLOOR > req.deadline:  # (else no share could refuse it)
+                done /= self._busy_share(entry, now)
             if now + fmax(done, best) > req.deadline:
                 self._counts["refused_backlog"] += 1
                 raise self.telemetry.refused(req, Overloaded(
@@ -412,19 +419,56 @@ class Scheduler(ControllerView):
                 out.append(entry)
         return out
 
-    def _drained(self, entry: ModelEntry, samples: int, now: float) -> None:
-        """Count samples run while the model's queue stayed non-empty: the window's rate is what
-        admission trusts (if lower than the estimate) once it spans DRAIN_MIN_SPAN; a new window
-        starts every DRAIN_WINDOW, the last one's rate standing until then."""
+    def _drained(self, entry: ModelEntry, now: float) -> None:
+        """A batch of the model came back while its queue may still wait: a new window every
+        DRAIN_WINDOW, the last one's busy share standing until the next spans DRAIN_MIN_SPAN."""
         if not entry.queue.samples:
             entry.backlog_ended()
             return
-        entry.backlog_samples += samples
         span = now - entry.backlog_since
-        if span >= DRAIN_MIN_SPAN:
-            entry.drain_seen = entry.backlog_samples / span
         if span >= DRAIN_WINDOW:
-            entry.backlog_since, entry.backlog_samples = now, 0
+            share = self._ran_share(entry, now) if span >= DRAIN_MIN_SPAN else 0.0
+            if share > 0.0:
+                entry.drain_busy = share
+            self._backlog_began(entry, now)
+
+    def _backlog_began(self, entry: ModelEntry, now: float) -> None:
+        entry.backlog_since = now
+        ran = 0.0
+        ready = self.ready_on.get(entry.key)
+        if ready:
+            devices = self.devices
+            for name in ready:
+                ran += devices[name].ran_s
+        entry.backlog_ran = ran
+        entry.backlog_devices = len(ready) if ready else 0
+
+    def _ran_share(self, entry: ModelEntry, now: float) -> float:
+        """The share of the time since its window began that the devices holding the model ran
+        batches (BUSY_FLOOR..1); 0 when that cannot be told: other devices hold it now, or no
+        batch came back since (a batch is counted when it comes back: one running for longer
+        than the window is no sign of idle devices, and a device that returns nothing at all is
+        the hang watchdog's)."""
+        ready = self.ready_on.get(entry.key)
+        span = now - entry.backlog_since
+        if not ready or len(ready) != entry.backlog_devices or span <= 0.0:
+            return 0.0
+        ran = 0.0
+        devices = self.devices
+        for name in ready:
+            ran += devices[name].ran_s
+        if ran <= entry.backlog_ran:
+            return 0.0
+        return fmin(fmax((ran - entry.backlog_ran) / (span * len(ready)), BUSY_FLOOR), 1.0)
+
+    def _busy_share(self, entry: ModelEntry, now: float) -> float:
+        """What admission expects of a backlogged model's devices, as a share of their best: the
+        current window's busy share once it spans DRAIN_MIN_SPAN, else the last window's, else 1."""
+        if entry.backlog_since and now - entry.backlog_since >= DRAIN_MIN_SPAN:
+            share = self._ran_share(entry, now)
+            if share > 0.0:
+                return share
+        return entry.drain_busy if entry.drain_busy > 0.0 else 1.0
 
     def _drain_rate(self, entry: ModelEntry) -> float:
         """Samples per second the devices holding a model ready could run of it at most (each at its
@@ -905,6 +949,8 @@ class Scheduler(ControllerView):
         kind = action.kind
         if kind == ActionKind.INFER:
             dev.timeline.exec.done(action.id, result.end)
+            if result.end > result.begin:
+                dev.ran_s += result.end - result.begin
         elif kind == ActionKind.LOAD:
             dev.timeline.copy.done(action.id, result.end)
         self.telemetry.action(result)
@@ -968,7 +1014,7 @@ class Scheduler(ControllerView):
             assert result.outputs is not None
             entry = self.models.get(key)
             if entry is not None and entry.backlog_since:
-                self._drained(entry, action.samples, now)
+                self._drained(entry, now)
             self._answer(action, result.outputs, now, result.duration)
             if role == ActionRole.MEMBER:
                 self._run(self.parm.member_answered(action, result.outputs, now), now)
@@ -1001,7 +1047,7 @@ class Scheduler(ControllerView):
             at += count
             entry = self.models.get(spec.key)
             if entry is not None and entry.backlog_since:
-                self._drained(entry, sum(r.samples for r in reqs), now)
+                self._drained(entry, now)
             self._answer_rows(reqs, outputs, now, result.duration)
 
     def _answer(self, action: Action, outputs: tuple[np.ndarray, ...], now: float, compute_s: float = 0.0,

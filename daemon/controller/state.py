@@ -50,6 +50,7 @@ class DeviceState:
     # have made room here since a policy looked (`ease`)
     eased: int = 0
     eased_keys: list[str] = field(default_factory=lambda: [""] * EASED_RING)
+    ran_s: float = 0.0  # seconds its INFERs ran here (begin to end), all models: how busy it kept
     # When each lane is next free: every INFER (parity batches and replicas too) and LOAD issued
     # here is on it until its result comes back.
     timeline: DeviceTimeline = field(default_factory=DeviceTimeline)
@@ -101,11 +102,14 @@ class ModelEntry:
     late: ModelQueue = field(default_factory=lambda: ModelQueue(by_arrival=True))
     load_failures: int = 0  # LOADs that failed in a row (any device)
     load_error: str = ""  # the last one's error
-    # Samples run while requests kept waiting (the devices saturated by it), per window: the
-    # rate they really got through, which admission trusts over the estimate when lower.
+    # While requests keep waiting, per window: the share of the time its devices ran batches
+    # (any model's), which scales what admission expects of them. Devices that idle while work
+    # waits (a loop busy elsewhere) deliver less than their estimates; devices busy with other
+    # models' work do not, since the deadline order gives a model more of them as its head ages.
     backlog_since: float = 0.0  # start of the current window; 0 while the queue has run dry
-    backlog_samples: int = 0  # samples run in the current window
-    drain_seen: float = 0.0  # the last full window's measured rate (samples/s); 0 when none
+    backlog_ran: float = 0.0  # the devices' `ran_s`, summed, at the window's start
+    backlog_devices: int = 0  # how many devices held it ready then (the sum is over those)
+    drain_busy: float = 0.0  # the last full window's share (0..1); 0 when none
     running: int = 0  # samples of its INFERs in flight (they run before anything queued)
     prefix: str = ""  # a plan of stages: its leading stage's identity (shared with other models), else ""
     max_queued: int = 0  # the most requests it may hold queued, on time and in its lane (classes.max_queue)
@@ -136,4 +140,4 @@ class ModelEntry:
 
     def backlog_ended(self) -> None:
         """Its queue ran dry: what was measured while it kept its devices saturated no longer holds."""
-        self.backlog_since, self.backlog_samples, self.drain_seen = 0.0, 0, 0.0
+        self.backlog_since, self.backlog_ran, self.backlog_devices, self.drain_busy = 0.0, 0.0, 0, 0.0
