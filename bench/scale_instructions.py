@@ -7,13 +7,15 @@ Only the controller's calls are counted: the Driver's submit, step and next_wake
 bookkeeping, the set-up and the imports are left out).
 
     valgrind --tool=callgrind --collect-atstart=no --toggle-collect=_operator_call \\
-        --callgrind-out-file=OUT python -m bench.scale_instructions TREE [MODELS RATE SECONDS [BUDGET_GIB [WARM]]]
+        --callgrind-out-file=OUT python -m bench.scale_instructions TREE \\
+        [MODELS RATE SECONDS [BUDGET_GIB [WARM [QUANTUM_US]]]]
     callgrind_annotate OUT | grep "PROGRAM TOTALS"   # over the REQUESTS line printed here
 
 TREE is a checkout (its code is imported first; built with `make native` to count the compiled
 controller). Defaults: 1,000 models, 75,000 req/s, 0.05 s of virtual time, the 20x profile,
 8 devices of 64 GiB, seed 1; WARM seconds of the same load run first, uncounted (a steady
-state). Under callgrind a run takes ~3 minutes, mostly torch's import.
+state); QUANTUM_US: steps at most that often, as the saturation row (`scale.LOOP_QUANTUM`).
+Under callgrind a run takes ~3 minutes, mostly torch's import.
 Results: bench/results/scale-callgrind-issue12.md.
 """
 
@@ -60,7 +62,8 @@ def main(argv: list[str]) -> None:
     rate = float(rest[1]) if len(rest) > 1 else 75000.0
     seconds = float(rest[2]) if len(rest) > 2 else 0.05
     budget = float(rest[3]) if len(rest) > 3 else 64.0
-    r = scale.point(models, 20.0, rate, seconds, 8, budget, 1, warm_s=warm)
+    quantum = float(rest[5]) * 1e-6 if len(rest) > 5 else 0.0
+    r = scale.point(models, 20.0, rate, seconds, 8, budget, 1, warm_s=warm, quantum=quantum)
     for d in drivers:
         operator.call(d.scheduler.telemetry.flush)
     print("REQUESTS", r["requests"], "attainment", r["slo_attainment"])
