@@ -157,7 +157,7 @@ class Simulation:
             dev = sched.devices[name]
             dev.memory.reserve(key, prof.weight_bytes)
             dev.memory.loaded(key)
-            sched.ready_on.setdefault(key, set()).add(name)
+            sched.mark_ready(key, name)
             sched.placed_on.setdefault(key, set()).add(name)
             ex = self.executors[name]
             ex.resident.add(key)

@@ -111,6 +111,12 @@ class ModelEntry:
     backlog_devices: int = 0  # how many devices held it ready then (the sum is over those)
     drain_busy: float = 0.0  # the last full window's share (0..1); 0 when none
     running: int = 0  # samples of its INFERs in flight (they run before anything queued)
+    # Scheduler.best_case for `best_samples` rows, and what it was made from (its memo)
+    best_samples: int = 0
+    best_version: int = -1
+    best_ready: int = -1
+    best_until: float = 0.0
+    best_s: float = 0.0
     prefix: str = ""  # a plan of stages: its leading stage's identity (shared with other models), else ""
     max_queued: int = 0  # the most requests it may hold queued, on time and in its lane (classes.max_queue)
     # Of `spec`, read on every request's path: copied here, where compiled code reads a field
