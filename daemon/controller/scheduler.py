@@ -435,14 +435,17 @@ class Scheduler(ControllerView):
 
     def _backlog_began(self, entry: ModelEntry, now: float) -> None:
         entry.backlog_since = now
-        ran = 0.0
         ready = self.ready_on.get(entry.key)
-        if ready:
-            devices = self.devices
-            for name in ready:
-                ran += devices[name].ran_s
-        entry.backlog_ran = ran
+        entry.backlog_ran = self._ran_on(ready) if ready else 0.0
         entry.backlog_devices = len(ready) if ready else 0
+
+    def _ran_on(self, names: set[str]) -> float:
+        """Seconds the devices `names` have run batches so far, summed (`DeviceState.ran_s`)."""
+        ran = 0.0
+        devices = self.devices
+        for name in names:
+            ran += devices[name].ran_s
+        return ran
 
     def _ran_share(self, entry: ModelEntry, now: float) -> float:
         """The share of the time since its window began that the devices holding the model ran
@@ -454,10 +457,7 @@ class Scheduler(ControllerView):
         span = now - entry.backlog_since
         if not ready or len(ready) != entry.backlog_devices or span <= 0.0:
             return 0.0
-        ran = 0.0
-        devices = self.devices
-        for name in ready:
-            ran += devices[name].ran_s
+        ran = self._ran_on(ready)
         if ran <= entry.backlog_ran:
             return 0.0
         return fmin(fmax((ran - entry.backlog_ran) / (span * len(ready)), BUSY_FLOOR), 1.0)
