@@ -22,7 +22,7 @@ class Due:
     a heap is checked against its class with one comparison where a subclass's took a walk of its
     bases, at every comparison of a push or pop (a third of a pop's instructions: issue 12)."""
 
-    __slots__ = ("action", "at", "hung_at", "key", "req", "seq", "then")
+    __slots__ = ("action", "at", "gone", "hung_at", "key", "req", "seq", "then")
 
     def __init__(self, at: float, seq: int, then: float = 0.0, req: InferenceRequest | None = None,
                  action: Action | None = None, key: str = "", hung_at: float = 0.0) -> None:
@@ -33,6 +33,9 @@ class Due:
         self.action = action
         self.key = key
         self.hung_at = hung_at  # an action's: when it counts as hung
+        # a work index's entry (`key_due`) that is no longer its model's live one there: popped,
+        # discarded or replaced (lets a model keep its live entries without looking them up)
+        self.gone = False
 
 
 def request_due(at: float, req: InferenceRequest) -> Due:

@@ -111,6 +111,15 @@ class SlidingWindow:
             self.expire(now)
         return self.percentile(q), self._times[self._head]
 
+    def current_value(self, now: float, q: float) -> float:
+        """`current`'s quantile alone, NaN when no sample is recent: no tuple to build (an object made
+        per result also costs its share of the collector's passes)."""
+        if not self._n or now - self._newest_time() > self.max_age:
+            return math.nan
+        if now - self._times[self._head] > self.max_age:
+            self.expire(now)
+        return self.percentile(q)
+
     def percentile(self, q: float) -> float:
         """The interpolated q-quantile; with 10 samples, q=0.99 is nearly the max."""
         if q == self._q:
@@ -207,6 +216,29 @@ class Estimator:
         if w is None:
             w = rows[batch] = SlidingWindow(self.window, self.max_age)
         w.add(seconds, self.now)
+        self._observed(model, batch, where, w)
+
+    def _observed(self, model: str, batch: int, where: str, w: SlidingWindow) -> None:
+        """Row `batch` of `where` has a new sample: its memo entry, if it has one, is made again
+        now, and the model's version moves only if the estimate did, or the time it holds shrank.
+        (Under load every result of a model moved it, and with it everything kept from its
+        estimates, though a run's time mostly lands on the same estimate: a percentile of a few
+        recent samples, which holds until the oldest of them ages out, later with each sample.)"""
+        per = self._memo.get(model)
+        rows = per.get(where) if per is not None else None
+        if rows is not None and 0 <= batch < len(rows):
+            old = rows[batch]
+            if old is not None and self.now <= old[1]:
+                value = w.current_value(self.now, self.percentile)  # (as `_infer_now` finds it)
+                if value == value:
+                    until = w.oldest + self.max_age
+                    if value == old[0] and until >= old[1]:
+                        return  # the entry stands (valid a little less long than it could be)
+                    # a new estimate, or a profile's (valid for ever) that a first sample of the
+                    # same value replaced
+                    rows[batch] = (value, until)
+                    self._versions[model] = self._versions.get(model, 0) + 1
+                    return
         self._invalidate(model, where, batch)  # only this window changed
 
     def observe_load(self, model: str, kind: str, seconds: float, share: float = 1.0, set_up: bool = False) -> None:

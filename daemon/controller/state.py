@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from daemon.actions import Action
+from daemon.controller.due import Due
 from daemon.controller.memory import Blocks, DeviceMemory
 from daemon.controller.queues import ModelQueue
 from daemon.controller.timeline import DeviceTimeline
@@ -117,6 +118,17 @@ class ModelEntry:
     best_ready: int = -1
     best_until: float = 0.0
     best_s: float = 0.0
+    # The clockwork policy's index entries for it, as its last full indexing left them: an arrival
+    # no more urgent than (`indexed_rank`, `indexed_deadline`) with as many samples finds them at
+    # least as urgent as it while they are live and what they were made from stands
+    # (policies/clockwork.py `on_queued`)
+    indexed: list[Due] = field(default_factory=list)
+    indexed_rank: int = 0
+    indexed_deadline: float = 0.0
+    indexed_samples: int = 0
+    indexed_version: int = -1
+    indexed_ready: int = -1
+    indexed_until: float = 0.0
     prefix: str = ""  # a plan of stages: its leading stage's identity (shared with other models), else ""
     max_queued: int = 0  # the most requests it may hold queued, on time and in its lane (classes.max_queue)
     # Of `spec`, read on every request's path: copied here, where compiled code reads a field

@@ -525,6 +525,47 @@ def test_planning_lone_requests_without_a_pass_decides_what_the_pass_decides(rat
     assert fast == full
 
 
+def test_arrivals_behind_an_indexed_head_keep_its_entries_and_decide_alike() -> None:
+    """Under load most arrivals join a queue whose model is already indexed on its devices at
+    least as urgently (`on_queued` keeps the entries without estimating or pushing again). With
+    noisy run times (estimates move) and queues deep enough for many arrivals per entry, the
+    decisions are those of indexing every arrival, step by step."""
+    from daemon.sim import Simulation, clockwork_models
+
+    ms = clockwork_models(50)
+    rate, seconds = 2500.0, 1.0
+    times = np.cumsum(np.random.default_rng(7).exponential(1 / rate, int(rate * seconds)))
+    zipf = np.arange(1, len(ms) + 1, dtype=float) ** -1.0
+    targets = np.random.default_rng(8).choice(len(ms), len(times), p=zipf / zipf.sum())
+    steps = []
+    policy = ClockworkPolicy()
+    for p in (policy, ClockworkPolicy(shortcuts=False)):
+        sim = Simulation(ms, 4, p, weight_budget=8 * 2**30, noise=0.05, seed=1)
+        rec = sim.driver = _Recording(sim.driver)  # type: ignore[assignment]
+        sim.run(times, targets, [m[0].key for m in ms], drain_s=1.0)
+        steps.append(rec.steps)
+    assert policy.index_kept > len(times) // 4  # the path under test was taken, often
+    assert sum(1 for s in steps[1] for x in s if x.startswith("('INFER'")) > 300
+    assert steps[0] == steps[1]
+
+
+def test_work_index_entries_say_when_they_stop_being_live() -> None:
+    """A kept entry is trusted only while it is its model's live one: popped, discarded or
+    replaced by a more urgent one, it says so."""
+    from daemon.controller.policies.clockwork import WorkIndex
+
+    w = WorkIndex()
+    a = w.push("m", 1, 5.0)
+    assert w.push("m", 1, 6.0) is a and not a.gone  # less urgent: the live entry stands
+    b = w.push("m", 1, 4.0)
+    assert b is not a and a.gone and not b.gone  # replaced
+    c = w.push("n", 0, 9.0)
+    popped = w.pop()
+    assert popped is c and c.gone and not b.gone
+    w.discard("m")
+    assert b.gone and len(w) == 0 and w.pop() is None
+
+
 def test_arrivals_to_a_filling_batch_are_handled_as_the_pass_would() -> None:
     """One hot model with batch_wait: arrivals behind the head skip the pass (_still_filling), with
     the same batches, at the same times, as when every arrival runs one."""

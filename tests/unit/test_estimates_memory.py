@@ -65,6 +65,36 @@ def test_estimator_seeds_interpolate_then_observations_win() -> None:
     assert e.infer("m", 4, "cpu") is None
 
 
+def test_a_new_sample_moves_the_version_only_when_it_moves_the_estimate() -> None:
+    """What callers keep from a model's estimates is keyed by its version: a run that lands on the
+    same estimate leaves it (and the estimate's time of validity only grows); one that moves it
+    moves the version, and the estimate asked next is the new one."""
+    e = Estimator(window=4, percentile=0.5)
+    e.now = 1.0
+    e.observe_infer("m", 1, "cpu", 0.010, "d0")
+    e.observe_infer("m", 1, "cpu", 0.010, "d0")
+    est, until = e.infer_until("m", 1, "cpu", "d0")
+    assert est == pytest.approx(0.010)
+    v = e.version("m")
+    e.now = 1.5
+    e.observe_infer("m", 1, "cpu", 0.010, "d0")  # the median stands
+    assert e.version("m") == v
+    est2, until2 = e.infer_until("m", 1, "cpu", "d0")
+    assert est2 == est and until2 >= until
+    e.observe_infer("m", 1, "cpu", 0.050, "d0")
+    e.observe_infer("m", 1, "cpu", 0.050, "d0")  # the median moves
+    assert e.version("m") > v
+    assert e.infer("m", 1, "cpu", "d0") == pytest.approx(0.030)
+    fresh = Estimator(window=4, percentile=0.5)  # the same samples, never memoised: the same answer
+    fresh.now = 1.0
+    for t in (0.010, 0.010):
+        fresh.observe_infer("m", 1, "cpu", t, "d0")
+    fresh.now = 1.5
+    for t in (0.010, 0.050, 0.050):
+        fresh.observe_infer("m", 1, "cpu", t, "d0")
+    assert fresh.infer_until("m", 1, "cpu", "d0") == e.infer_until("m", 1, "cpu", "d0")
+
+
 def test_a_load_that_captured_graphs_counts_only_until_one_that_did_not() -> None:
     e = Estimator()
     e.observe_load("m", "cuda", 0.040, set_up=True)  # warm-ups and captures: the first LOAD

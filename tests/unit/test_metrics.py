@@ -179,8 +179,9 @@ def test_buckets_count_values_at_their_bound_as_prometheus_le() -> None:
 
 
 def test_buckets_place_every_value_where_bisect_left_does() -> None:
-    """Buckets searches its bounds itself (compiled, cheaper than calling bisect): the same bucket
-    for every value, bounds and infinities included, with any number of bounds."""
+    """Buckets searches its bounds itself (compiled, cheaper than calling bisect), from the last
+    value's bucket: the same bucket for every value, in any order, bounds and infinities
+    included, with any number of bounds."""
     from bisect import bisect_left
 
     rng = np.random.default_rng(3)
@@ -190,6 +191,9 @@ def test_buckets_place_every_value_where_bisect_left_does() -> None:
         for x in [*rng.uniform(-1.0, 12.0, 2000).tolist(), *bounds, math.inf, -math.inf, 0.0]:
             b.add(x)
             want[bisect_left(bounds, x)] += 1
+        assert b.counts == want
+        b.add(math.nan)  # (no bound holds it: +Inf, wherever the last value was)
+        want[-1] += 1
         assert b.counts == want
 
 

@@ -214,6 +214,16 @@ def _candidate_before(a: _Candidate, b: _Candidate) -> bool:
     return a.name < b.name
 
 
+def _all_live(entries: list[Due]) -> bool:
+    """Whether each of a model's kept index entries is still its live one (none popped, discarded
+    or replaced since). A loop, not `all` over a generator: compiled, that builds a generator
+    object (most arrivals under load ask this)."""
+    for e in entries:  # noqa: SIM110
+        if e.gone:
+            return False
+    return True
+
+
 def _tenths(x: float) -> int:
     """`round(x * 10)`, halves to even as `round` does: compiled, a call of the builtin is a generic
     call (~1k instructions, once per device per LOAD planned)."""
@@ -242,14 +252,18 @@ class WorkIndex:
     live: dict[str, Due] = field(default_factory=dict)
     pushed: int = 0  # entries pushed so far: ties of a key are taken first in, first out
 
-    def push(self, key: str, rank: float, t: float) -> None:
+    def push(self, key: str, rank: float, t: float) -> Due:
+        """Index `key` at (rank, t) unless its live entry is at least as urgent; its live entry."""
         cur = self.live.get(key)
-        if cur is not None and (cur.at < rank or (cur.at == rank and cur.then <= t)):
-            return  # its live entry is at least as urgent: it is re-keyed when it reaches the top
+        if cur is not None:
+            if cur.at < rank or (cur.at == rank and cur.then <= t):
+                return cur  # at least as urgent: it is re-keyed when it reaches the top
+            cur.gone = True
         self.pushed += 1
         e = key_due(rank, t, self.pushed, key)
         self.live[key] = e
         dues.push(self.heap, e)
+        return e
 
     def pop(self) -> Due | None:
         """The most urgent live entry (its `at` the rank, `then` the time, `key` the model), removed."""
@@ -259,6 +273,7 @@ class WorkIndex:
             cur = live.get(e.key)
             if cur is not None and cur.at == e.at and cur.then == e.then:
                 del live[e.key]
+                cur.gone = True
                 return e
         return None
 
@@ -274,7 +289,9 @@ class WorkIndex:
         return None
 
     def discard(self, key: str) -> None:
-        if key in self.live:  # (not pop(key, None): compiled, a pop with a default is a generic call)
+        cur = self.live.get(key)  # (not pop(key, None): compiled, a pop with a default is a generic call)
+        if cur is not None:
+            cur.gone = True
             del self.live[key]
 
     def __len__(self) -> int:
@@ -296,6 +313,7 @@ class ClockworkPolicy(Policy):
         self.shortcuts = shortcuts
         self.planned_alone = 0
         self.filling_kept = 0
+        self.index_kept = 0  # arrivals whose model's index entries stood as they were (`on_queued`)
         self.searches_spared = 0  # victim searches passed over as found no room before (`_Blocked`)
         self.prefixed: dict[str, set[str]] = {}  # shared prefix -> models having it that gained work (pruned lazily)
         self.rates: dict[str, RateMeter] = {}
@@ -486,14 +504,42 @@ class ClockworkPolicy(Policy):
             return
         ready = view.ready_on.get(key)
         if ready:
-            devices, deadline, rank, samples = view.devices, head.deadline, head.rank, head.samples
+            deadline, rank, samples = head.deadline, head.rank, head.samples
+            est = view.estimator
+            version = est.version(key)
+            dirty = self._dirty
+            if self.shortcuts and entry.indexed_ready == view.ready_changes and entry.indexed_version == version and \
+                    est.now <= entry.indexed_until and samples == entry.indexed_samples and \
+                    rank >= entry.indexed_rank and deadline >= entry.indexed_deadline and _all_live(entry.indexed):
+                # Its entries on every ready device were made for a head at least as urgent as this
+                # one, from the same estimates: pushing this one would change none of them (most
+                # arrivals under load). The devices still have work to look at.
+                for name in ready:
+                    dirty.add(name)
+                self.index_kept += 1
+                self._check_replica(view, key, placed)
+                return
+            devices = view.devices
+            indexed: list[Due] = []
+            until = math.inf
             for name in ready:
-                latest = deadline - self._est_on(view, key, samples, devices[name])
+                dev = devices[name]
+                run, good = self._est_until(view, entry, samples, dev)
+                if good < until:
+                    until = good
+                latest = deadline - run
                 w = self.work.get(name)
-                (w if w is not None else self._index(name)).push(key, rank, latest)
+                indexed.append((w if w is not None else self._index(name)).push(key, rank, latest))
                 w = self.late.get(name)
-                (w if w is not None else self._late(name)).push(key, 0, latest)
-                self._dirty.add(name)
+                indexed.append((w if w is not None else self._late(name)).push(key, 0, latest))
+                dirty.add(name)
+            entry.indexed, entry.indexed_rank, entry.indexed_deadline = indexed, rank, deadline
+            entry.indexed_samples, entry.indexed_version, entry.indexed_ready = samples, version, view.ready_changes
+            entry.indexed_until = until
+        self._check_replica(view, key, placed)
+
+    def _check_replica(self, view: ControllerView, key: str, placed: set[str]) -> None:
+        """A model on fewer than every device is looked at for a replica in the next pass."""
         if len(placed) < len(view.devices):
             self._replica_check.add(key)
 
@@ -590,6 +636,17 @@ class ClockworkPolicy(Policy):
         est = view.estimator.infer_until(key, samples if kind in EXACT_ROW_KINDS else
                                          view.models[key].batch_size_for(samples), kind, dev.name)[0]
         return est if est is not None else view.estimate(key, samples, dev)
+
+    @staticmethod
+    def _est_until(view: ControllerView, entry: ModelEntry, samples: int, dev: DeviceState) -> tuple[float, float]:
+        """`_est_on`, and the time until which it holds if nothing new is observed (-inf where it
+        is the view's fallback, which is not kept)."""
+        kind = dev.kind
+        est, until = view.estimator.infer_until(entry.key, samples if kind in EXACT_ROW_KINDS else
+                                                entry.batch_size_for(samples), kind, dev.name)
+        if est is None:
+            return view.estimate(entry.key, samples, dev), -math.inf
+        return est, until
 
     @staticmethod
     def _est_unrun(view: ControllerView, entry: ModelEntry, samples: int, dev: DeviceState) -> float:
@@ -712,17 +769,17 @@ class ClockworkPolicy(Policy):
         this is what keeps throughput up, where serving the most urgent first would force ever
         smaller batches while the backlog grows (measured: goodput fell to 40% of capacity).
         """
-        spec = entry.spec
         q = entry.queue
         if q.requests == 1:  # one request queued (most models, most of the time): it is the batch
             head = q.head()
             return [head] if head is not None else []
-        cands = q.first(4 * spec.max_batch_size)
+        cap = entry.max_batch_size
+        cands = q.first(4 * cap)
         if not cands:
             return []
         rank = cands[0].rank
         cands = [r for r in cands if r.rank == rank]  # one priority class per batch
-        key, kind, cap = spec.key, dev, spec.max_batch_size
+        key, kind = entry.key, dev
 
         def fill(pool: list[InferenceRequest], rows: int) -> list[InferenceRequest]:
             out, n = [], 0
@@ -931,7 +988,7 @@ class ClockworkPolicy(Policy):
         wait = fmin(self.batch_wait, entry.spec.slo_s * MAX_WAIT_OF_SLO)
         if wait <= 0:
             return now
-        key, cap = entry.key, entry.spec.max_batch_size
+        key, cap = entry.key, entry.max_batch_size
         queued = entry.queue.samples
         meter = self.rates.get(key)
         rate = meter.value(now) if meter is not None else 0.0
@@ -954,7 +1011,7 @@ class ClockworkPolicy(Policy):
         wanted: list[tuple[float, float, ModelEntry]] = []
         for key in self._replica_check:
             entry = view.models.get(key)
-            if entry is not None and entry.queue.samples < entry.spec.max_batch_size and key not in self.drops:
+            if entry is not None and entry.queue.samples < entry.max_batch_size and key not in self.drops:
                 continue  # (most models: _needs_replica says no without a look at its devices)
             placed = view.placed_on.get(key)
             head = entry.queue.head() if entry is not None else None
@@ -1191,10 +1248,9 @@ class ClockworkPolicy(Policy):
 
     def _backlog(self, view: ControllerView, entry: ModelEntry) -> float:
         """Seconds of work queued for a model, at its largest batch size."""
-        spec = entry.spec
-        b = spec.max_batch_size
+        b = entry.max_batch_size
         kind = view.kinds[0]
-        return entry.queue.samples * self._est(view, spec.key, b, kind) / b
+        return entry.queue.samples * self._est(view, entry.key, b, kind) / b
 
     def _needs_replica(self, view: ControllerView, entry: ModelEntry, placed: list[DeviceState], now: float) -> bool:
         """More arrivals than its devices can serve, or requests dropped because they were too
@@ -1206,10 +1262,12 @@ class ClockworkPolicy(Policy):
         if drops is not None and drops.value(now) > REPLICA_DROPS:
             return True
         meter = self.rates.get(key)
-        if meter is None or entry.queue.samples < entry.spec.max_batch_size:
+        b = entry.max_batch_size  # (not `entry.spec`'s: a generic read, twice per arrival to a model with room)
+        if meter is None or entry.queue.samples < b:
             return False
-        b = entry.spec.max_batch_size
-        capacity = sum(b / max(self._est(view, key, b, d), 1e-9) for d in placed)
+        capacity = 0.0
+        for d in placed:  # (a loop, not `sum` over a generator: compiled)
+            capacity += b / fmax(self._est_on(view, key, b, d), 1e-9)
         return meter.value(now) > REPLICA_UTILISATION * capacity
 
     def _place(self, view: ControllerView, entry: ModelEntry, now: float) -> Steps:
