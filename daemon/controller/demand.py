@@ -47,15 +47,27 @@ def _log(x: float) -> float:
     return math.log(x) if x > 0.0 else -math.inf
 
 
+class _Device:
+    """A device's models with their weights there, and the sum of factor x weight over them. (An
+    object the models' lists hold, not names: an arrival updates each of its devices' sums with
+    one look-up, where a dict of sums and one of weights by name took four and a generic add.)"""
+
+    __slots__ = ("name", "sum", "weights")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.sum = 0.0
+        self.weights: dict[str, float] = {}  # model -> weight
+
+
 class DeviceDemand:
     def __init__(self, tau: float, rebuild_every: float) -> None:
         self.tau = tau
         self.rebuild_every = rebuild_every
         self.origin = 0.0
         self._factors: dict[str, float] = {}  # model -> rate * exp((at - origin) / tau)
-        self._weights: dict[str, dict[str, float]] = {}  # device -> model -> weight there
-        self._on: dict[str, list[str]] = {}  # model -> devices it has a weight on
-        self._sums: dict[str, float] = {}  # device -> sum of factor x weight over its models
+        self._devices: dict[str, _Device] = {}  # device name -> its weights and sum
+        self._on: dict[str, list[_Device]] = {}  # model -> devices it has a weight on
         self._built: dict[str, float] = {}  # device -> when its weights were last all made
         self._loads: dict[str, float] = {}  # model -> seconds a LOAD of it takes
         # device -> its models by log cold cost at the last rebuild (ascending), and the costs
@@ -80,9 +92,8 @@ class DeviceDemand:
         if devices is None:
             return
         delta = factor - old
-        sums, weights = self._sums, self._weights
         for d in devices:
-            sums[d] += delta * weights[d][key]
+            d.sum += delta * d.weights[key]
 
     def place(self, key: str, device: str, weight: float, load_s: float) -> None:
         """`key` is on `device` with `weight` (seconds of work per sample there, per replica);
@@ -91,41 +102,41 @@ class DeviceDemand:
         if old_load is not None and load_s < old_load:  # (as `reloaded`: look at it where it is)
             self._lower(key)
         self._loads[key] = load_s
-        per = self._weights.get(device)
-        if per is None:
-            per = self._weights[device] = {}
-            self._sums[device] = 0.0
+        d = self._devices.get(device)
+        if d is None:
+            d = self._devices[device] = _Device(device)
             self._recent[device] = []
         self._recent[device].append(key)
+        per = d.weights
         old = per.get(key)
         if old is None:
             on = self._on.get(key)
             if on is None:
-                self._on[key] = [device]
+                self._on[key] = [d]
             else:
-                on.append(device)
+                on.append(d)
             old = 0.0
         per[key] = weight
-        self._sums[device] += self._factors.get(key, 0.0) * (weight - old)
+        d.sum += self._factors.get(key, 0.0) * (weight - old)
 
     def remove(self, key: str, device: str) -> None:
         """`key` left `device`."""
-        per = self._weights.get(device)
-        if per is None:
+        d = self._devices.get(device)
+        if d is None:
             return
-        weight = per.pop(key, None)
+        weight = d.weights.pop(key, None)
         if weight is None:
             return
-        self._sums[device] -= self._factors.get(key, 0.0) * weight
+        d.sum -= self._factors.get(key, 0.0) * weight
         on = self._on[key]
-        on.remove(device)
+        on.remove(d)
         if not on:
             del self._on[key]
 
     def tracks(self, key: str, device: str) -> bool:
         """Whether `key` has a weight on `device`."""
-        per = self._weights.get(device)
-        return per is not None and key in per
+        d = self._devices.get(device)
+        return d is not None and key in d.weights
 
     def load_s(self, key: str) -> float:
         """The LOAD time `key` was last placed or reloaded with; -1.0 if none."""
@@ -167,8 +178,8 @@ class DeviceDemand:
         """`key`'s LOAD time fell: on each device it is on, it is recent, and counted (`lowered`)."""
         lowered = self._lowered
         for d in self._on.get(key, ()):
-            self._recent[d].append(key)
-            lowered[d] = lowered.get(d, 0) + 1
+            self._recent[d.name].append(key)
+            lowered[d.name] = lowered.get(d.name, 0) + 1
 
     def lowered(self, device: str) -> int:
         """LOAD times of models on `device` lowered so far."""
@@ -178,10 +189,11 @@ class DeviceDemand:
         """The models on `device` whose cold cost (rate x LOAD time) may be at most `bound` at
         `now`: every one that is, and some that are not (arrived since the ranking); None when
         there are more than `limit` of them (a walk in LRU order finds one sooner)."""
-        per = self._weights.get(device)
+        d = self._devices.get(device)
         ranked = self._ranked.get(device)
-        if per is None or ranked is None:
+        if d is None or ranked is None:
             return None
+        per = d.weights
         keys, costs = ranked
         recent = self._recent[device]
         at = _log(bound) + now / self.tau + ROUNDING
@@ -223,7 +235,8 @@ class DeviceDemand:
 
     def rebuild(self, device: str, weights: dict[str, float], loads: dict[str, float], now: float) -> None:
         """`device` holds exactly the models in `weights`, with these weights and LOAD times."""
-        for k in list(self._weights.get(device, ())):
+        had = self._devices.get(device)
+        for k in list(had.weights) if had is not None else []:
             if k not in weights:
                 self.remove(k, device)
         for k, w in weights.items():
@@ -233,7 +246,9 @@ class DeviceDemand:
         for k, w in weights.items():
             total += factors.get(k, 0.0) * w
         self._rank(device, weights)
-        self._sums[device] = total
+        d = self._devices.get(device)
+        if d is not None:  # (else it holds nothing: its demand is 0 either way)
+            d.sum = total
         self._built[device] = now
 
     def _rank(self, device: str, on: dict[str, float]) -> None:
@@ -250,17 +265,17 @@ class DeviceDemand:
 
     def total(self, device: str, now: float) -> float:
         """Seconds of work per second `device`'s models bring it at `now`."""
-        s = self._sums.get(device)
-        if s is None:
+        d = self._devices.get(device)
+        if d is None:
             return 0.0
-        return s * self._decay_at(now)
+        return d.sum * self._decay_at(now)
 
     def part(self, key: str, device: str, now: float) -> float:
         """One model's share of `total`."""
-        per = self._weights.get(device)
-        if per is None:
+        d = self._devices.get(device)
+        if d is None:
             return 0.0
-        w = per.get(key)
+        w = d.weights.get(key)
         f = self._factors.get(key)
         if w is None or f is None:
             return 0.0
@@ -273,6 +288,5 @@ class DeviceDemand:
         factors = self._factors
         for k in factors:
             factors[k] *= scale
-        sums = self._sums
-        for d in sums:
-            sums[d] *= scale
+        for d in self._devices.values():
+            d.sum *= scale
