@@ -501,9 +501,9 @@ class Scheduler(ControllerView):
         est, samples, key = self.estimator, req.samples, req.key
         # Kept on the model for the last row count asked, while what it was made from holds: the
         # model's estimates (their version, and until when each holds with nothing new observed)
-        # and the devices holding models ready. A result of the model changes its version, but
-        # most arrivals come between two of them (~3k instructions a request at 75,000 req/s,
-        # where the model is on several devices).
+        # and the devices holding models ready. The version moves only when a result moves an
+        # estimate (Estimator._observed), so most arrivals find it standing (~3k instructions a
+        # request at 75,000 req/s, where the model is on several devices).
         entry = self.models.get(key)
         version = est.version(key)
         if entry is not None and entry.best_samples == samples and entry.best_version == version \
@@ -942,7 +942,7 @@ class Scheduler(ControllerView):
     def mark_ready(self, key: str, device: str) -> None:
         """`key`'s weights are ready on `device` (a LOAD landed, or placed before a run)."""
         self.ready_on.setdefault(key, set()).add(device)
-        self.ready_changes += 1  # (best_case's memo)
+        self.ready_changes += 1  # (what is kept from `ready_on`: best_case's, the policy's index entries)
 
     def _unplace(self, key: str, device: str) -> None:
         # (each index by name, not a loop over a tuple of the two: compiled, that iterated generic
