@@ -10,6 +10,7 @@ bookkeeping, the set-up and the imports are left out).
         --callgrind-out-file=OUT python -m bench.scale_instructions TREE \\
         [MODELS RATE SECONDS [BUDGET_GIB [WARM [QUANTUM_US]]]]
     callgrind_annotate OUT | grep "PROGRAM TOTALS"   # over the REQUESTS line printed here
+                                                     # (or DECISIONS: the actions decided)
 
 TREE is a checkout (its code is imported first; built with `make native` to count the compiled
 controller). Defaults: 1,000 models, 75,000 req/s, 0.05 s of virtual time, the 20x profile,
@@ -34,18 +35,27 @@ def main(argv: list[str]) -> None:
 
     warm = float(rest[4]) if len(rest) > 4 else 0.0
     counting: list[bool] = []
+    # Actions decided within the counted window, by kind: the decisions the instructions bought
+    # (a 10,000-model point makes LOADs and UNLOADs beside its INFERs; per decision, its cost can be
+    # set against a point that makes INFERs only). Counted outside `operator.call`: not charged.
+    decided: dict[str, int] = {}
     for name in ("submit", "step", "next_wakeup"):
         f = getattr(dm.Driver, name)
 
         # (calls of the warm-up, before `warm`, run uncounted: `now` is submit's second argument,
         # step's and next_wakeup's first)
-        def routed(self: Any, *a: Any, _f: Any = f, _at: int = int(name == "submit"), **k: Any) -> Any:
+        def routed(self: Any, *a: Any, _f: Any = f, _at: int = int(name == "submit"), _step: bool = name == "step",
+                   **k: Any) -> Any:
             if a[_at] < warm:
                 return _f(self, *a, **k)
             if not counting:  # telemetry's count of the warm-up's work, left out
                 counting.append(True)
                 self.scheduler.telemetry.flush()
-            return operator.call(_f, self, *a, **k)
+            out = operator.call(_f, self, *a, **k)
+            if _step:
+                for action in out.actions:
+                    decided[action.kind.name] = decided.get(action.kind.name, 0) + 1
+            return out
         setattr(dm.Driver, name, routed)
     # Telemetry counts finished requests and results in batches of FLUSH_AT: a run flushes once
     # or not at all depending on its count of results (LOADs too), so the last batch is flushed
@@ -67,6 +77,7 @@ def main(argv: list[str]) -> None:
     for d in drivers:
         operator.call(d.scheduler.telemetry.flush)
     print("REQUESTS", r["requests"], "attainment", r["slo_attainment"])
+    print("DECISIONS", sum(decided.values()), " ".join(f"{k}={v}" for k, v in sorted(decided.items())))
 
 
 if __name__ == "__main__":

@@ -110,7 +110,6 @@ class Scheduler(ControllerView):
         self._running_groups: dict[int, list[tuple[str, int]]] = {}
         # Where each model's weights are, derived from the devices' memory maps and kept with them.
         self.ready_on: dict[str, set[str]] = {}  # model key -> devices holding it ready
-        self.ready_changes = 0  # (ControllerView's)
         self.placed_on: dict[str, set[str]] = {}  # model key -> devices holding or loading it
         self.pending = 0  # requests accepted and not yet finished
         self.lost = 0  # devices lost (a sticky error or a hang): nothing is placed there any more
@@ -507,7 +506,7 @@ class Scheduler(ControllerView):
         entry = self.models.get(key)
         version = est.version(key)
         if entry is not None and entry.best_samples == samples and entry.best_version == version \
-                and entry.best_ready == self.ready_changes and est.now <= entry.best_until:
+                and entry.best_ready == entry.ready_changes and est.now <= entry.best_until:
             return entry.best_s
         padded = 0  # the batch size that holds it, for kinds that run whole batches (found once)
         best = math.inf
@@ -540,7 +539,7 @@ class Scheduler(ControllerView):
                 best = e
         out = best if best < math.inf else 0.0
         if entry is not None:
-            entry.best_samples, entry.best_version, entry.best_ready = samples, version, self.ready_changes
+            entry.best_samples, entry.best_version, entry.best_ready = samples, version, entry.ready_changes
             entry.best_until, entry.best_s = until, out
         return out
 
@@ -942,7 +941,9 @@ class Scheduler(ControllerView):
     def mark_ready(self, key: str, device: str) -> None:
         """`key`'s weights are ready on `device` (a LOAD landed, or placed before a run)."""
         self.ready_on.setdefault(key, set()).add(device)
-        self.ready_changes += 1  # (what is kept from `ready_on`: best_case's, the policy's index entries)
+        entry = self.models.get(key)
+        if entry is not None:
+            entry.ready_changes += 1  # (what is kept from its `ready_on`: best_case's, the policy's index entries)
 
     def _unplace(self, key: str, device: str) -> None:
         # (each index by name, not a loop over a tuple of the two: compiled, that iterated generic
@@ -951,7 +952,9 @@ class Scheduler(ControllerView):
         devs = ready_on.get(key)
         if devs is not None:
             devs.discard(device)
-            self.ready_changes += 1
+            entry = self.models.get(key)
+            if entry is not None:
+                entry.ready_changes += 1
             if not devs:
                 del ready_on[key]
         placed_on = self.placed_on

@@ -112,6 +112,11 @@ class ModelEntry:
     backlog_devices: int = 0  # how many devices held it ready then (the sum is over those)
     drain_busy: float = 0.0  # the last full window's share (0..1); 0 when none
     running: int = 0  # samples of its INFERs in flight (they run before anything queued)
+    # Devices added to or taken from its `ready_on` so far: a value derived from them (the two
+    # memos below) holds while this stands. Its own count, not one for every model: at 10,000
+    # models LOADs and UNLOADs come thousands of times a second, and a shared count voided every
+    # model's memos at each one (a few requests a second each, most arrivals found them void).
+    ready_changes: int = 0
     # Scheduler.best_case for `best_samples` rows, and what it was made from (its memo)
     best_samples: int = 0
     best_version: int = -1

@@ -37,9 +37,6 @@ class ControllerView:
     # The models that may have requests in their best-effort lane (a superset: it is pruned when
     # `late_work` is read); empty means no lane work anywhere, at no cost.
     late_keys: set[str]
-    # Devices added to or taken from `ready_on` so far: a value derived from `ready_on` holds
-    # while this stands.
-    ready_changes: int
 
     def estimate(self, key: str, samples: int, where: DeviceState | str) -> float:
         """Seconds to run `samples` samples of a model on a device (or any device of a kind)."""

@@ -508,7 +508,7 @@ class ClockworkPolicy(Policy):
             est = view.estimator
             version = est.version(key)
             dirty = self._dirty
-            if self.shortcuts and entry.indexed_ready == view.ready_changes and entry.indexed_version == version and \
+            if self.shortcuts and entry.indexed_ready == entry.ready_changes and entry.indexed_version == version and \
                     est.now <= entry.indexed_until and samples == entry.indexed_samples and \
                     rank >= entry.indexed_rank and deadline >= entry.indexed_deadline and _all_live(entry.indexed):
                 # Its entries on every ready device were made for a head at least as urgent as this
@@ -534,7 +534,7 @@ class ClockworkPolicy(Policy):
                 indexed.append((w if w is not None else self._late(name)).push(key, 0, latest))
                 dirty.add(name)
             entry.indexed, entry.indexed_rank, entry.indexed_deadline = indexed, rank, deadline
-            entry.indexed_samples, entry.indexed_version, entry.indexed_ready = samples, version, view.ready_changes
+            entry.indexed_samples, entry.indexed_version, entry.indexed_ready = samples, version, entry.ready_changes
             entry.indexed_until = until
         self._check_replica(view, key, placed)
 
