@@ -256,11 +256,16 @@ class DeviceDemand:
         with time, from their factors and LOAD times now; none is recent after it."""
         factors, loads = self._factors, self._loads
         shift = self.origin / self.tau
-        ranking: list[tuple[float, str]] = []
-        for k in on:
-            ranking.append((_log(factors.get(k, 0.0) * loads[k]) + shift, k))
-        ranking.sort()
-        self._ranked[device] = ([k for _, k in ranking], [c for c, _ in ranking])
+        keys = list(on)
+        costs: list[float] = []
+        for k in keys:
+            costs.append(_log(factors.get(k, 0.0) * loads[k]) + shift)
+        # Positions sorted by their float cost, not (cost, key) tuples: a tuple per model, hundreds
+        # a device, held through the sort, set off a collection of the young generation at most
+        # rebuilds, and each compare went through the generic tuple one. Equal costs keep the
+        # device's order rather than the keys' (`cheaper` returns every model under a bound either way).
+        order = sorted(range(len(keys)), key=costs.__getitem__)
+        self._ranked[device] = ([keys[i] for i in order], [costs[i] for i in order])
         self._recent[device] = []
 
     def total(self, device: str, now: float) -> float:
