@@ -60,16 +60,27 @@ class _Device:
         self.weights: dict[str, float] = {}  # model -> weight
 
 
+class _Model:
+    """A model's factor (rate * exp((at - origin) / tau), 0.0 before its first arrival) and the
+    seconds a LOAD of it takes (-1.0: none known yet). One object, not a dict of each: a victim
+    search asks both of every model it meets, and every arrival sets the factor."""
+
+    __slots__ = ("factor", "load_s")
+
+    def __init__(self, factor: float = 0.0, load_s: float = -1.0) -> None:
+        self.factor = factor
+        self.load_s = load_s
+
+
 class DeviceDemand:
     def __init__(self, tau: float, rebuild_every: float) -> None:
         self.tau = tau
         self.rebuild_every = rebuild_every
         self.origin = 0.0
-        self._factors: dict[str, float] = {}  # model -> rate * exp((at - origin) / tau)
+        self._models: dict[str, _Model] = {}  # model -> its factor and LOAD time
         self._devices: dict[str, _Device] = {}  # device name -> its weights and sum
         self._on: dict[str, list[_Device]] = {}  # model -> devices it has a weight on
         self._built: dict[str, float] = {}  # device -> when its weights were last all made
-        self._loads: dict[str, float] = {}  # model -> seconds a LOAD of it takes
         # device -> its models by log cold cost at the last rebuild (ascending), and the costs
         self._ranked: dict[str, tuple[list[str], list[float]]] = {}
         self._recent: dict[str, list[str]] = {}  # device -> models placed, or reloaded, since then
@@ -86,8 +97,11 @@ class DeviceDemand:
         if (at - self.origin) / self.tau > REBASE_AFTER:
             self._rebase(at)
         factor = rate * math.exp((at - self.origin) / self.tau)
-        old = self._factors.get(key, 0.0)
-        self._factors[key] = factor
+        m = self._models.get(key)
+        if m is None:
+            m = self._models[key] = _Model()
+        old = m.factor
+        m.factor = factor
         devices = self._on.get(key)
         if devices is None:
             return
@@ -98,10 +112,12 @@ class DeviceDemand:
     def place(self, key: str, device: str, weight: float, load_s: float) -> None:
         """`key` is on `device` with `weight` (seconds of work per sample there, per replica);
         `load_s`: a LOAD of it takes that long."""
-        old_load = self._loads.get(key)
-        if old_load is not None and load_s < old_load:  # (as `reloaded`: look at it where it is)
+        m = self._models.get(key)
+        if m is None:
+            m = self._models[key] = _Model()
+        elif m.load_s >= 0.0 and load_s < m.load_s:  # (as `reloaded`: look at it where it is)
             self._lower(key)
-        self._loads[key] = load_s
+        m.load_s = load_s
         d = self._devices.get(device)
         if d is None:
             d = self._devices[device] = _Device(device)
@@ -117,7 +133,7 @@ class DeviceDemand:
                 on.append(d)
             old = 0.0
         per[key] = weight
-        d.sum += self._factors.get(key, 0.0) * (weight - old)
+        d.sum += m.factor * (weight - old)
 
     def remove(self, key: str, device: str) -> None:
         """`key` left `device`."""
@@ -127,7 +143,9 @@ class DeviceDemand:
         weight = d.weights.pop(key, None)
         if weight is None:
             return
-        d.sum -= self._factors.get(key, 0.0) * weight
+        m = self._models.get(key)
+        if m is not None:
+            d.sum -= m.factor * weight
         on = self._on[key]
         on.remove(d)
         if not on:
@@ -140,26 +158,27 @@ class DeviceDemand:
 
     def load_s(self, key: str) -> float:
         """The LOAD time `key` was last placed or reloaded with; -1.0 if none."""
-        return self._loads.get(key, -1.0)
+        m = self._models.get(key)
+        return m.load_s if m is not None else -1.0
 
     def cold_cost(self, key: str, now: float, load_s: float = -1.0) -> float:
         """Copy seconds per second `key` would cost if every request found it cold: its rate at `now`
         times a LOAD's time (`load_s`, or the last one it was placed or reloaded with; -1.0 if it
         has none)."""
+        m = self._models.get(key)
         if load_s < 0.0:
-            known = self._loads.get(key)
-            if known is None:
+            if m is None or m.load_s < 0.0:
                 return -1.0
-            load_s = known
-        f = self._factors.get(key)
-        if f is None:
+            load_s = m.load_s
+        if m is None or m.factor == 0.0:  # (no arrival yet: 0.0, whatever the LOAD time)
             return 0.0
-        return f * load_s * self._decay_at(now)
+        return m.factor * load_s * self._decay_at(now)
 
     def lasting_cost(self, key: str, load_s: float) -> float:
         """`key`'s cold cost with `load_s` in the log form that does not change with time (the
         ranking's): only its arrivals, or a dearer LOAD, raise it."""
-        return _log(self._factors.get(key, 0.0) * load_s) + self.origin / self.tau
+        m = self._models.get(key)
+        return _log((m.factor if m is not None else 0.0) * load_s) + self.origin / self.tau
 
     def _decay_at(self, now: float) -> float:
         if now != self._decay_now:
@@ -169,9 +188,12 @@ class DeviceDemand:
 
     def reloaded(self, key: str, load_s: float) -> None:
         """A LOAD of `key` now takes `load_s` (a LOAD of it was measured)."""
-        old = self._loads.get(key)
-        self._loads[key] = load_s
-        if old is not None and load_s < old:  # (a lower cost may put it under a bound: look at it)
+        m = self._models.get(key)
+        if m is None:
+            m = self._models[key] = _Model()
+        old = m.load_s
+        m.load_s = load_s
+        if old >= 0.0 and load_s < old:  # (a lower cost may put it under a bound: look at it)
             self._lower(key)
 
     def _lower(self, key: str) -> None:
@@ -242,9 +264,11 @@ class DeviceDemand:
         for k, w in weights.items():
             self.place(k, device, w, loads[k])
         total = 0.0  # (made again from its terms: drops the rounding of many small updates)
-        factors = self._factors
+        models = self._models
         for k, w in weights.items():
-            total += factors.get(k, 0.0) * w
+            m = models.get(k)
+            if m is not None:
+                total += m.factor * w
         self._rank(device, weights)
         d = self._devices.get(device)
         if d is not None:  # (else it holds nothing: its demand is 0 either way)
@@ -254,12 +278,13 @@ class DeviceDemand:
     def _rank(self, device: str, on: dict[str, float]) -> None:
         """Rank the models `on` the device by cold cost, in the log form that does not change
         with time, from their factors and LOAD times now; none is recent after it."""
-        factors, loads = self._factors, self._loads
+        models = self._models
         shift = self.origin / self.tau
         keys = list(on)
         costs: list[float] = []
         for k in keys:
-            costs.append(_log(factors.get(k, 0.0) * loads[k]) + shift)
+            m = models[k]  # (every model on a device was placed: it has a LOAD time)
+            costs.append(_log(m.factor * m.load_s) + shift)
         # Positions sorted by their float cost, not (cost, key) tuples: a tuple per model, hundreds
         # a device, held through the sort, set off a collection of the young generation at most
         # rebuilds, and each compare went through the generic tuple one. Equal costs keep the
@@ -281,17 +306,16 @@ class DeviceDemand:
         if d is None:
             return 0.0
         w = d.weights.get(key)
-        f = self._factors.get(key)
-        if w is None or f is None:
+        m = self._models.get(key)
+        if w is None or m is None:
             return 0.0
-        return f * w * self._decay_at(now)
+        return m.factor * w * self._decay_at(now)
 
     def _rebase(self, origin: float) -> None:
         scale = math.exp((self.origin - origin) / self.tau)
         self.origin = origin
         self._decay_now = math.nan
-        factors = self._factors
-        for k in factors:
-            factors[k] *= scale
+        for m in self._models.values():
+            m.factor *= scale
         for d in self._devices.values():
             d.sum *= scale
