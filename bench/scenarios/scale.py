@@ -19,6 +19,11 @@ batch of SUBMIT records, frames read together, results posted meanwhile): a thir
 fixed model of the loop, so decisions stay deterministic), and its saturation is reported apart
 (`controller_saturation_rps_20x_loop`); `controller_saturation_rps` stays the per-arrival one.
 
+The growth rows count from a cold start (every model's first request, and first LOAD on each
+device, make its state then); a pair at 20,000 req/s counted after STEADY_WARM_S of the same load
+gives the growth a long-running daemon sees (`us_per_request_by_models_steady`,
+`steady_growth_10k`: 10,000 models over 1,000 in the same run).
+
 A last row is memory thrash: 1,000 models with THRASH_GIB a device (~36% of requests need a LOAD),
 counted after THRASH_WARM_S of the same load: `controller_us_per_request_thrash`, and
 `thrash_over_resident`, its ratio to the same point at the run's budget, measured beside it.
@@ -41,6 +46,10 @@ from daemon.sim import CLOCKWORK_V100, SimProfile, Simulation, sim_spec
 GIB = 2**30
 THRASH_GIB = 3.0
 THRASH_WARM_S = 1.5
+# The cost's growth with the models in a steady state: counted after this much of the same load,
+# when ~600 of 10,000 models are still to see their first request in a 2 s window (~3,000 after
+# 1 s; a model's first request and first LOAD on a device make its state, once in its life).
+STEADY_WARM_S = 5.0
 LOOP_QUANTUM = 20e-6  # seconds: a loop iteration at high load (the compiled step alone takes ~10-15 µs)
 
 
@@ -158,6 +167,15 @@ def run(quick: bool = False, json_out: str | None = None, devices: int = 8, budg
     rows.append(thrash)
     summary["controller_us_per_request_thrash"] = thrash["controller_us_per_request"]
     summary["thrash_over_resident"] = thrash["controller_us_per_request"] / resident["controller_us_per_request"]
+    # The growth with the models in a steady state (apart from the rows above too)
+    steady = {n: point(n, 20.0, loads[2], seconds, devices, budget_gib, seed=200, warm_s=STEADY_WARM_S)
+              for n in (1000, 10_000)}
+    for n, r in steady.items():
+        r["label"] = f"{n} models, 20x, after {STEADY_WARM_S:g} s of the same load"
+        rows.append(r)
+    summary["us_per_request_by_models_steady"] = {str(n): r["controller_us_per_request"] for n, r in steady.items()}
+    summary["steady_growth_10k"] = steady[10_000]["controller_us_per_request"] / \
+        steady[1000]["controller_us_per_request"]
     config = {"command": command("scale", quick), "devices": devices, "weight_budget_gib": budget_gib,
               "seconds_virtual_per_point": seconds, "offered_rps": loads,
               "profiles": "Clockwork V100 (resnet18/50/152, se_resnext101) made 5x and 20x faster",
