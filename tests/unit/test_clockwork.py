@@ -722,3 +722,59 @@ def test_a_remembered_search_is_searched_again_when_room_may_have_been_made(case
     emptied by a batch on its other device, a model sharing blocks with the cold one landing, a
     replica's LOAD measured faster elsewhere. The decisions are those of searching every time."""
     assert case(True) == case(False)
+
+
+def test_a_models_memos_outlive_other_models_loads_and_not_its_own() -> None:
+    """`best_case` keeps its answer on the model while the devices holding that model ready stay
+    the same: another model's LOAD leaves it standing, a LOAD of the model itself voids it, and a
+    kept answer is always the one made afresh."""
+    h = Harness(devices=2, budget=1000, policy=ClockworkPolicy())
+    a, b = h.add(make_spec("a")), h.add(make_spec("b"))
+    h.preload(a, 1)
+    sched = h.sched
+    entry_a = sched.models[a.key]
+
+    def fresh(req: InferenceRequest) -> float:
+        entry_a.best_version = -2  # (what a memo miss does: made from the estimates and devices now)
+        return sched.best_case(req)
+
+    first = h.use(a)
+    kept = sched.best_case(first)
+    stamp = entry_a.ready_changes
+    assert entry_a.best_ready == stamp
+    h.use(b)  # b's LOAD: a ready change, not a's
+    assert sched.ready_on[b.key] and entry_a.ready_changes == stamp
+    assert entry_a.best_ready == stamp and sched.best_case(first) == kept == fresh(first)
+    sched.preload(a.key, 2, h.now)  # a onto the second device too: its own ready set changes
+    for load in h.step():
+        h.result(load)
+    assert len(sched.ready_on[a.key]) == 2 and entry_a.ready_changes > stamp
+    assert entry_a.best_ready != entry_a.ready_changes  # void until asked again
+    answer = sched.best_case(first)
+    assert entry_a.best_ready == entry_a.ready_changes  # made again, not the kept one
+    assert answer == fresh(first)
+
+
+def test_arrivals_keep_index_entries_through_other_models_loads_and_decide_alike() -> None:
+    """As above, with memory too small for every model (LOADs and UNLOADs throughout): an index
+    entry is kept across other models' LOADs, never across its own model's, and the decisions
+    are those of indexing every arrival."""
+    from daemon.sim import Simulation, clockwork_models
+
+    ms = clockwork_models(60)
+    rate, seconds = 2500.0, 1.0
+    times = np.cumsum(np.random.default_rng(3).exponential(1 / rate, int(rate * seconds)))
+    zipf = np.arange(1, len(ms) + 1, dtype=float) ** -0.6
+    targets = np.random.default_rng(4).choice(len(ms), len(times), p=zipf / zipf.sum())
+    steps = []
+    loads = []
+    policy = ClockworkPolicy()
+    for p in (policy, ClockworkPolicy(shortcuts=False)):
+        sim = Simulation(ms, 2, p, weight_budget=2 * 2**30, noise=0.05, seed=2)
+        rec = sim.driver = _Recording(sim.driver)  # type: ignore[assignment]
+        sim.run(times, targets, [m[0].key for m in ms], drain_s=1.0)
+        steps.append(rec.steps)
+        loads.append(sum(1 for s in rec.steps for x in s if x.startswith("('LOAD'")))
+    assert loads[1] > 50  # memory churned
+    assert policy.index_kept > len(times) // 10
+    assert steps[0] == steps[1]
