@@ -78,15 +78,16 @@ class DeviceMemory:
         # LRU first. Plain dicts in insertion order (a move to the end is a delete and an insert):
         # compiled code reads a dict directly, where an OrderedDict's every get is a generic call.
         self._models: dict[str, tuple[Residency, int]] = {}
-        # Ready models by size class (bit length of their bytes), each in LRU order, and when each
-        # was last used: the least recently used model that frees enough alone is found by looking
-        # at the head of a few classes, not by walking hundreds of smaller models.
-        self._by_size: dict[int, dict[str, None]] = {}
+        # Ready models by size class (bit length of their bytes), each in LRU order, with when each
+        # was last used (a tick of `_clock`): the least recently used model that frees enough alone
+        # is found by looking at the head of a few classes, not by walking hundreds of smaller
+        # models. (The tick is the class's value, not a dict of its own: a victim search reads it
+        # for every model it meets, and every INFER sets it.)
+        self._by_size: dict[int, dict[str, int]] = {}
         # per class, a bound of its footprints (its largest so far, not lowered when that one
         # leaves): a class none of whose models frees enough is passed over without a look at each
         self._class_max: dict[int, int] = {}
-        self._used_at: dict[str, int] = {}
-        self._class_of: dict[str, dict[str, None]] = {}  # ready model -> its size class (touched per INFER)
+        self._class_of: dict[str, dict[str, int]] = {}  # ready model -> its size class (touched per INFER)
         self._clock = 0
         # models with shared blocks placed or released so far: what a model lacks here, and what a
         # victim frees, may have changed (a policy's remembered search reads it)
@@ -147,15 +148,11 @@ class DeviceMemory:
         cls = self._by_size.get(bits)
         if cls is None:
             cls = self._by_size[bits] = {}
-        cls[key] = None
+        self._clock += 1
+        cls[key] = self._clock
         self._class_of[key] = cls
         if nbytes > self._class_max.get(bits, 0):
             self._class_max[bits] = nbytes
-        self._used(key)
-
-    def _used(self, key: str) -> None:
-        self._clock += 1
-        self._used_at[key] = self._clock
 
     def size(self, key: str) -> int:
         """A placed model's whole footprint, its shared blocks included."""
@@ -196,7 +193,6 @@ class DeviceMemory:
             if not cls:
                 del self._by_size[nbytes.bit_length()]
                 self._class_max.pop(nbytes.bit_length(), None)  # (a class of 0-byte models has no max)
-            del self._used_at[key]
             del self._class_of[key]
         return freed
 
@@ -208,7 +204,6 @@ class DeviceMemory:
         self._refs.clear()
         self._by_size.clear()
         self._class_max.clear()
-        self._used_at.clear()
         self._class_of.clear()
         self.used = 0
         self.budget = 0
@@ -222,9 +217,8 @@ class DeviceMemory:
             cls = self._class_of.get(key)  # (ready: its class found directly, not by size and state)
             if cls is not None:
                 del cls[key]
-                cls[key] = None
-                self._clock += 1  # (as _used: inline, once per INFER)
-                self._used_at[key] = self._clock
+                self._clock += 1
+                cls[key] = self._clock
 
     def victims(self, nbytes: int, rules: EvictionRules, keep: Collection[str] = (),
                 among: Collection[str] | None = None) -> list[str] | None:
@@ -269,8 +263,8 @@ class DeviceMemory:
     def _victims_among(self, need: int, among: Collection[str], rules: EvictionRules,
                        keep: Collection[str]) -> list[str] | None:
         """`victims` when every model `rules.evictable` accepts is in `among`: the same choice."""
-        used_at = self._used_at
-        order = sorted([(used_at[k], k) for k in among if k in used_at])  # the ready ones, LRU first
+        class_of = self._class_of
+        order = sorted([(class_of[k][k], k) for k in among if k in class_of])  # the ready ones, LRU first
         idle: list[str] = []
         in_demand: list[str] = []
         for _, k in order:
@@ -320,7 +314,6 @@ class DeviceMemory:
         best: str | None = None
         best_at = 0
         class_max = self._class_max
-        used_at = self._used_at
         blocks_of = self._blocks_of
         models = self._models
         by_size = self._by_size
@@ -333,8 +326,7 @@ class DeviceMemory:
         for bits, cls in by_size.items():
             if (1 << bits) <= need or class_max[bits] < need:
                 continue  # every model of this class is smaller than need (and frees at most its size)
-            for k in cls:
-                at = used_at[k]
+            for at in cls.values():
                 i = len(heads)
                 heads.append(at)
                 classes.append(bits)
@@ -344,8 +336,7 @@ class DeviceMemory:
                 heads[i], classes[i] = at, bits
                 break
         for bits in classes:
-            for k in by_size[bits]:  # least recently used first: its first fit is the class's answer
-                at = used_at[k]
+            for k, at in by_size[bits].items():  # least recently used first: its first fit is the class's answer
                 if best is not None and at >= best_at:
                     break  # (the rest of the class was used later still: none can be the answer)
                 frees = models[k][1] if k not in blocks_of else self._frees_with(k, {}, keep)
