@@ -530,23 +530,31 @@ def test_arrivals_behind_an_indexed_head_keep_its_entries_and_decide_alike() -> 
     least as urgently (`on_queued` keeps the entries without estimating or pushing again). With
     noisy run times (estimates move) and queues deep enough for many arrivals per entry, the
     decisions are those of indexing every arrival, step by step."""
+    policy, steps, arrivals = _with_and_without_shortcuts(50, 1.0, 4, 8, seeds=(7, 8, 1))
+    assert policy.index_kept > arrivals // 4  # the path under test was taken, often
+    assert sum(1 for s in steps[1] for x in s if x.startswith("('INFER'")) > 300
+    assert steps[0] == steps[1]
+
+
+def _with_and_without_shortcuts(n_models: int, zipf_s: float, devices: int, gib: int, seeds: tuple[int, int, int]
+                                ) -> tuple[ClockworkPolicy, list[list[str]], int]:
+    """The same noisy second of 2,500 req/s (zipf popularity) decided by the clockwork policy with
+    its shortcuts and without: the policy that had them, each run's steps, the arrivals."""
     from daemon.sim import Simulation, clockwork_models
 
-    ms = clockwork_models(50)
+    ms = clockwork_models(n_models)
     rate, seconds = 2500.0, 1.0
-    times = np.cumsum(np.random.default_rng(7).exponential(1 / rate, int(rate * seconds)))
-    zipf = np.arange(1, len(ms) + 1, dtype=float) ** -1.0
-    targets = np.random.default_rng(8).choice(len(ms), len(times), p=zipf / zipf.sum())
+    times = np.cumsum(np.random.default_rng(seeds[0]).exponential(1 / rate, int(rate * seconds)))
+    zipf = np.arange(1, len(ms) + 1, dtype=float) ** -zipf_s
+    targets = np.random.default_rng(seeds[1]).choice(len(ms), len(times), p=zipf / zipf.sum())
     steps = []
     policy = ClockworkPolicy()
     for p in (policy, ClockworkPolicy(shortcuts=False)):
-        sim = Simulation(ms, 4, p, weight_budget=8 * 2**30, noise=0.05, seed=1)
+        sim = Simulation(ms, devices, p, weight_budget=gib * 2**30, noise=0.05, seed=seeds[2])
         rec = sim.driver = _Recording(sim.driver)  # type: ignore[assignment]
         sim.run(times, targets, [m[0].key for m in ms], drain_s=1.0)
         steps.append(rec.steps)
-    assert policy.index_kept > len(times) // 4  # the path under test was taken, often
-    assert sum(1 for s in steps[1] for x in s if x.startswith("('INFER'")) > 300
-    assert steps[0] == steps[1]
+    return policy, steps, len(times)
 
 
 def test_work_index_entries_say_when_they_stop_being_live() -> None:
@@ -759,22 +767,7 @@ def test_arrivals_keep_index_entries_through_other_models_loads_and_decide_alike
     """As above, with memory too small for every model (LOADs and UNLOADs throughout): an index
     entry is kept across other models' LOADs, never across its own model's, and the decisions
     are those of indexing every arrival."""
-    from daemon.sim import Simulation, clockwork_models
-
-    ms = clockwork_models(60)
-    rate, seconds = 2500.0, 1.0
-    times = np.cumsum(np.random.default_rng(3).exponential(1 / rate, int(rate * seconds)))
-    zipf = np.arange(1, len(ms) + 1, dtype=float) ** -0.6
-    targets = np.random.default_rng(4).choice(len(ms), len(times), p=zipf / zipf.sum())
-    steps = []
-    loads = []
-    policy = ClockworkPolicy()
-    for p in (policy, ClockworkPolicy(shortcuts=False)):
-        sim = Simulation(ms, 2, p, weight_budget=2 * 2**30, noise=0.05, seed=2)
-        rec = sim.driver = _Recording(sim.driver)  # type: ignore[assignment]
-        sim.run(times, targets, [m[0].key for m in ms], drain_s=1.0)
-        steps.append(rec.steps)
-        loads.append(sum(1 for s in rec.steps for x in s if x.startswith("('LOAD'")))
-    assert loads[1] > 50  # memory churned
-    assert policy.index_kept > len(times) // 10
+    policy, steps, arrivals = _with_and_without_shortcuts(60, 0.6, 2, 2, seeds=(3, 4, 2))
+    assert sum(1 for s in steps[1] for x in s if x.startswith("('LOAD'")) > 50  # memory churned
+    assert policy.index_kept > arrivals // 10
     assert steps[0] == steps[1]
