@@ -941,9 +941,14 @@ class Scheduler(ControllerView):
     def mark_ready(self, key: str, device: str) -> None:
         """`key`'s weights are ready on `device` (a LOAD landed, or placed before a run)."""
         self.ready_on.setdefault(key, set()).add(device)
+        self._ready_changed(key)
+
+    def _ready_changed(self, key: str) -> None:
+        """`key`'s ready devices changed: what was kept from them (best_case's answer, the policy's
+        index entries) no longer holds."""
         entry = self.models.get(key)
         if entry is not None:
-            entry.ready_changes += 1  # (what is kept from its `ready_on`: best_case's, the policy's index entries)
+            entry.ready_changes += 1
 
     def _unplace(self, key: str, device: str) -> None:
         # (each index by name, not a loop over a tuple of the two: compiled, that iterated generic
@@ -952,9 +957,7 @@ class Scheduler(ControllerView):
         devs = ready_on.get(key)
         if devs is not None:
             devs.discard(device)
-            entry = self.models.get(key)
-            if entry is not None:
-                entry.ready_changes += 1
+            self._ready_changed(key)
             if not devs:
                 del ready_on[key]
         placed_on = self.placed_on
