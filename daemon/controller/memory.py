@@ -336,11 +336,19 @@ class DeviceMemory:
                 heads[i], classes[i] = at, bits
                 break
         for bits in classes:
+            # Every model of a class holds at least 2**(bits - 1) bytes: where that is enough, one
+            # that shares nothing frees enough without a look at its size (a search meets ~30
+            # models, most in such classes).
+            fits = bits > 0 and (1 << (bits - 1)) >= need
             for k, at in by_size[bits].items():  # least recently used first: its first fit is the class's answer
                 if best is not None and at >= best_at:
                     break  # (the rest of the class was used later still: none can be the answer)
-                frees = models[k][1] if k not in blocks_of else self._frees_with(k, {}, keep)
-                if frees >= need and rules.idle_victim(k):
+                if blocks_of and k in blocks_of:
+                    if self._frees_with(k, {}, keep) < need:
+                        continue
+                elif not fits and models[k][1] < need:
+                    continue
+                if rules.idle_victim(k):
                     best, best_at = k, at
                     break
         return best
