@@ -117,3 +117,13 @@ def pop(heap: list[Due]) -> Due:
         pos = parent
     heap[pos] = last
     return first
+
+
+def first_of(a: list[Due], b: list[Due]) -> list[Due]:
+    """Of two heaps, the one whose first entry comes first (`b` if `a` is empty): popped in turn,
+    two heaps give their entries in the order one heap of them all would."""
+    if not a:
+        return b
+    if not b:
+        return a
+    return b if _before(b[0], a[0]) else a

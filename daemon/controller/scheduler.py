@@ -121,8 +121,12 @@ class Scheduler(ControllerView):
         self.soft_bytes = 0
         # Every action in flight, once, by when it must be looked at again: an INFER's requests
         # overdue, or it counts as hung (the last field); one entry per action rather than one
-        # per watch (a heap push and pop fewer per INFER).
-        self._watches: list[Due] = []  # action_due
+        # per watch (a heap push and pop fewer per INFER). LOADs and UNLOADs apart: they are
+        # looked at only when they would count as hung, seconds on, so their entries (popped
+        # long after their results) outnumbered the INFERs' tenfold at 10,000 models and deepened
+        # every INFER's push and pop (issue 12's callgrind).
+        self._watches: list[Due] = []  # action_due, INFERs
+        self._weight_watches: list[Due] = []  # action_due, LOADs and UNLOADs
         self.hung: dict[str, str] = {}  # device -> what hangs there (it never comes back in this process)
         self._decision = Decision()
         self._load_share: dict[int, float] = {}  # LOAD id -> the share of its model's bytes it copies
@@ -571,7 +575,8 @@ class Scheduler(ControllerView):
             self._run(self.parm.due(self, now), now)
         if self._expiry and self._expiry[0].at <= now:
             self._expire(now)
-        if self._watches and self._watches[0].at <= now:
+        if (self._watches and self._watches[0].at <= now) or \
+                (self._weight_watches and self._weight_watches[0].at <= now):
             self._watch(now)
         if self._giveup and self._giveup[0].at <= now:
             self._give_up(now)
@@ -662,7 +667,7 @@ class Scheduler(ControllerView):
         """When `schedule` next has something to do without new requests or results."""
         # (after every step: locals, plain comparisons, no list)
         queued, inflight = RequestStatus.QUEUED, self.inflight
-        expiry, giveup, watches = self._expiry, self._giveup, self._watches
+        expiry, giveup, watches, weights = self._expiry, self._giveup, self._watches, self._weight_watches
         # (dues.pop called by name, not held in a local: compiled, that is a direct call)
         while expiry and ((r := request_of(expiry[0])).status != queued or r.late):
             dues.pop(expiry)
@@ -670,9 +675,13 @@ class Scheduler(ControllerView):
             dues.pop(giveup)
         while watches and action_of(watches[0]).id not in inflight:
             dues.pop(watches)
+        while weights and action_of(weights[0]).id not in inflight:
+            dues.pop(weights)
         best = expiry[0].at if expiry else math.inf
         if watches and watches[0].at < best:
             best = watches[0].at
+        if weights and weights[0].at < best:
+            best = weights[0].at
         if giveup and giveup[0].at < best:
             best = giveup[0].at
         t = self.policy.next_wakeup(self, now)
@@ -715,8 +724,11 @@ class Scheduler(ControllerView):
         waits give up at `hang_timeout_s`) means the device's thread is stuck where no deadline
         reaches (a driver call, a read from a dead disk): nothing more goes there, its requests are
         answered by their deadlines or retried elsewhere, its LOADs no longer hold a preload."""
-        heap, inflight = self._watches, self.inflight
-        while heap and heap[0].at <= now:
+        inflight = self.inflight
+        while True:
+            heap = dues.first_of(self._watches, self._weight_watches)  # (in the order of one heap)
+            if not heap or heap[0].at > now:
+                break
             watch = dues.pop(heap)
             action, hung_at = action_of(watch), watch.hung_at
             if action.id not in inflight:
@@ -829,7 +841,8 @@ class Scheduler(ControllerView):
         start = now if now > action.earliest else action.earliest
         hung_at = start + 10 * action.expected_duration + moved + self.hung_after_s
         due += OVERDUE_GRACE
-        dues.push(self._watches, action_due(due if due < hung_at else hung_at, action, hung_at))
+        dues.push(self._watches if kind == ActionKind.INFER else self._weight_watches,
+                  action_due(due if due < hung_at else hung_at, action, hung_at))
         return action
 
     def issue_infer(self, spec: ModelSpec, dev: DeviceState, requests: list[InferenceRequest], batch_size: int,
