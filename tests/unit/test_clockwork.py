@@ -274,6 +274,38 @@ def test_due_heaps_give_entries_in_heapq_order() -> None:
     assert out_ours == out_ref and not ours
 
 
+def test_two_due_heaps_popped_by_first_of_give_one_heaps_order() -> None:
+    # The scheduler keeps INFER and LOAD/UNLOAD watches apart and pops them with `first_of`: a
+    # watch due at the same time as another must come out in the order one heap of both gave.
+    import heapq
+    import random
+
+    from daemon.controller import due as dues
+    from daemon.controller.due import Due, key_due
+
+    rng = random.Random(11)
+    a: list[Due] = []
+    b: list[Due] = []
+    ref: list[tuple[float, float, int]] = []
+    out: list[tuple[float, float, int]] = []
+    out_ref: list[tuple[float, float, int]] = []
+    for seq in range(4000):
+        if ref and rng.random() < 0.45:
+            e = dues.pop(dues.first_of(a, b))
+            out.append((e.at, e.then, e.seq))
+            out_ref.append(heapq.heappop(ref))
+            continue
+        key = (float(rng.randrange(10)), float(rng.randrange(2)), seq)  # many ties across the two
+        dues.push(a if rng.random() < 0.3 else b, key_due(key[0], key[1], key[2], "m"))
+        heapq.heappush(ref, key)
+    while ref:
+        e = dues.pop(dues.first_of(a, b))
+        out.append((e.at, e.then, e.seq))
+        out_ref.append(heapq.heappop(ref))
+    assert out == out_ref and not a and not b
+    assert dues.first_of(a, b) is b  # both empty: the second (the caller finds it empty)
+
+
 def test_histogram_percentiles_are_close_and_never_above_max() -> None:
     h = Histogram()
     for i in range(1, 1001):
