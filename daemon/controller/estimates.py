@@ -133,17 +133,21 @@ class SlidingWindow:
         return value
 
 
+_NO_RUNS: Final[dict[str, dict[int, SlidingWindow]]] = {}  # `ran_where` of a model never measured (kept empty)
+
+
 class _Rows:
-    """A memo of one model on one device (or kind), by row count: the estimate (NaN: none known)
-    and the time until which it holds (-inf: none kept). Two lists of floats, not a tuple per
-    entry: floats are not tracked by the collector, and at 10,000 models, with models placed
-    anew on devices all the time, the tuples kept here set off most of its young-generation
-    passes (issue 12's callgrind)."""
+    """A memo of one model on one device (or kind), by row count: the estimate (None: none known)
+    and the time until which it holds (-inf: none kept). Two lists, not a tuple per entry: floats
+    are not tracked by the collector, and at 10,000 models, with models placed anew on devices
+    all the time, the tuples kept here set off most of its young-generation passes (issue 12's
+    callgrind). The estimates stay objects (`float | None`): a hit hands out the one kept, where
+    a list of plain floats made a new one per hit."""
 
     __slots__ = ("est", "until")
 
     def __init__(self) -> None:
-        self.est: list[float] = []
+        self.est: list[float | None] = []
         self.until: list[float] = []
 
 
@@ -286,16 +290,15 @@ class Estimator:
         if batch < len(untils):
             until = untils[batch]
             if self.now <= until:
-                est = rows.est[batch]
-                return (est if est == est else None), until
+                return rows.est[batch], until
         else:
             grow = batch + 1 - len(untils)
             untils.extend([-math.inf] * grow)
-            rows.est.extend([math.nan] * grow)
-        est_now, until = self._infer_now(model, batch, kind, where)
-        rows.est[batch] = est_now if est_now is not None else math.nan
+            rows.est.extend([None] * grow)
+        est, until = self._infer_now(model, batch, kind, where)
+        rows.est[batch] = est
         untils[batch] = until
-        return est_now, until
+        return est, until
 
     def _infer_now(self, model: str, batch: int, kind: str, where: str) -> tuple[float | None, float]:
         w: SlidingWindow | None = None
@@ -319,6 +322,12 @@ class Estimator:
         kind's profile (`profile`), the same on every such device."""
         per = self._infer.get(model)
         return per is not None and device in per
+
+    def ran_where(self, model: str) -> dict[str, dict[int, SlidingWindow]]:
+        """Where runs of `model` were measured (devices, or kinds), as `ran_on` asks one at a time: a
+        LOAD's placement asks it of every device, with one look-up. Read it, never change it."""
+        per = self._infer.get(model)
+        return per if per is not None else _NO_RUNS
 
     def profile(self, model: str, batch: int, kind: str) -> float | None:
         """The profile's time for `batch` rows of `model` on a device of `kind` (None: unprofiled)."""
