@@ -300,6 +300,14 @@ class DeviceDemand:
             return 0.0
         return d.sum * self._decay_at(now)
 
+    def current_total(self, device: str, now: float) -> float:
+        """`total`, or -1.0 where `device`'s weights are due to be made again (`stale`)."""
+        built = self._built.get(device)
+        if built is None or now - built > self.rebuild_every:
+            return -1.0
+        d = self._devices.get(device)
+        return d.sum * self._decay_at(now) if d is not None else 0.0
+
     def part(self, key: str, device: str, now: float) -> float:
         """One model's share of `total`."""
         d = self._devices.get(device)

@@ -77,7 +77,8 @@ class DeviceState:
 
     def can_load(self, key: str, now: float) -> bool:
         """No LOAD of `key` here while backing off from a failed one, or once the device is lost."""
-        return not self.failed and self.load_backoff.get(key, 0.0) <= now
+        backoff = self.load_backoff  # (empty but after a failed LOAD: no look-up then)
+        return not self.failed and (not backoff or backoff.get(key, 0.0) <= now)
 
 
 @dataclass(slots=True)

@@ -38,7 +38,7 @@ from daemon.controller import sharing
 from daemon.controller.decisions import Drop, Infer, Load, Pass, Planned, Steps, Unload
 from daemon.controller.demand import DeviceDemand
 from daemon.controller.due import Due, key_due
-from daemon.controller.estimates import EXACT_ROW_KINDS, RATE_TAU, RateMeter
+from daemon.controller.estimates import EXACT_ROW_KINDS, RATE_TAU, RateMeter, SlidingWindow
 from daemon.controller.floats import bisect_left, fmax, fmin
 from daemon.controller.memory import Blocks, EvictionRules
 from daemon.controller.policy import Policy
@@ -1115,7 +1115,8 @@ class ClockworkPolicy(Policy):
         come (controller/demand.py); the costs are made again for every model on the device when
         they are UTIL_REBUILD old, which also takes in models placed other than by this policy's
         LOADs (preloads, reservations) and drops those unplaced."""
-        return self._demand_on(view, dev, now).total(dev.name, now)
+        total = self._demand.current_total(dev.name, now)  # (one call for most: asked per device per LOAD)
+        return total if total >= 0.0 else self._demand_on(view, dev, now).total(dev.name, now)
 
     def _demand_on(self, view: ControllerView, dev: DeviceState, now: float) -> DeviceDemand:
         """The demand tracker, its weights and cold-cost ranking for `dev` made again if stale."""
@@ -1188,6 +1189,7 @@ class ClockworkPolicy(Policy):
         spared = 0
         whole: dict[str, float] = {}
         profiled: dict[str, float] = {}
+        ran = view.estimator.ran_where(key)
         for dev in view.devices.values():
             copy_free = self._copy_free_for(dev, key, nbytes, now)
             if copy_free == math.inf:
@@ -1196,7 +1198,7 @@ class ClockworkPolicy(Policy):
             if was is None or self._demand.stale(dev.name, now):
                 return False
             if was.pressed:  # (urgent now, pressure would not protect the device's models)
-                load_s, run_s = self._load_and_run(view, entry, dev, head.samples, whole, profiled)
+                load_s, run_s = self._load_and_run(view, entry, dev, head.samples, whole, profiled, ran)
                 if head.deadline - (copy_free + load_s + run_s) <= self.horizon:
                     return False
             spared += 1
@@ -1213,9 +1215,11 @@ class ClockworkPolicy(Policy):
         return copy_free if copy_free < now + self.horizon else math.inf
 
     def _load_and_run(self, view: ControllerView, entry: ModelEntry, dev: DeviceState, samples: int,
-                      whole: dict[str, float], profiled: dict[str, float]) -> tuple[float, float]:
+                      whole: dict[str, float], profiled: dict[str, float],
+                      ran: dict[str, dict[int, SlidingWindow]]) -> tuple[float, float]:
         """A LOAD of `entry` onto `dev` and its first run of `samples` there, estimated; `whole`
-        and `profiled` keep, per kind, what is the same on every device of it."""
+        and `profiled` keep, per kind, what is the same on every device of it; `ran`: where its
+        runs were measured (`Estimator.ran_where`)."""
         kind = dev.kind
         if entry.blocks_on(kind):  # (the bytes it lacks differ by device)
             load_s = self._load_est(view, entry, kind, dev)
@@ -1224,9 +1228,8 @@ class ClockworkPolicy(Policy):
             if known is None:
                 known = whole[kind] = self._load_est(view, entry, kind, dev)
             load_s = known
-        key = entry.key
-        if view.estimator.ran_on(key, dev.name):
-            run_s = self._est_on(view, key, samples, dev)
+        if dev.name in ran:
+            run_s = self._est_on(view, entry.key, samples, dev)
         else:  # its kind's profile, as `_est_on` finds it there: looked up once per kind
             known = profiled.get(kind)
             if known is None:
@@ -1297,13 +1300,14 @@ class ClockworkPolicy(Policy):
         whole: dict[str, float] = {}  # kind -> a whole LOAD's estimate there
         profiled: dict[str, float] = {}  # kind -> its first run's estimate on a device that never ran it
         b1 = head.samples if head is not None else 1
+        ran = view.estimator.ran_where(key)
         for dev in view.devices.values():
             copy_free = self._copy_free_for(dev, key, nbytes, now)
             if copy_free == math.inf:
                 continue
             tl = dev.timeline
             blocks = entry.blocks_on(dev.kind)
-            load_s, run_s = self._load_and_run(view, entry, dev, b1, whole, profiled)
+            load_s, run_s = self._load_and_run(view, entry, dev, b1, whole, profiled, ran)
             finish = fmax(copy_free + load_s, tl.exec.free_at(now)) + run_s
             # shared blocks already there are neither copied again nor freed to make room
             lacks = dev.memory.missing(nbytes, blocks)
