@@ -244,65 +244,41 @@ def test_lane_timeline_head_follows_what_is_done_out_of_order() -> None:
     assert lane.free_at(2.0) == pytest.approx(2.002) and lane.free_at(2.013) == pytest.approx(2.023)
 
 
-def test_due_heaps_give_entries_in_heapq_order() -> None:
+@pytest.mark.parametrize("split", [False, True])
+def test_due_heaps_give_entries_in_heapq_order(split: bool) -> None:
+    # split: entries spread over two heaps popped in turn by `first_of` (the scheduler keeps the
+    # INFER watches apart from the LOAD/UNLOAD ones) come out in the order one heap of both gives.
     import heapq
     import random
 
     from daemon.controller import due as dues
     from daemon.controller.due import Due, key_due
 
-    rng = random.Random(7)
-    ours: list[Due] = []
-    ref: list[tuple[float, float, int]] = []
-    out_ours: list[tuple[float, float, int]] = []
-    out_ref: list[tuple[float, float, int]] = []
-    for seq in range(5000):
-        if ref and rng.random() < 0.45:
-            e = dues.pop(ours)
-            out_ours.append((e.at, e.then, e.seq))
-            out_ref.append(heapq.heappop(ref))
-            continue
-        # few distinct times: most order is settled by the second time or by seq
-        key = (float(rng.randrange(20)), float(rng.randrange(3)), seq)
-        dues.push(ours, key_due(key[0], key[1], key[2], "m"))
-        heapq.heappush(ref, key)
-        assert (ours[0].at, ours[0].then, ours[0].seq) == ref[0]
-    while ref:
-        e = dues.pop(ours)
-        out_ours.append((e.at, e.then, e.seq))
-        out_ref.append(heapq.heappop(ref))
-    assert out_ours == out_ref and not ours
-
-
-def test_two_due_heaps_popped_by_first_of_give_one_heaps_order() -> None:
-    # The scheduler keeps INFER and LOAD/UNLOAD watches apart and pops them with `first_of`: a
-    # watch due at the same time as another must come out in the order one heap of both gave.
-    import heapq
-    import random
-
-    from daemon.controller import due as dues
-    from daemon.controller.due import Due, key_due
-
-    rng = random.Random(11)
+    rng = random.Random(11 if split else 7)
     a: list[Due] = []
     b: list[Due] = []
     ref: list[tuple[float, float, int]] = []
-    out: list[tuple[float, float, int]] = []
+    out_ours: list[tuple[float, float, int]] = []
     out_ref: list[tuple[float, float, int]] = []
-    for seq in range(4000):
-        if ref and rng.random() < 0.45:
-            e = dues.pop(dues.first_of(a, b))
-            out.append((e.at, e.then, e.seq))
-            out_ref.append(heapq.heappop(ref))
-            continue
-        key = (float(rng.randrange(10)), float(rng.randrange(2)), seq)  # many ties across the two
-        dues.push(a if rng.random() < 0.3 else b, key_due(key[0], key[1], key[2], "m"))
-        heapq.heappush(ref, key)
-    while ref:
-        e = dues.pop(dues.first_of(a, b))
-        out.append((e.at, e.then, e.seq))
+
+    def pop_both() -> None:
+        e = dues.pop(dues.first_of(a, b) if split else a)
+        out_ours.append((e.at, e.then, e.seq))
         out_ref.append(heapq.heappop(ref))
-    assert out == out_ref and not a and not b
+
+    for seq in range(5000):
+        if ref and rng.random() < 0.45:
+            pop_both()
+            continue
+        # few distinct times: most order is settled by the second time or by seq
+        key = (float(rng.randrange(20)), float(rng.randrange(3)), seq)
+        dues.push(b if split and rng.random() < 0.7 else a, key_due(key[0], key[1], key[2], "m"))
+        heapq.heappush(ref, key)
+        first = dues.first_of(a, b)[0]
+        assert (first.at, first.then, first.seq) == ref[0]
+    while ref:
+        pop_both()
+    assert out_ours == out_ref and not a and not b
     assert dues.first_of(a, b) is b  # both empty: the second (the caller finds it empty)
 
 
