@@ -250,7 +250,8 @@ class Estimator:
                 value = w.current_value(self.now, self.percentile)  # (as `_infer_now` finds it)
                 if value == value:
                     until = w.oldest + self.max_age
-                    if value == rows.est[batch] and until >= old_until:
+                    old = rows.est[batch]  # (tested for None first: then a compare of two floats, not a generic one)
+                    if old is not None and value == old and until >= old_until:
                         return  # the entry stands (valid a little less long than it could be)
                     # a new estimate, or a profile's (valid for ever) that a first sample of the
                     # same value replaced
