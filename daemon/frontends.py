@@ -254,7 +254,7 @@ class FrontendWorkers:
             req = InferenceRequest(spec, arrays, samples, arrival, deadline, priority, rank, client_id,
                                    w.on_finish, rid, klass=klass, give_up_at=give_up_at)
             w.requests[rid] = req
-            self.gateway.submit(req)
+            self.gateway.submit(req, current=True)  # (resolved above, nothing awaited since)
         except EscapementError as e:
             w.requests.pop(rid, None)
             if e.status == 500:

@@ -171,13 +171,15 @@ class Gateway:
         return InferenceRequest(spec, arrays, samples, now, adm.deadline, priority, rank, client_id, klass=adm.klass,
                                 give_up_at=adm.give_up_at)
 
-    def submit(self, req: InferenceRequest) -> None:
+    def submit(self, req: InferenceRequest, current: bool = False) -> None:
         """Hand a request to the controller; `req.on_finish` is called once it is answered (success,
-        failure or cancellation). Raises the refusal (Unavailable, Overloaded, DeadlineExceeded)."""
+        failure or cancellation). Raises the refusal (Unavailable, Overloaded, DeadlineExceeded).
+        `current`: its model was resolved in this same call, with no await since (a worker's
+        SUBMIT), so the catalog cannot have moved and is not asked again."""
         spec = req.model
         # A version being unloaded or replaced stays in the scheduler until its accepted requests
         # are answered: only the catalog says it admits no more (a request built before that).
-        if self.resolve(spec.name, spec.version) is not spec:
+        if not current and self.resolve(spec.name, spec.version) is not spec:
             raise Unavailable(f"model {spec.name} version {spec.version} was reloaded while the request was "
                               "read; retry")
         if req.user and spec.personalization is not None:  # first: a cached answer is personalized too

@@ -59,6 +59,7 @@ class ControllerService:
         self._idle.set()
         self._settled = asyncio.Event()  # idle, and no coding group left waiting for a flush
         self._settled.set()
+        self._quiet = True  # `_idle` is set (and so may `_settled` be): an arrival clears them
         self._waiters: list[tuple[Callable[[Scheduler], bool], asyncio.Future[None]]] = []
         # set once every device is lost (the daemon then stops: a lost CUDA context comes back only
         # in a new process); an event rather than a waiter, which would run a predicate every step
@@ -88,8 +89,10 @@ class ControllerService:
         now = self.clock.now()
         self.driver.submit(req, now)
         self.latency.arrived(now)
-        self._idle.clear()
-        self._settled.clear()
+        if self._quiet:  # (two events cleared once per busy spell, not twice a request)
+            self._quiet = False
+            self._idle.clear()
+            self._settled.clear()
         self._kick()
 
     def cancel(self, req: InferenceRequest) -> None:
@@ -138,6 +141,7 @@ class ControllerService:
         self._arm(now)
         if self.scheduler.pending == 0 and not self.scheduler.inflight:
             self._idle.set()
+            self._quiet = True
             if not self.scheduler.coding.groups:
                 self._settled.set()
         if self._waiters:
