@@ -349,6 +349,34 @@ def test_service_with_the_path_off_never_asks() -> None:
     assert svc.latency.statistics().get("taken", 0) == 0
 
 
+def test_each_busy_spell_clears_the_idle_events_and_its_end_sets_them_again() -> None:
+    # The service clears its idle and settled events at the first arrival of a busy spell only
+    # (not at every arrival): a second spell, after the first one's idle step, must clear them too.
+    seen: list[tuple[bool, bool]] = []
+
+    def events(svc: ControllerService) -> tuple[bool, bool]:
+        return svc._idle.is_set(), svc._settled.is_set()  # noqa: SLF001 (what drain and settled wait on)
+
+    async def after(svc: ControllerService, clock: FakeClock) -> None:
+        loop = asyncio.get_running_loop()
+        spec = svc.scheduler.models[make_spec().key].spec
+        seen.append(events(svc))  # the first spell is over
+        done: list[asyncio.Future[None]] = []
+        for _ in range(2):  # a second spell of two requests, both submitted before either is answered
+            fut: asyncio.Future[None] = loop.create_future()
+            req = InferenceRequest(spec, (np.zeros((1, 2), np.float32),), 1, clock.now(), clock.now() + 1.0)
+            req.on_finish = lambda r, f=fut: f.set_result(None)
+            svc.submit(req)
+            seen.append(events(svc))
+            done.append(fut)
+        await asyncio.gather(*done)
+        await asyncio.wait_for(svc.settled(), 5.0)
+        seen.append(events(svc))
+
+    _serve(here=False, after=after)
+    assert seen == [(True, True), (False, False), (False, False), (True, True)]
+
+
 async def _idle_for(svc: ControllerService, clock: FakeClock, seconds: float, step: float = 0.25 * MS) -> None:
     """Let the loop turn while the fake clock moves on by `step` a turn, `seconds` in all."""
     end = clock.now() + seconds
