@@ -302,11 +302,7 @@ class DeviceDemand:
 
     def current_total(self, device: str, now: float) -> float:
         """`total`, or -1.0 where `device`'s weights are due to be made again (`stale`)."""
-        built = self._built.get(device)
-        if built is None or now - built > self.rebuild_every:
-            return -1.0
-        d = self._devices.get(device)
-        return d.sum * self._decay_at(now) if d is not None else 0.0
+        return -1.0 if self.stale(device, now) else self.total(device, now)
 
     def part(self, key: str, device: str, now: float) -> float:
         """One model's share of `total`."""
