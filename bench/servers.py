@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,8 @@ class Escapement:
 
     def __init__(self, repo: str | Path, faults: list[dict[str, Any]] | None = None,
                  log_file: str | Path | None = None, tree: str | Path | None = None,
-                 **sections: dict[str, Any]) -> None:
+                 prefix: Sequence[str] = (), **sections: dict[str, Any]) -> None:
+        self.prefix = list(prefix)  # a command the daemon runs under (valgrind, for a count of instructions)
         self.tree = Path(tree) if tree is not None else ROOT  # whose code runs (an older checkout for an A/B)
         self.log_file = Path(log_file) if log_file is not None else None  # every line, where kept
         self.dir = Path(tempfile.mkdtemp(prefix="escb-", dir="/tmp"))
@@ -88,7 +90,7 @@ class Escapement:
         self.stop()
 
     def start(self, timeout: float = 300) -> None:
-        cmd = [sys.executable, "-m", "daemon", "serve", "--config", str(self.dir / "bench.toml")]
+        cmd = [*self.prefix, sys.executable, "-m", "daemon", "serve", "--config", str(self.dir / "bench.toml")]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=self.tree)
         assert self.proc.stderr is not None
         deadline = time.monotonic() + timeout

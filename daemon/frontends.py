@@ -131,7 +131,7 @@ class FrontendWorkers:
         self._reserved: socket.socket | None = None
         self._reserved_grpc: socket.socket | None = None
         self._grpc_shadow: InferenceService | None = None  # answers the RPCs workers forward
-        self._unix: socket.socket | None = None
+        self._listener: socket.socket | None = None  # the unix socket (not `_unix`: compiled, C predefines `__unix`)
         self._shadow: HttpFrontend | None = None  # answers what workers forward (never listens)
         self._stopping = False
         self._early_deaths = [0] * count
@@ -160,13 +160,13 @@ class FrontendWorkers:
             self.grpc_host, self.grpc_port = host, self._reserved_grpc.getsockname()[1]
             self._grpc_shadow = InferenceService(self.gateway, f"{host}:{self.grpc_port}")
         if s.socket:
-            self._unix = await asyncio.to_thread(SocketFrontend.listen, s.socket, s.socket_mode)
+            self._listener = await asyncio.to_thread(SocketFrontend.listen, s.socket, s.socket_mode)
         for i in range(self.count):
             await self._start_worker(i)
         self._schedule_tick()
         handles = [w for w in self.workers if w is not None]
         try:
-            await asyncio.wait_for(asyncio.gather(*(w.ready for w in handles)), READY_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.gather(*[w.ready for w in handles]), READY_TIMEOUT_S)
         except TimeoutError:
             raise RuntimeError(f"frontend workers not ready within {READY_TIMEOUT_S:g} s") from None
 
@@ -177,9 +177,9 @@ class FrontendWorkers:
         try:
             os.ftruncate(memfd, size)
             region = mmap.mmap(memfd, size)
-            fds = [theirs.fileno(), memfd] + ([self._unix.fileno()] if self._unix is not None else [])
+            fds = [theirs.fileno(), memfd] + ([self._listener.fileno()] if self._listener is not None else [])
             argv = [sys.executable, "-m", "daemon.api.worker", str(theirs.fileno()), str(memfd),
-                    str(self._unix.fileno() if self._unix is not None else -1), str(self.max_record)]
+                    str(self._listener.fileno() if self._listener is not None else -1), str(self.max_record)]
             # A session of its own: a terminal's ^C reaches this process only, which orders the
             # shutdown. Started from a thread: fork and exec of a large process take milliseconds.
             proc = await asyncio.to_thread(subprocess.Popen, argv, pass_fds=fds, start_new_session=True)
@@ -470,9 +470,9 @@ class FrontendWorkers:
         for w in self.workers:
             if w is not None and w.link is not None:
                 w.link.send([DRAIN])
-        if self._unix is not None:
-            self._unix.close()
-            self._unix = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.settings.server.socket)
         for reserved in (self._reserved, self._reserved_grpc):
@@ -490,7 +490,7 @@ class FrontendWorkers:
         for w in live:
             if w.link is not None:
                 w.link.send([STOP])
-        codes = await asyncio.gather(*(asyncio.to_thread(_reap, w.proc, WORKER_EXIT_S) for w in live))
+        codes = await asyncio.gather(*[asyncio.to_thread(_reap, w.proc, WORKER_EXIT_S) for w in live])
         for w, code in zip(live, codes, strict=True):
             if code is None:
                 log.warning("[shutdown] frontend worker %d did not exit in %g s; killed", w.index, WORKER_EXIT_S)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from daemon.api.budget import RequestMemory
 from daemon.api.sharedmem import SharedMemoryRegions
@@ -89,6 +90,8 @@ def _always_ready() -> Health:
     return Health(True)
 
 
+# Compiled with the controller (daemon/native); the worker's RemoteGateway and tests' fakes subclass it.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Gateway:
     def __init__(self, settings: Settings, catalog: ModelCatalog, controller: Controller, *,
                  clock: Clock | None = None, overload: LagTracker | None = None,

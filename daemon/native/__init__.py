@@ -35,7 +35,11 @@ from pathlib import Path
 from types import ModuleType
 
 # The decision loop's modules: everything a request's submit, step and result runs in the
-# controller, and nothing that does I/O (those stay Python: asyncio, executors, frontends).
+# controller; and the controller process's glue around it that every request crosses with
+# frontend workers on (the link's records, the gateway, the asyncio controller service, the
+# clock): interpreted, those calls cost the loop more than the compiled controller's own work
+# (issue 15: 283k -> 220k instructions a request on the loop, `python -m bench.ingest_instructions`).
+# Executors and the protocol frontends stay Python.
 MODULES: tuple[str, ...] = (
     "daemon.actions",
     "daemon.request",
@@ -63,6 +67,11 @@ MODULES: tuple[str, ...] = (
     "daemon.observability.telemetry",
     "daemon.parity.groups",
     "daemon.parity.planner",
+    "daemon.clock",
+    "daemon.controller.service",
+    "daemon.gateway",
+    "daemon.frontends",
+    "daemon.api.link",
 )
 GROUP = "daemon._native"  # the shared library of the group: daemon/_native__mypyc<suffix>
 ENV = "ESCAPEMENT_NATIVE"  # "0": import the source even where a current build exists
