@@ -18,7 +18,11 @@ timing, and under callgrind the daemon runs ~50x slower than its clients, so the
 larger than real.
 
     python -m bench.ingest_instructions TREE [--protocol socket|http] [--clients 1]
-        [--requests 2000] [--warm 300] [--out FILE.json]
+        [--requests 2000] [--warm 300] [--latency-path on|off] [--out FILE.json]
+
+`--latency-path off` counts the loop as a GPU node has it: every run on the device's thread, the
+loop handing each INFER over and taking its result back (the latency path runs only on CPU
+devices, so on a GPU the model's own work is never on the loop).
 
 Needs valgrind. A run takes ~3-5 minutes (start-up under valgrind). For an A/B, run it for each
 tree; the counts compare exactly.
@@ -101,7 +105,8 @@ def _totals(path: Path) -> int:
     return total
 
 
-def measure(tree: Path, protocol: str, clients: int, requests: int, warm: int, keep: str = "") -> dict[str, Any]:
+def measure(tree: Path, protocol: str, clients: int, requests: int, warm: int, keep: str = "",
+            latency_path: bool = True) -> dict[str, Any]:
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise SystemExit("needs valgrind (callgrind and callgrind_control)")
     with tempfile.TemporaryDirectory(prefix="ingest-instr-") as tmp:
@@ -118,7 +123,7 @@ def measure(tree: Path, protocol: str, clients: int, requests: int, warm: int, k
         with servers.Escapement(repo, prefix=prefix, server={"frontend_workers": 1, "shed_lag_ms": 0},
                                 # (a lone request's run is estimated ~50x longer under callgrind: the
                                 # latency path's bound is raised so that it runs on the loop as at full speed)
-                                controller={"latency_path_max_ms": 100.0},
+                                controller={"latency_path_max_ms": 100.0, "latency_path": latency_path},
                                 log_file=Path(tmp) / "daemon.log") as server:
             pid = str(server.pid)
             warmed = _drive(protocol, server, spec, clients, warm)
@@ -136,6 +141,7 @@ def measure(tree: Path, protocol: str, clients: int, requests: int, warm: int, k
         main = sum(v for k, v in per_thread.items() if k.endswith("-01"))
         total = sum(per_thread.values())
     return {"tree": str(tree), "protocol": protocol, "clients": clients, "requests": requests,
+            "latency_path": latency_path,
             "warm_answered": warmed[0], "answered": counted[0], "failed": counted[1], "wall_s": wall,
             "loop_instructions_per_request": main / max(counted[0], 1),
             "process_instructions_per_request": total / max(counted[0], 1),
@@ -151,8 +157,10 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=300)
     ap.add_argument("--out", default="")
     ap.add_argument("--keep", default="", help="copy the dumps and the daemon's log to this folder")
+    ap.add_argument("--latency-path", choices=("on", "off"), default="on",
+                    help="off: every run on the device's thread, as on a GPU (the path runs on CPU devices only)")
     a = ap.parse_args()
-    r = measure(Path(a.tree).resolve(), a.protocol, a.clients, a.requests, a.warm, a.keep)
+    r = measure(Path(a.tree).resolve(), a.protocol, a.clients, a.requests, a.warm, a.keep, a.latency_path == "on")
     print(json.dumps({k: v for k, v in r.items() if k != "threads"}, indent=1))
     print("threads:", r["threads"])
     if a.out:
