@@ -240,7 +240,13 @@ class ControllerService:
 
     def _arm(self, now: float) -> None:
         wake = self.scheduler.next_wakeup(now)
-        if wake == self._timer_at:
+        at = self._timer_at
+        if wake == at:
+            return
+        if self._timer is not None and at is not None and (wake is None or at <= wake):
+            # A timer that fires no later than needed stays: the step it kicks arms the next one.
+            # (Armed again at every step whose wake-up moved, a call_at and a cancel cost ~4.5k
+            # instructions a step: most steps under load, where the earliest watch moves on.)
             return
         if self._timer is not None:
             self._timer.cancel()

@@ -1,0 +1,61 @@
+"""ControllerService's one timer: armed for the scheduler's next wake-up, and kept while it fires
+no later than that (the step it kicks arms the next), so that a step whose wake-up only moved on
+costs no call_at and cancel (daemon/controller/service.py `_arm`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from daemon.controller.service import ControllerService
+from tests.unit.harness import MS, Harness, make_spec
+
+
+class RecordingLoop(asyncio.SelectorEventLoop):
+    """An event loop that records when it was asked to call back (never run here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed: list[float] = []
+
+    def call_at(self, when: float, callback: Any, *args: Any, context: Any = None) -> asyncio.TimerHandle:
+        self.armed.append(when)
+        return super().call_at(when, callback, *args, context=context)
+
+
+@pytest.fixture
+def loop() -> Iterator[RecordingLoop]:
+    lp = RecordingLoop()
+    yield lp
+    lp.close()
+
+
+def test_the_timer_is_kept_while_it_fires_no_later_than_needed(loop: RecordingLoop) -> None:
+    h = Harness(devices=1)
+    a = h.add(make_spec("a"), b1=1 * MS, bmax=8 * MS)
+    b = h.add(make_spec("b"), b1=1 * MS, bmax=8 * MS)
+    h.preload(a, 1)
+    h.preload(b, 1)
+    svc = ControllerService(h.sched, {}, h.clock, loop)
+    h.request(a, timeout=0.5)
+    first = h.sched.next_wakeup(h.now)
+    assert first is not None
+    svc._arm(h.now)  # noqa: SLF001
+    assert loop.armed == [first]
+    (infer,) = h.step()  # its INFER is out: the next wake-up (its watch) comes later
+    later = h.sched.next_wakeup(h.now)
+    assert later is not None and later > first
+    svc._arm(h.now)  # noqa: SLF001
+    assert loop.armed == [first]  # kept: it fires first, and that step arms the next
+    h.request(b, timeout=0.1)  # needed sooner than the timer fires: armed again, earlier
+    sooner = h.sched.next_wakeup(h.now)
+    assert sooner is not None and sooner < first
+    svc._arm(h.now)  # noqa: SLF001
+    assert loop.armed == [first, sooner]
+    svc._on_timer()  # noqa: SLF001  (it fired: the step it kicks arms whatever is next)
+    svc._arm(h.now)  # noqa: SLF001
+    assert loop.armed == [first, sooner, h.sched.next_wakeup(h.now)]
+    h.result(infer)
