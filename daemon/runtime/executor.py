@@ -36,6 +36,42 @@ log = logging.getLogger("escapement.executor")
 Post = Callable[[Result], None]
 
 
+class _Wakeup:
+    """A condition with one waiter, the lane's own thread, over C locks. `threading.Condition` is
+    written in Python: its enter, exit, notify and wait cost ~2.5k instructions on the controller's
+    loop and ~5k in all an INFER handed to a lane (bench/results/ingest-instructions-issue15.md).
+    Every other thread only takes `lock` and calls `notify`; `wait` is called by the lane's
+    thread alone."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._signal = threading.Lock()  # held while no notify is pending: the waiter blocks on it
+        self._signal.acquire()
+        self._waiting = False
+
+    def notify(self) -> None:
+        """Wake the waiter if it waits (called with `lock` held)."""
+        if self._waiting:
+            self._waiting = False
+            self._signal.release()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Release `lock`, block until notified (or `timeout` s), take `lock` again."""
+        self._waiting = True
+        self.lock.release()
+        try:
+            if timeout is None:
+                self._signal.acquire()
+            else:
+                self._signal.acquire(timeout=timeout)
+        finally:
+            self.lock.acquire()
+            if self._waiting:  # timed out, never notified
+                self._waiting = False
+            else:  # notified: take back a release that came after the timeout (a no-op otherwise)
+                self._signal.acquire(blocking=False)
+
+
 class Lane:
     """A thread running actions in order of `earliest`, each only inside its window."""
 
@@ -48,7 +84,7 @@ class Lane:
         self._setup = setup
         self._lost = lost  # why the device is lost ("" while it is not)
         self._heap: list[tuple[float, int, Action, float]] = []
-        self._cond = threading.Condition()
+        self._cond = _Wakeup()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.busy = False
@@ -60,7 +96,7 @@ class Lane:
 
     def submit(self, action: Action) -> None:
         received = self._clock.now()
-        with self._cond:
+        with self._cond.lock:
             if self._stopping:
                 (action.reply or self._post)(_refused(action, ResultStatus.CANCELLED, received,
                                                       "executor is stopping"))
@@ -79,11 +115,11 @@ class Lane:
 
     def begin_stop(self) -> None:
         """Cancel what has not started; the thread ends after the action it runs, if any."""
-        with self._cond:
+        with self._cond.lock:
             self._stopping = True
             cancelled = [entry for entry in self._heap]
             self._heap.clear()
-            self._cond.notify_all()
+            self._cond.notify()  # (its one waiter)
         now = self._clock.now()
         for _, _, action, received in cancelled:
             (action.reply or self._post)(_refused(action, ResultStatus.CANCELLED, received, "executor stopped", now))
@@ -100,7 +136,7 @@ class Lane:
         return not self._thread.is_alive()
 
     def _next(self) -> tuple[Action, float] | None:
-        with self._cond:
+        with self._cond.lock:
             while True:
                 if self._stopping:
                     return None
@@ -152,7 +188,7 @@ class Lane:
     def _hold(self) -> bool:
         """Take the idle lane for the calling thread (its own thread waits meanwhile); False if it
         is busy, has work queued or is stopping."""
-        with self._cond:
+        with self._cond.lock:
             if self._stopping or self.busy or self._here or self._heap:
                 return False
             self._here = True
@@ -160,7 +196,7 @@ class Lane:
         return True
 
     def _let_go(self) -> None:
-        with self._cond:
+        with self._cond.lock:
             self.busy = False
             self._here = False
             if self._heap or self._stopping:  # queued meanwhile (from another thread): the lane's turn
