@@ -38,8 +38,9 @@ from types import ModuleType
 # controller; and the controller process's glue around it that every request crosses with
 # frontend workers on (the link's records, the gateway, the asyncio controller service, the
 # clock): interpreted, those calls cost the loop more than the compiled controller's own work
-# (issue 15: 283k -> 220k instructions a request on the loop, `python -m bench.ingest_instructions`).
-# Executors and the protocol frontends stay Python.
+# (issue 15: 283k -> 220k instructions a request on the loop, `python -m bench.ingest_instructions`);
+# and the executors' lanes, which every INFER crosses twice (handed over, its result posted back:
+# 258k -> 244k instructions a request over the whole process). The protocol frontends stay Python.
 MODULES: tuple[str, ...] = (
     "daemon.actions",
     "daemon.request",
@@ -72,6 +73,7 @@ MODULES: tuple[str, ...] = (
     "daemon.gateway",
     "daemon.frontends",
     "daemon.api.link",
+    "daemon.runtime.executor",
 )
 GROUP = "daemon._native"  # the shared library of the group: daemon/_native__mypyc<suffix>
 ENV = "ESCAPEMENT_NATIVE"  # "0": import the source even where a current build exists

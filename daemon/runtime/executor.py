@@ -86,13 +86,13 @@ class Lane:
         self._heap: list[tuple[float, int, Action, float]] = []
         self._cond = _Wakeup()
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._worker = threading.Thread(target=self._loop, name=name, daemon=True)  # (C has `__thread`)
         self.busy = False
         self._here = False  # an action runs on a caller's thread (run_here): the lane's thread waits
         self._free_since = 0.0  # when the lane finished its last action
 
     def start(self) -> None:
-        self._thread.start()
+        self._worker.start()
 
     def submit(self, action: Action) -> None:
         received = self._clock.now()
@@ -126,14 +126,14 @@ class Lane:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._worker.is_alive()
 
     def join(self, deadline: float) -> bool:
         """Wait (until `deadline`, time.monotonic) for the thread to end; False if it is still in an
         action then (a hung device: it is left behind, a daemon thread)."""
-        if self._thread.is_alive():
-            self._thread.join(max(0.0, deadline - time.monotonic()))
-        return not self._thread.is_alive()
+        if self._worker.is_alive():
+            self._worker.join(max(0.0, deadline - time.monotonic()))
+        return not self._worker.is_alive()
 
     def _next(self) -> tuple[Action, float] | None:
         with self._cond.lock:
