@@ -66,10 +66,16 @@ class _Wakeup:
                 self._signal.acquire(timeout=timeout)
         finally:
             self.lock.acquire()
-            if self._waiting:  # timed out, never notified
-                self._waiting = False
-            else:  # notified: take back a release that came after the timeout (a no-op otherwise)
-                self._signal.acquire(blocking=False)
+            self._settle()
+
+    def _settle(self) -> None:
+        """After a wait, `lock` taken back: a notify that came after the wait had timed out (before
+        it took the lock) left the signal released; it is taken back, or the next wait would return
+        at once."""
+        if self._waiting:  # timed out, never notified
+            self._waiting = False
+        else:  # notified (a no-op where the wait itself took the signal)
+            self._signal.acquire(blocking=False)
 
 
 class Lane:
