@@ -95,6 +95,9 @@ class Action:
     # INFER: its samples the controller counts as running for its model (Scheduler.issue_infer);
     # 0 once they no longer do (its result came, or its device was lost before it did)
     running: int = field(default=0, init=False)
+    # Whether the scheduler holds it in flight (issued, its result not back): its watches read this
+    # rather than look its id up (every step asks of the heaps' tops; compiled, a field read)
+    in_flight: bool = field(default=False, init=False)
     _samples: int = field(default=-1, init=False, repr=False)  # `samples`, once counted (-1: not yet)
 
     # (Written out, not generated: mypyc compiles a class's own __init__, but a dataclass's generated
@@ -127,6 +130,7 @@ class Action:
         self.resident = resident
         self.reply = reply
         self.running = 0
+        self.in_flight = False
         self._samples = -1
 
     @property

@@ -666,16 +666,16 @@ class Scheduler(ControllerView):
     def next_wakeup(self, now: float) -> float | None:
         """When `schedule` next has something to do without new requests or results."""
         # (after every step: locals, plain comparisons, no list)
-        queued, inflight = RequestStatus.QUEUED, self.inflight
+        queued = RequestStatus.QUEUED
         expiry, giveup, watches, weights = self._expiry, self._giveup, self._watches, self._weight_watches
         # (dues.pop called by name, not held in a local: compiled, that is a direct call)
         while expiry and ((r := request_of(expiry[0])).status != queued or r.late):
             dues.pop(expiry)
         while giveup and ((r := request_of(giveup[0])).status != queued or not r.late):
             dues.pop(giveup)
-        while watches and action_of(watches[0]).id not in inflight:
+        while watches and not action_of(watches[0]).in_flight:
             dues.pop(watches)
-        while weights and action_of(weights[0]).id not in inflight:
+        while weights and not action_of(weights[0]).in_flight:
             dues.pop(weights)
         best = expiry[0].at if expiry else math.inf
         if watches and watches[0].at < best:
@@ -724,14 +724,13 @@ class Scheduler(ControllerView):
         waits give up at `hang_timeout_s`) means the device's thread is stuck where no deadline
         reaches (a driver call, a read from a dead disk): nothing more goes there, its requests are
         answered by their deadlines or retried elsewhere, its LOADs no longer hold a preload."""
-        inflight = self.inflight
         while True:
             heap = dues.first_of(self._watches, self._weight_watches)  # (in the order of one heap)
             if not heap or heap[0].at > now:
                 break
             watch = dues.pop(heap)
             action, hung_at = action_of(watch), watch.hung_at
-            if action.id not in inflight:
+            if not action.in_flight:
                 continue
             due_next = math.inf  # the earliest deadline of its requests still running, past the due ones
             for r in action.requests:
@@ -824,6 +823,7 @@ class Scheduler(ControllerView):
         deadline, by which (plus a grace) its requests are answered if it has not come back."""
         action.issued_at = now
         self.inflight[action.id] = action
+        action.in_flight = True
         self._decision.actions.append(action)
         kind = action.kind
         if kind == ActionKind.INFER:  # planned on the device's lanes until its result is back
@@ -988,6 +988,7 @@ class Scheduler(ControllerView):
         if action is None:
             log.error("result for an unknown action %r", result.action)
             return self._take()
+        action.in_flight = False
         dev = self.devices[action.device]
         kind = action.kind
         if kind == ActionKind.INFER:

@@ -209,6 +209,44 @@ def test_cold_requests_a_load_cannot_save_are_answered_at_once() -> None:
     assert isinstance(r.error, DeadlineExceeded) and r.finished_at == h.now
 
 
+
+def _busy_and_hot(h: Harness) -> tuple[ModelSpec, ModelSpec]:
+    """cpu:0 running a long batch of `slow` (little demand), cpu:1 holding `hot` with many arrivals."""
+    slow = add(h, "slow", max_batch=64, profile={1: 300 * MS, 64: 640 * MS})
+    hot = add(h, "hot", profile={1: 10 * MS, 8: 80 * MS})
+    h.use(slow)  # loaded on cpu:0 (the devices tie: the first by name)
+    h.request(slow, timeout=1.0)
+    assert [(a.kind.name, a.device) for a in h.step()] == [("INFER", "cpu:0")]  # running ~300 ms
+    h.use(hot)  # cpu:1: cpu:0's batch would hold its first run back
+    assert h.sched.placed_on[hot.key] == {"cpu:1"}
+    return slow, hot
+
+
+def test_among_devices_of_equal_load_a_load_goes_where_its_first_run_ends_soonest() -> None:
+    h = cw(devices=2, budget=1000)
+    _busy_and_hot(h)
+    c = add(h, "c")
+    h.request(c, timeout=1.0)
+    loads = [a for a in h.step() if a.kind == ActionKind.LOAD]
+    assert [a.device for a in loads] == ["cpu:1"]  # both idle in demand; cpu:0 is running for ~300 ms
+
+
+def test_a_cold_head_is_kept_when_a_device_not_searched_could_serve_it_in_time() -> None:
+    """The least loaded device takes the LOAD (it evicts nothing), though its first run would end
+    after the head's deadline; a device further down the order (more demand, searched no further)
+    could serve it in time, so the head is not answered at once."""
+    h = cw(devices=2, budget=1000)
+    _, hot = _busy_and_hot(h)
+    for _ in range(40):  # many arrivals: cpu:1 has the higher demand
+        h.request(hot, timeout=1.0)
+    h.step()
+    c = add(h, "c")
+    r = h.request(c, timeout=150 * MS)  # cpu:0 frees in ~290 ms; cpu:1 (a batch of hot) in ~80
+    acts = h.step()
+    assert [(a.kind.name, a.device) for a in acts if a.model.name == "c"] == [("LOAD", "cpu:0")]
+    assert not r.status.finished
+
+
 # ------------------------------------------------------------------ timelines and histograms
 
 

@@ -157,23 +157,28 @@ def _option_before(a: _Option, b: _Option) -> bool:
 
 class _Candidate:
     """A device a LOAD could go to, before its victim search: whether it must evict at all, its
-    load (tenths), when the LOAD's first run could finish, its name; when its LOAD and first run
-    would end, the bytes it lacks, the model's blocks there. (A record, not a tuple: compiled, its
-    fields stay unboxed, where a tuple boxed every float and unboxed it again at each comparison.)"""
+    load (tenths), when the LOAD's first run could finish, its name; when its copy lane frees,
+    when its LOAD and first run would end, the bytes it lacks, the model's blocks there. (A record,
+    not a tuple: compiled, its fields stay unboxed, where a tuple boxed every float and unboxed it
+    again at each comparison.) `finish` and `done` are estimated only once the devices ordered
+    before it by load are searched (`rated`): most LOADs stop at the first group."""
 
-    __slots__ = ("blocks", "dev", "done", "finish", "hopeless", "lacks", "load", "name", "short")
+    __slots__ = ("blocks", "copy_free", "dev", "done", "finish", "hopeless", "lacks", "load", "name", "rated",
+                 "short")
 
-    def __init__(self, short: bool, load: int, finish: float, dev: DeviceState, done: float, lacks: int,
-                 blocks: Blocks, hopeless: bool) -> None:
+    def __init__(self, short: bool, load: int, copy_free: float, dev: DeviceState, lacks: int, blocks: Blocks,
+                 hopeless: bool) -> None:
         self.short = short
         self.load = load
-        self.finish = finish
+        self.copy_free = copy_free
+        self.finish = math.inf
         self.name = dev.name
         self.dev = dev
-        self.done = done
+        self.done = math.inf
         self.lacks = lacks
         self.blocks = blocks
         self.hopeless = hopeless  # its victim search would find no room, as it did last time (`_Blocked`)
+        self.rated = False
 
 
 class _Blocked:
@@ -207,10 +212,16 @@ class _Blocked:
 
 
 def _candidate_before(a: _Candidate, b: _Candidate) -> bool:
+    """The order of LOAD candidates short of their estimates: no eviction first, then the device's
+    load, then its name (`_finish_before` orders a group equal in the first two)."""
     if a.short != b.short:
         return b.short
     if a.load != b.load:
         return a.load < b.load
+    return a.name < b.name
+
+
+def _finish_before(a: _Candidate, b: _Candidate) -> bool:
     if a.finish != b.finish:
         return a.finish < b.finish
     return a.name < b.name
@@ -1237,6 +1248,36 @@ class ClockworkPolicy(Policy):
             run_s = known
         return load_s, run_s
 
+    def _rate(self, view: ControllerView, entry: ModelEntry, c: _Candidate, samples: int, whole: dict[str, float],
+              profiled: dict[str, float], ran: dict[str, dict[int, SlidingWindow]], now: float) -> None:
+        """A candidate's LOAD and first run of `samples`, estimated: when they would end (`done`),
+        and when the run could finish behind the device's work (`finish`)."""
+        dev = c.dev
+        load_s, run_s = self._load_and_run(view, entry, dev, samples, whole, profiled, ran)
+        c.finish = fmax(c.copy_free + load_s, dev.timeline.exec.free_at(now)) + run_s
+        c.done = c.copy_free + load_s + run_s
+        c.rated = True
+
+    def _rate_group(self, view: ControllerView, entry: ModelEntry, candidates: list[_Candidate], first: int,
+                    samples: int, whole: dict[str, float], profiled: dict[str, float],
+                    ran: dict[str, dict[int, SlidingWindow]], now: float) -> int:
+        """The candidates from `first` equal to it in eviction and load, rated and ordered by when
+        they could finish, then name: the order a sort of every candidate on all four would give.
+        Returns where the group ends."""
+        lead = candidates[first]
+        end = first
+        while end < len(candidates) and candidates[end].short == lead.short and candidates[end].load == lead.load:
+            c = candidates[end]
+            if not c.rated:
+                self._rate(view, entry, c, samples, whole, profiled, ran, now)
+            i = end
+            while i > first and _finish_before(c, candidates[i - 1]):  # (insertion: a handful of devices)
+                candidates[i] = candidates[i - 1]
+                i -= 1
+            candidates[i] = c
+            end += 1
+        return end
+
     def _cost_kind(self, view: ControllerView) -> str:
         """`_cost_kind`, kept for the view's devices (a generic `next(iter(...))` was ~640
         instructions, a few times a LOAD)."""
@@ -1255,7 +1296,13 @@ class ClockworkPolicy(Policy):
         """Seconds of work queued for a model, at its largest batch size."""
         b = entry.max_batch_size
         kind = view.kinds[0]
-        return entry.queue.samples * self._est(view, entry.key, b, kind) / b
+        # (the estimator's memo read directly, as `_est_on` does: through the view's generic
+        # `estimate` this was ~4k instructions, once for every cold model a pass looks at)
+        est = view.estimator.infer_until(entry.key, b if kind in EXACT_ROW_KINDS else entry.batch_size_for(b),
+                                         kind)[0]
+        if est is None:
+            est = view.estimate(entry.key, b, kind)
+        return entry.queue.samples * est / b
 
     def _needs_replica(self, view: ControllerView, entry: ModelEntry, placed: list[DeviceState], now: float) -> bool:
         """More arrivals than its devices can serve, or requests dropped because they were too
@@ -1305,25 +1352,24 @@ class ClockworkPolicy(Policy):
             copy_free = self._copy_free_for(dev, key, nbytes, now)
             if copy_free == math.inf:
                 continue
-            tl = dev.timeline
             blocks = entry.blocks_on(dev.kind)
-            load_s, run_s = self._load_and_run(view, entry, dev, b1, whole, profiled, ran)
-            finish = fmax(copy_free + load_s, tl.exec.free_at(now)) + run_s
             # shared blocks already there are neither copied again nor freed to make room
             lacks = dev.memory.missing(nbytes, blocks)
-            short = lacks > dev.memory.free
             # Spread demand: the device with the least work per second on it (in steps of 10% of a
             # device), then the one that can serve this model soonest. (The work its victims
             # bring leaves with them; they are idle or the least wanted, so it is counted: knowing
             # it would take a victim search on every device, the most of a LOAD's cost at 10,000
             # models, where this order takes one on the first device that evicts nothing in demand.)
-            load = _tenths(self._utilisation(view, dev, now))  # (first: it may make the device's demand again)
-            done = copy_free + load_s + run_s
-            hopeless = False
+            c = _Candidate(lacks > dev.memory.free, _tenths(self._utilisation(view, dev, now)), copy_free, dev,
+                           lacks, blocks, False)
             if blocked is not None and head is not None:
                 was = self._holds(blocked, dev, lasting, head, now)
-                hopeless = was is not None and not (was.pressed and head.deadline - done <= self.horizon)
-            c = _Candidate(short, load, finish, dev, done, lacks, blocks, hopeless)
+                if was is not None:
+                    if was.pressed:  # hopeless unless its head turned urgent
+                        self._rate(view, entry, c, b1, whole, profiled, ran, now)
+                        c.hopeless = head.deadline - c.done > self.horizon
+                    else:
+                        c.hopeless = True
             i = len(candidates)
             candidates.append(c)
             while i > 0 and _candidate_before(c, candidates[i - 1]):  # (insertion: a handful of devices)
@@ -1334,7 +1380,14 @@ class ClockworkPolicy(Policy):
             return False
         best: _Option | None = None
         finish = math.inf  # the soonest any LOAD could serve it: of options found, and devices not searched
-        for n, c in enumerate(candidates):
+        searched = len(candidates)  # (those after a search that needs no better one are not)
+        n = 0
+        ordered = 0  # candidates before it are in their full order
+        while n < len(candidates):
+            if n == ordered:  # the first of a group of equal load: estimated, ordered by when they finish
+                ordered = self._rate_group(view, entry, candidates, n, b1, whole, profiled, ran, now)
+            c = candidates[n]
+            n += 1
             if c.hopeless:
                 self.searches_spared += 1
                 continue
@@ -1369,15 +1422,20 @@ class ClockworkPolicy(Policy):
             if best is None or _option_before(option, best):
                 best = option
             if in_demand == 0:  # (no device after it in this order can do better)
-                for rest in candidates[n + 1:]:
-                    if rest.finish < finish:
-                        finish = rest.finish
+                searched = n
                 break
         if best is None:
             return False
         if head is not None and not _placed(view, key):
             # Cold: a head that even the best LOAD cannot save is answered now; the load still
-            # goes ahead if anyone behind it can make it.
+            # goes ahead if anyone behind it can make it. (The devices not searched count only
+            # where the options found are too late for the head.)
+            if finish > head.deadline:
+                for rest in candidates[searched:]:
+                    if not rest.rated:
+                        self._rate(view, entry, rest, b1, whole, profiled, ran, now)
+                    if rest.finish < finish:
+                        finish = rest.finish
             while (h := entry.queue.head()) is not None and finish > h.deadline:
                 yield Drop(h)
             if entry.queue.head() is None:
@@ -1387,7 +1445,9 @@ class ClockworkPolicy(Policy):
             victim = view.models.get(k)
             if victim is not None:
                 yield Unload(victim.spec, dev.name)
-        yield Load(entry.spec, dev.name, self._load_est(view, entry, dev.kind, dev))
+        # (the cost kind's estimate where it is the device's and the whole model is copied: the same)
+        yield Load(entry.spec, dev.name, my_load if dev.kind == kind and not entry.blocks_on(kind)
+                   else self._load_est(view, entry, dev.kind, dev))
         self._blocked.pop(key, None)
         self._moved(view, dev, entry, victims, my_load)
         if _placed(view, key, dev):
