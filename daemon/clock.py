@@ -7,7 +7,7 @@ in tests. `VirtualClock` is the clock of simulated devices.
 
 from __future__ import annotations
 
-import time
+from time import monotonic
 from typing import Protocol
 
 
@@ -21,7 +21,9 @@ class MonotonicClock:
     __slots__ = ()
 
     def now(self) -> float:
-        return time.monotonic()
+        # (the function imported, not `time.monotonic` read from the module: compiled, that read is
+        # a generic attribute look-up, ~270 instructions, four times a request)
+        return monotonic()
 
 
 class FakeClock:

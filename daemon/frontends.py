@@ -238,11 +238,16 @@ class FrontendWorkers:
             if len(refs) != len(inputs):
                 raise InternalError(f"a frontend worker sent {len(refs)} inputs for {spec.name}")
             view = w.view
-            try:  # one ndarray call per input (bounds checked by numpy); a list, not a generator's frame
-                arrays = tuple([np.ndarray(shape, s.datatype.numpy, buffer=view, offset=off)
-                                for s, (off, shape) in zip(inputs, refs, strict=True)])
+            made: list[np.ndarray] = []
+            try:  # one ndarray call per input (bounds checked by numpy)
+                # (by index, not `zip(..., strict=True)`: the lengths are equal, checked above, and
+                # compiled, the keyword made a dict and a zip object each request, ~2.5k instructions)
+                for i in range(len(inputs)):
+                    off, shape = refs[i]
+                    made.append(np.ndarray(shape, inputs[i].datatype.numpy, buffer=view, offset=off))
             except (ValueError, TypeError) as e:  # a worker is trusted with its own region, never beyond it
                 raise InternalError(f"a frontend worker named tensors outside its region: {e}") from None
+            arrays = tuple(made)
             klass = _CLASSES.get(klass)  # a dict lookup: RequestClass(n) costs ~0.35 µs
             if klass is None:
                 raise InternalError(f"a frontend worker sent an unknown request class {record[9]!r}")
