@@ -94,6 +94,8 @@ class Scheduler(ControllerView):
         self._met_deadline = 0
         self._missed_deadline = 0
         self._infer_actions = 0
+        self._loads = 0  # (LOADs and UNLOADs too: one each per cold start at 10,000 models)
+        self._unloads = 0
         self._infer_samples = 0
         self._infer_slots = 0
         self.parm = ParityPlanner(self._counts)
@@ -148,7 +150,8 @@ class Scheduler(ControllerView):
         for name, n in (("admitted", self._admitted), ("cold_starts", self._cold_starts),
                         ("succeeded", self._succeeded), ("met_deadline", self._met_deadline),
                         ("missed_deadline", self._missed_deadline), ("infer_actions", self._infer_actions),
-                        ("infer_samples", self._infer_samples), ("infer_slots", self._infer_slots)):
+                        ("infer_samples", self._infer_samples), ("infer_slots", self._infer_slots),
+                        ("loads", self._loads), ("unloads", self._unloads)):
             if n:
                 c[name] = n
         return c
@@ -926,30 +929,35 @@ class Scheduler(ControllerView):
         return self.issue(action, now)
 
     def issue_load(self, spec: ModelSpec, dev: DeviceState, now: float, expected: float | None = None) -> Action:
+        # (`spec.key` read once: compiled, each read of the interpreted spec is a generic look-up)
         entry = self.models[spec.key]
-        charged = dev.memory.reserve(spec.key, entry.weight_bytes, entry.blocks_on(dev.kind))
+        key = entry.key
+        charged = dev.memory.reserve(key, entry.weight_bytes, entry.blocks_on(dev.kind))
         share = charged / entry.weight_bytes if entry.weight_bytes else 1.0
-        self.placed_on.setdefault(spec.key, set()).add(dev.name)
-        self._counts["loads"] += 1
+        self.placed_on.setdefault(key, set()).add(dev.name)
+        self._loads += 1
         dev.load_inflight += 1
-        dev.busy[spec.key] += 1
+        busy = dev.busy
+        busy[key] = busy[key] + 1  # (not `+=`: compiled, that is a generic in-place add)
         if expected is None:
-            expected = self.estimator.load(spec.key, dev.kind, share) or 0.0
+            expected = self.estimator.load(key, dev.kind, share) or 0.0
         action = self.issue(Action(ActionKind.LOAD, spec, dev.name, now, math.inf, expected,
-                                   expected_start=now), now)
+                                   expected_start=now, key=key), now, dev)
         if share < 1.0:
             self._load_share[action.id] = share
         return action
 
     def issue_unload(self, spec: ModelSpec, dev: DeviceState, now: float) -> Action:
-        dev.memory.release(spec.key)
-        self._unplace(spec.key, dev.name)
-        entry = self.models.get(spec.key)
-        if entry is not None and not self.placed_on.get(spec.key):
+        key = spec.key
+        dev.memory.release(key)
+        self._unplace(key, dev.name)
+        entry = self.models.get(key)
+        if entry is not None and not self.placed_on.get(key):
             self._went_cold(entry, now)  # evicted with work waiting
         dev.load_inflight += 1
-        self._counts["unloads"] += 1
-        return self.issue(Action(ActionKind.UNLOAD, spec, dev.name, now, math.inf, expected_start=now), now)
+        self._unloads += 1
+        return self.issue(Action(ActionKind.UNLOAD, spec, dev.name, now, math.inf, expected_start=now, key=key),
+                          now, dev)
 
     def mark_ready(self, key: str, device: str) -> None:
         """`key`'s weights are ready on `device` (a LOAD landed, or placed before a run)."""
