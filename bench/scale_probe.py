@@ -21,6 +21,9 @@
         the same rounds, the scale scenario's 64 GiB (no LOAD). Controller µs per request,
         medians of RUNS interleaved rounds (seeds 1..), and the ratio of the two
     python -m bench.scale_probe decisions TREE
+    python -m bench.scale_probe decisions-wide TREE
+        one hash per point (six: those three, 10,000 models after a 2 s warm-up, at 16 GiB a device
+        (thrash), the saturation row), with its actions counted from the start and its attainment
     python -m bench.scale_probe without TREE PART [RUNS]
         the 20x, 20,000 req/s point's controller µs per request (median of RUNS seeds) with one part
         made a no-op: `telemetry` (Telemetry.request and .action), `observe` (Estimator.observe_infer:
@@ -46,7 +49,7 @@ import pstats
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Final
 
 
 def _point(models: int, rate: float, seconds: float, speedup: float) -> dict[str, Any]:
@@ -116,6 +119,38 @@ def decisions() -> None:
     for models, rate, secs in ((1000, 20000, 0.3), (10000, 20000, 0.2), (1000, 60000, 0.2)):
         r = _point(models, rate, secs, 20.0)
         print(models, rate, n[0], r["slo_attainment"], h.hexdigest()[:16])
+
+
+# (models, req/s, seconds counted, GiB a device, seconds of warm-up first): the three points of
+# `decisions`, then the steady 10,000-model state with its LOADs, memory thrash, the saturation row
+WIDE_POINTS: Final = ((1000, 20000.0, 0.3, 64.0, 0.0), (10000, 20000.0, 0.2, 64.0, 0.0),
+                      (1000, 60000.0, 0.2, 64.0, 0.0), (10000, 20000.0, 0.5, 64.0, 2.0),
+                      (10000, 20000.0, 0.3, 16.0, 1.0), (1000, 75000.0, 0.5, 64.0, 0.5))
+
+
+def decisions_wide() -> None:
+    """A hash of every action sent and every request answered, one per point of WIDE_POINTS (seed
+    1): where two trees differ, the point says which path (LOADs, thrash, overload) moved."""
+    from bench.scenarios import scale
+    from daemon.controller import driver as dm
+    h = [hashlib.sha256()]
+    n = [0]
+    step = dm.Driver.step
+
+    def recorded(self: Any, now: float, results: Any = (), on_error: Any = None) -> Any:
+        d = step(self, now, results, on_error)
+        for a in d.actions:
+            h[0].update(repr((a.kind.name, a.model.key, a.device, round(a.earliest, 9), round(a.latest, 9),
+                              a.batch_size, a.samples)).encode())
+            n[0] += 1
+        for req in d.finished:
+            h[0].update(repr((req.status.name, round(req.finished_at, 9))).encode())
+        return d
+    dm.Driver.step = recorded  # type: ignore[method-assign]
+    for models, rate, secs, gib, warm in WIDE_POINTS:
+        h[0], n[0] = hashlib.sha256(), 0
+        r = scale.point(models, 20.0, rate, secs, 8, gib, 1, warm_s=warm)
+        print(models, rate, secs, gib, warm, n[0], round(r["slo_attainment"], 6), h[0].hexdigest()[:16], flush=True)
 
 
 def hot(rate: float, seconds: float, runs: int) -> None:
@@ -238,6 +273,9 @@ def main(argv: list[str]) -> None:
         return
     if mode == "thrash":
         thrash(int(args[0]) if args else 3, args[1] if len(args) > 1 else 3.0)
+        return
+    if mode == "decisions-wide":
+        decisions_wide()
         return
     if mode == "hot":
         hot(args[0] if args else 4000.0, args[1] if len(args) > 1 else 5.0, int(args[2]) if len(args) > 2 else 3)
