@@ -66,8 +66,14 @@ def _build_repo(root: Path) -> Path:
 
 
 def _thread_cpu(pid: int, tid: int) -> float:
+    return sum(_thread_times(pid, tid))
+
+
+def _thread_times(pid: int, tid: int) -> tuple[float, float]:
+    """A thread's user and system CPU seconds so far."""
     fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def grpc_infer_message(spec: Any) -> bytes:
@@ -96,17 +102,20 @@ class _ControllerMeter:
 
     def __init__(self, server: Escapement) -> None:
         self.server = server
-        self.inline0 = self.loop0 = self.all0 = 0.0
-        self.inline_s = self.loop_s = self.all_s = 0.0
+        self.inline0 = self.loop0 = self.all0 = self.sys0 = 0.0
+        self.inline_s = self.loop_s = self.all_s = self.sys_s = 0.0
 
     def open(self) -> None:
         pid = self.server.pid
         self.inline0 = inline_run_ns(self.server.port)
-        self.loop0, self.all0 = _thread_cpu(pid, pid), cpu_seconds(pid)
+        user, self.sys0 = _thread_times(pid, pid)
+        self.loop0, self.all0 = user + self.sys0, cpu_seconds(pid)
 
     def close(self) -> None:
         pid = self.server.pid
-        self.loop_s, self.all_s = _thread_cpu(pid, pid) - self.loop0, cpu_seconds(pid) - self.all0
+        user, sys = _thread_times(pid, pid)
+        self.loop_s, self.all_s = user + sys - self.loop0, cpu_seconds(pid) - self.all0
+        self.sys_s = sys - self.sys0
         self.inline_s = (inline_run_ns(self.server.port) - self.inline0) / 1e9
 
 
@@ -139,6 +148,8 @@ def closed_loop(protocol: str, server: Escapement, clients: int, seconds: float,
     p50, p99 = _percentiles_ms(out.latencies)
     return {"requests_per_s": ok / wall, "failed": out.failed, "errors": out.errors, "p50_ms": p50, "p99_ms": p99,
             "loop_us_per_request": meter.loop_s / max(ok, 1) * 1e6,
+            # of which in the kernel (the link's and the sockets' system calls)
+            "loop_sys_us_per_request": meter.sys_s / max(ok, 1) * 1e6,
             "inline_run_us_per_request": meter.inline_s / max(ok, 1) * 1e6,
             "loop_us_deciding": (meter.loop_s - meter.inline_s) / max(ok, 1) * 1e6,
             "controller_process_cores": meter.all_s / wall,
@@ -147,12 +158,14 @@ def closed_loop(protocol: str, server: Escapement, clients: int, seconds: float,
             "generator_busiest_cores": max(out.generator_cpu_s) / wall}
 
 
-def serve(repo: Path, workers: int, device: str | None = None) -> Escapement:
-    """The daemon for one worker count (not started): HTTP, the socket and gRPC, the model on `device` (default CPU)."""
+def serve(repo: Path, workers: int, device: str | None = None, latency_path: bool = True) -> Escapement:
+    """The daemon for one worker count (not started): HTTP, the socket and gRPC, the model on `device` (default CPU).
+    `latency_path=False`: every run on the device's thread, as on a GPU (the loop hands each INFER over)."""
     server = {"frontend_workers": workers, "grpc": "127.0.0.1:0"}
+    controller = {} if latency_path else {"latency_path": False}
     if device is None:
-        return Escapement(repo, server=server)
-    return Escapement(repo, server=server, runtime={"devices": [device]})
+        return Escapement(repo, server=server, controller=controller)
+    return Escapement(repo, server=server, runtime={"devices": [device]}, controller=controller)
 
 
 def points(server: Escapement, spec: Any, workers: int, protocols: Sequence[str], clients: int, seconds: float,
@@ -196,6 +209,7 @@ def summarize(rows: list[dict[str, Any]], protocols: Sequence[str], counts: list
     rps = {p: _median_by(rows, "requests_per_s", p, counts) for p in protocols}
     summary["loop_us_per_request"] = {p: _median_by(rows, "loop_us_per_request", p, counts) for p in protocols}
     summary["loop_us_deciding"] = {p: _median_by(rows, "loop_us_deciding", p, counts) for p in protocols}
+    summary["loop_sys_us_per_request"] = {p: _median_by(rows, "loop_sys_us_per_request", p, counts) for p in protocols}
     for p in protocols:
         summary["requests_per_s_by_workers" if p == "http" else f"{p}_requests_per_s_by_workers"] = rps[p]
     base = str(counts[0])
@@ -210,19 +224,21 @@ def summarize(rows: list[dict[str, Any]], protocols: Sequence[str], counts: list
 
 def run(quick: bool = False, json_out: str | None = None, workers: Any = None, reps: int = 3,
         clients: int = 16, seconds: float | None = None, shm: bool = False,
-        requests: int | None = None, generators: int = 1, protocols: Any = None) -> dict[str, Any]:
+        requests: int | None = None, generators: int = 1, protocols: Any = None,
+        latency_path: Any = True) -> dict[str, Any]:
     if shm:
         return run_shm(quick, json_out, reps, requests or (300 if quick else 1000))
     counts = int_list(workers) if workers is not None else [0, 1, 2]
     chosen = protocol_list(protocols) if protocols is not None else list(PROTOCOLS)
     seconds = seconds or (3.0 if quick else 8.0)
+    path = latency_path not in (False, "off", "false", "0", 0)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="ingest-") as tmp, closing(make_generators(generators)) as gens:
         repo = _build_repo(Path(tmp) / "repo")
         spec = spec_of(repo, MODEL)
         for rep in range(reps):
             for n in counts:  # interleaved: the machine's noise falls on every count alike
-                with serve(repo, n) as server:
+                with serve(repo, n, latency_path=path) as server:
                     rows += points(server, spec, n, chosen, clients, seconds, min(1.0, seconds / 3), gens, rep)
     summary: dict[str, Any] = {"model": MODEL, "clients": clients, "generators": generators, "reps": reps,
                                **summarize(rows, chosen, counts)}
@@ -231,7 +247,8 @@ def run(quick: bool = False, json_out: str | None = None, workers: Any = None, r
                                ("seconds", seconds if seconds != (3.0 if quick else 8.0) else None),
                                ("reps", reps if reps != 3 else None),
                                ("generators", generators if generators != 1 else None),
-                               ("protocols", ",".join(chosen) if protocols is not None else None))
+                               ("protocols", ",".join(chosen) if protocols is not None else None),
+                               ("latency-path", None if path else "off"))
              if v is not None}
     where = ("in this process (one uvloop loop)" if generators <= 1 else
              f"in {generators} spawned processes (a uvloop loop each, clients split among them, one shared start)")
@@ -242,16 +259,19 @@ def run(quick: bool = False, json_out: str | None = None, workers: Any = None, r
              "loop_us_deciding: the same less the models' runs on that thread (the latency path runs a lone or "
              "small batch there, skipping two thread hand-offs; the daemon counts that CPU, latency_path_cpu_ns): "
              "the link records, the controller and the answers.",
+             "loop_sys_us_per_request: the part of loop_us_per_request spent in the kernel (the link's and the "
+             "sockets' system calls).",
              "p50_ms, p99_ms: latency of every answered request of the measured window (all generators), as each "
              "client saw it from writing its request to reading the whole answer.",
              "generator_busiest_cores: the busiest generator's CPU over the window; near 1 the generator, not the "
              "daemon, limited requests/s."]
     config = {"command": command("ingest", quick, extra), "workers": counts, "clients": clients, "seconds": seconds,
-              "reps": reps, "generators": generators, "protocols": chosen}
+              "reps": reps, "generators": generators, "protocols": chosen, "latency_path": path}
     return results.write("ingest", config,
                          rows, summary, json_out, notes=notes,
                          columns=["label", "rep", "requests_per_s", "p50_ms", "p99_ms", "loop_us_per_request",
-                                  "loop_us_deciding", "controller_process_cores", "generator_busiest_cores",
+                                  "loop_us_deciding", "loop_sys_us_per_request", "controller_process_cores",
+                                  "generator_busiest_cores",
                                   "failed"])
 
 
