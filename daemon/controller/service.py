@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -101,6 +102,9 @@ class ControllerService:
         # in a new process); an event rather than a waiter, which would run a predicate every step
         self.all_lost = asyncio.Event()
         self._results: list[Result] = []  # came back since the last step
+        # posted by executor threads, not yet taken by the loop (under `_post_lock`)
+        self._posted: list[Result] = []
+        self._post_lock = threading.Lock()
         ctl = scheduler.settings
         self.latency = LatencyPath(ctl.latency_path, ctl.latency_path_max_ms / 1000.0)
         # keep-warm (controller.keep_warm_ms): after a run on the latency path the loop spins, and
@@ -147,12 +151,27 @@ class ControllerService:
     # ---------------------------------------------------------------- from executors
 
     def post_result(self, result: Result) -> None:
-        """Thread-safe: called on executor threads."""
-        self.loop.call_soon_threadsafe(self._on_result, result)
+        """Thread-safe: called on executor threads. Results posted before the loop takes the last
+        ones share their one wake-up."""
+        lock = self._post_lock
+        lock.acquire()
+        posted = self._posted
+        posted.append(result)
+        first = len(posted) == 1
+        lock.release()
+        if first:
+            self.loop.call_soon_threadsafe(self._take_posted)
 
-    def _on_result(self, result: Result) -> None:
-        self._results.append(result)  # applied by the next step, with everything else that came back
-        self._kick()
+    def _take_posted(self) -> None:
+        lock = self._post_lock
+        lock.acquire()
+        posted, self._posted = self._posted, []
+        lock.release()
+        self._results.extend(posted)  # applied by the next step, with everything else that came back
+        if not self._dirty:
+            # Stepped now, not kicked: the results are why the loop woke, and a step queued behind
+            # this callback would take one more turn of the loop (a poll) before the answers go.
+            self._step()
 
     # ---------------------------------------------------------------- the step
 
