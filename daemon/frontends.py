@@ -46,6 +46,7 @@ from daemon.api.http import HttpFrontend
 from daemon.api.httpserver import Request
 from daemon.api.link import (
     ABORT,
+    ANSWER,
     CALL,
     CANCEL,
     DONE,
@@ -284,8 +285,11 @@ class FrontendWorkers:
         if req.ok:
             assert req.outputs is not None
             # shapes as tuples: msgpack writes them as arrays, without a list copy each
-            w.link.send([DONE, rid, 200, "", None, req.reconstructed,
-                         [[a.shape, _output_bytes(a)] for a in req.outputs], req.cached, req.defaulted])
+            outputs = [[a.shape, _output_bytes(a)] for a in req.outputs]
+            if req.reconstructed or req.cached or req.defaulted:
+                w.link.send([DONE, rid, 200, "", None, req.reconstructed, outputs, req.cached, req.defaulted])
+            else:  # (most answers: a record of three fields, not nine, to pack here and read there)
+                w.link.send([ANSWER, rid, outputs])
         else:
             err: BaseException = req.error if req.error is not None else Cancelled("the request was cancelled")
             w.link.send([DONE, rid, status_of(err), message_of(err), retry_after_of(err), False, []])

@@ -24,6 +24,8 @@ Records (arrays; "->" controller to worker, "<-" worker to controller):
   <- CANCEL   [CANCEL, rid]
   -> DONE     [DONE, rid, status, error, retry_after_s, reconstructed, [[shape, bytes], ...], cached,
                defaulted]
+  -> ANSWER   [ANSWER, rid, [[shape, bytes], ...]]   DONE of a plain success (200, none of the flags):
+                                                    most answers, in a third of the record's fields
   <- CALL     [CALL, cid, kind, payload]   an HTTP request or socket op for the controller to answer
   -> REPLY    [REPLY, cid, payload]
   <- ABORT    [ABORT, cid]   nobody waits for that CALL's answer any more (its client left, its
@@ -47,7 +49,7 @@ import msgpack
 
 log = logging.getLogger("escapement.workers")
 
-HELLO, MODELS, STATE, SUBMIT, CANCEL, DONE, CALL, REPLY, DRAIN, STOP, READY, ABORT, REGIONS, SEEN = range(14)
+HELLO, MODELS, STATE, SUBMIT, CANCEL, DONE, CALL, REPLY, DRAIN, STOP, READY, ABORT, REGIONS, SEEN, ANSWER = range(15)
 
 MAX_BUFFER = 256 << 20  # unsent bytes to one peer before it counts as wedged
 

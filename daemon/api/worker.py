@@ -40,7 +40,7 @@ from daemon.api.budget import Lease
 from daemon.api.grpc_v2 import GrpcFrontend
 from daemon.api.http import HttpFrontend
 from daemon.api.httpserver import Request, Response, Router
-from daemon.api.link import DONE, DRAIN, HELLO, MODELS, READY, REGIONS, REPLY, SEEN, STATE, STOP, Link
+from daemon.api.link import ANSWER, DONE, DRAIN, HELLO, MODELS, READY, REGIONS, REPLY, SEEN, STATE, STOP, Link
 from daemon.api.remote import RemoteController, RemoteGateway, catalog_from, error_from
 from daemon.api.sharedmem import region_names
 from daemon.api.slots import SlotPool, pool_bytes, pool_classes
@@ -203,9 +203,12 @@ class Worker:
 
     def _on_record(self, record: list[Any]) -> None:
         op = record[0]
-        if op == DONE:
+        if op in (ANSWER, DONE):
             assert self.remote is not None
-            self.remote.done(*record[1:])
+            if op == ANSWER:
+                self.remote.done(record[1], 200, "", None, False, record[2])
+            else:
+                self.remote.done(*record[1:])
             if self._stopping and not self.remote.inflight:
                 self._idle.set()
         elif op == REPLY:

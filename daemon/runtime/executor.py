@@ -365,7 +365,9 @@ class Executor:
         if io is None or action.samples > action.batch_size:
             return Result(action, ResultStatus.FAILED, received, begin, begin, failure=Failure.ERROR,
                           error=f"invalid batch: {action.samples} samples at batch size {action.batch_size}")
-        self.faults.before()
+        faults = self.faults
+        if faults.active:
+            faults.before()
         staged = getattr(self.backend, "infer_staged", None)
         if action.group or (staged is not None and isinstance(res.runner, Chain) and action.coded is None):
             return self._infer_staged(action, received, begin, res, io)
@@ -375,7 +377,7 @@ class Executor:
             return io.fill_coded(coded, encoder) if coded is not None else io.fill(requests)
         deadline = begin + self.hang_timeout_s + 10 * action.expected_duration
         outputs, duration = self.backend.infer(res, io, fill, deadline)
-        extra = self.faults.extra(self.clock.now() - begin, begin)
+        extra = faults.extra(self.clock.now() - begin, begin) if faults.active else 0.0
         if extra > 0:
             time.sleep(extra)  # an injected slowdown holds the device, as a slow device would
         return Result(action, ResultStatus.OK, received, begin, self.clock.now(), duration, outputs)

@@ -335,8 +335,13 @@ def _binder_over(shell: torch.jit.ScriptModule, owners: list[tuple[str, str, int
         for path, attr, s in owners:
             _set_tensor(_submodule(inst, path), attr, views[s])
 
+        # The script's own forward, not the module's call: nn.Module.__call__ adds two Python frames
+        # and its hook checks (~4k instructions a run; nothing here registers hooks).
+        forward = inst.forward
+
         def run(xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-            return _as_tuple(inst(*xs), spec)
+            out = forward(*xs)
+            return (out,) if isinstance(out, torch.Tensor) else _as_tuple(out, spec)
         return run
 
     def release(owner: str) -> None:
