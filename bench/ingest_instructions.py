@@ -11,8 +11,10 @@ loop: the link's records, the gateway, the compiled controller, runs on the late
 answers) and of all its threads. The latency path's bound is raised to its maximum, so that a lone
 request runs on the loop as it does at full speed (under callgrind its estimate is ~50x longer).
 The frontend's 5 ms state tick is counted too: it runs per second, not per request, so under
-callgrind's slowdown it comes ~30x more often per request than at full speed (~18k instructions a
-request here, under 1k at full speed). One client keeps every request alone (a batch of one on
+callgrind's slowdown it comes ~30x more often per request than at full speed (~13-18k instructions
+a request here, under 1k at full speed), and more on a busy machine (a slower run): the figure
+`loop_instructions_per_request_less_tick` leaves it out (the tick's own inclusive count).
+One client keeps every request alone (a batch of one on
 the latency path), which makes the count repeatable (±1% run to run); more clients batch by
 timing, and under callgrind the daemon runs ~50x slower than its clients, so their batches are
 larger than real.
@@ -105,6 +107,19 @@ def _totals(path: Path) -> int:
     return total
 
 
+def _tick(dump: Path) -> int:
+    """Instructions of a dump spent in the frontend's state tick (`FrontendWorkers._on_tick`, with
+    what it calls, and its timer's re-arming), by callgrind_annotate's inclusive count."""
+    out = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(dump)],
+                         capture_output=True, text=True, timeout=600).stdout
+    total = 0
+    for line in out.splitlines():
+        # (the compiled entry point called from the timer: inclusive of the tick's whole work)
+        if re.search(r":CPyPy_frontends___FrontendWorkers____on_tick\b", line):
+            total += int(line.split()[0].replace(",", ""))
+    return total
+
+
 def measure(tree: Path, protocol: str, clients: int, requests: int, warm: int, keep: str = "",
             latency_path: bool = True) -> dict[str, Any]:
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
@@ -135,6 +150,7 @@ def measure(tree: Path, protocol: str, clients: int, requests: int, warm: int, k
             _control("-d", pid)
             dumps = sorted(out.glob(f"cg.{pid}*"))
             per_thread = {p.name: _totals(p) for p in dumps}
+            tick = sum(_tick(p) for p in dumps if p.name.endswith("-01"))
             if keep:
                 shutil.copytree(tmp, keep, dirs_exist_ok=True)
         # the main thread's dump is the one of thread 1 (`-01`); a thread that ran nothing has 0
@@ -144,6 +160,10 @@ def measure(tree: Path, protocol: str, clients: int, requests: int, warm: int, k
             "latency_path": latency_path,
             "warm_answered": warmed[0], "answered": counted[0], "failed": counted[1], "wall_s": wall,
             "loop_instructions_per_request": main / max(counted[0], 1),
+            # less the frontend's 5 ms state tick: it runs per second of wall time, not per
+            # request, so its share here depends on how slowly the run went (a busy machine, more
+            # ticks); this figure compares across runs on a shared machine
+            "loop_instructions_per_request_less_tick": (main - tick) / max(counted[0], 1),
             "process_instructions_per_request": total / max(counted[0], 1),
             "threads": per_thread}
 

@@ -154,6 +154,8 @@ class FrontendWorkers:
         self._regions_generation = 0  # (a worker starts with the registry as it is: _start_worker)
         self.restarts = 0
         self.forwarded = 0  # calls workers forwarded here (management, statistics, users' inferences...)
+        self._answering = False  # a step's answers are being delivered (answers_begin/end)
+        self._held: list[Link] = []  # links holding answers of this step, not yet written
 
     # ---------------------------------------------------------------- start-up
 
@@ -278,21 +280,41 @@ class FrontendWorkers:
                 log.error("frontend worker %d: %s", w.index, e.message)
             w.link.send([DONE, rid, e.status, e.message, retry_after_of(e), False, []])
 
+    # A step's answers (ControllerService.answers): each worker's go out in one write when the
+    # step's last is delivered, not a loop turn later (a call_soon and a turn of the loop each)
+    def answers_begin(self) -> None:
+        self._answering = True
+
+    def answers_end(self) -> None:
+        self._answering = False
+        held = self._held
+        if held:
+            for link in held:
+                link.flush()
+            held.clear()
+
+    def _answer(self, link: Link, record: list[Any]) -> None:
+        if not self._answering:
+            link.send(record)
+        elif link.hold(record):
+            self._held.append(link)
+
     def _finished(self, w: WorkerHandle, req: InferenceRequest) -> None:
         rid = req.context
-        if w.requests.pop(rid, None) is None or w.link is None:
+        link = w.link
+        if w.requests.pop(rid, None) is None or link is None:
             return  # its worker died meanwhile
         if req.ok:
             assert req.outputs is not None
             # shapes as tuples: msgpack writes them as arrays, without a list copy each
             outputs = [[a.shape, _output_bytes(a)] for a in req.outputs]
             if req.reconstructed or req.cached or req.defaulted:
-                w.link.send([DONE, rid, 200, "", None, req.reconstructed, outputs, req.cached, req.defaulted])
+                self._answer(link, [DONE, rid, 200, "", None, req.reconstructed, outputs, req.cached, req.defaulted])
             else:  # (most answers: a record of three fields, not nine, to pack here and read there)
-                w.link.send([ANSWER, rid, outputs])
+                self._answer(link, [ANSWER, rid, outputs])
         else:
             err: BaseException = req.error if req.error is not None else Cancelled("the request was cancelled")
-            w.link.send([DONE, rid, status_of(err), message_of(err), retry_after_of(err), False, []])
+            self._answer(link, [DONE, rid, status_of(err), message_of(err), retry_after_of(err), False, []])
 
     def _call(self, w: WorkerHandle, cid: int, kind: int, payload: Any) -> None:
         assert w.link is not None

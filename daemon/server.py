@@ -234,6 +234,8 @@ class Daemon:
         if workers and (s.server.http or s.server.socket or s.server.grpc):
             self.frontends = FrontendWorkers(s, self.gateway, workers, on_fatal=self._frontends_failed,
                                              cores=self._all_cores)
+            if self._controller is not None:
+                self._controller.answers = self.frontends  # (a step's answers in one write per worker)
             await self.frontends.start()
             self.http_port = self.frontends.http_port if s.server.http else None
             if self.http_port:

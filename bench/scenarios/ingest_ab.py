@@ -32,6 +32,7 @@ from bench.scenarios.ingest import (
     _thread_cpu_ns,
 )
 from bench.scenarios.ingest_profile import _children
+from bench.servers import cpu_seconds
 
 PROTOCOLS = ("http", "socket")
 
@@ -53,11 +54,16 @@ def _point(protocol: str, server: servers.Escapement, spec: Any, seconds: float)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(go(1.0))
         cpu0 = [_thread_cpu_ns(p, p) for p in pids]
+        all0 = cpu_seconds(server.pid)
         t0 = time.monotonic()
         ok, failed = runner.run(go(seconds))
         wall = time.monotonic() - t0
         cpu = [(_thread_cpu_ns(p, p) - c) / 1e3 for p, c in zip(pids, cpu0, strict=True)]
-    row = {"requests_per_s": ok / wall, "failed": failed, "loop_us_per_request": cpu[0] / max(ok, 1)}
+        every = (cpu_seconds(server.pid) - all0) * 1e6
+    row = {"requests_per_s": ok / wall, "failed": failed, "loop_us_per_request": cpu[0] / max(ok, 1),
+           # every thread of the controller process (the loop, the device's lanes): what the
+           # process takes of the machine's cores per request
+           "process_us_per_request": every / max(ok, 1)}
     if len(cpu) > 1:
         row["worker_loop_us_per_request"] = cpu[1] / max(ok, 1)
     return row
@@ -70,6 +76,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--latency-path", choices=("on", "off"), default="on",
+                    help="off: every run on the device's thread, as on a GPU")
     ap.add_argument("--out", default="")
     ap.add_argument("--shm", type=int, default=0,
                     help="instead: the ingest scenario's shared-memory variants (HTTP), this many requests each")
@@ -85,15 +93,18 @@ def main() -> None:
         for rep in range(a.reps):
             for label, tree in trees.items():  # interleaved: the machine's noise falls on both alike
                 servers.ROOT = tree  # Escapement.start runs `python -m daemon` in ROOT
-                with servers.Escapement(repo, server={"frontend_workers": a.workers}) as server:
+                controller = {} if a.latency_path == "on" else {"latency_path": False}
+                with servers.Escapement(repo, server={"frontend_workers": a.workers},
+                                        controller=controller) as server:
                     for protocol in PROTOCOLS:
                         rows.append({"tree": label, "rep": rep, "protocol": protocol,
                                      **_point(protocol, server, spec, a.seconds)})
                         print(rows[-1], flush=True)
-    keys = ["loop_us_per_request", "worker_loop_us_per_request", "requests_per_s"]
+    keys = ["loop_us_per_request", "process_us_per_request", "worker_loop_us_per_request", "requests_per_s"]
     lines = [f"# ingest A/B: {trees['base']} (base) vs {trees['new']} (new)", "",
              f"`python -m bench.scenarios.ingest_ab {a.base} {a.new} --reps {a.reps} --seconds {a.seconds:g} "
-             f"--workers {a.workers}`; frontend_workers = {a.workers}, 16 closed-loop clients, batch 1, "
+             f"--workers {a.workers} --latency-path {a.latency_path}`; frontend_workers = {a.workers}, "
+             "16 closed-loop clients, batch 1, "
              f"null_784; {a.reps} reps interleaved, medians.", "",
              "| protocol | metric | base | new | new/base |", "|---|---|---|---|---|"]
     for protocol in PROTOCOLS:

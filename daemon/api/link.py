@@ -103,6 +103,19 @@ class Link(asyncio.Protocol):
             self._loop.call_soon(self._flush)
         self._out.append(self._packer.pack(record))
 
+    def hold(self, record: list[Any]) -> bool:
+        """Queue a record without arranging its write: True if the caller must `flush` the link
+        (nothing was queued before; else a flush is already arranged and takes it too)."""
+        if self.closed or self.transport is None:
+            return False
+        first = not self._out
+        self._out.append(self._packer.pack(record))
+        return first
+
+    def flush(self) -> None:
+        """Write what is queued now."""
+        self._flush()
+
     def _flush(self) -> None:
         if self.closed or self.transport is None or not self._out:
             return

@@ -72,6 +72,15 @@ class Flag:
                 self._waiters.remove(fut)
 
 
+class AnswerBatch(Protocol):
+    """Told when a step starts and ends answering its finished requests (frontend workers gather a
+    step's answers to each worker into one write, made at the end, not a loop turn later)."""
+
+    def answers_begin(self) -> None: ...
+
+    def answers_end(self) -> None: ...
+
+
 class ActionSink(Protocol):
     def submit(self, action: Action) -> None: ...
 
@@ -102,6 +111,7 @@ class ControllerService:
         # in a new process); an event rather than a waiter, which would run a predicate every step
         self.all_lost = asyncio.Event()
         self._results: list[Result] = []  # came back since the last step
+        self.answers: AnswerBatch | None = None  # (set by the frontend workers, if any)
         # posted by executor threads, not yet taken by the loop (under `_post_lock`)
         self._posted: list[Result] = []
         self._post_lock = threading.Lock()
@@ -318,12 +328,22 @@ class ControllerService:
     def _deliver(self, decision: Decision) -> None:
         for action in decision.actions:
             self.executors[action.device].submit(action)
-        for req in decision.finished:
-            if req.on_finish is not None:
-                try:
-                    req.on_finish(req)
-                except Exception:
-                    log.exception("answering request %d failed", req.id)
+        finished = decision.finished
+        if not finished:
+            return
+        batch = self.answers
+        if batch is not None:
+            batch.answers_begin()
+        try:
+            for req in finished:
+                if req.on_finish is not None:
+                    try:
+                        req.on_finish(req)
+                    except Exception:
+                        log.exception("answering request %d failed", req.id)
+        finally:
+            if batch is not None:
+                batch.answers_end()
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -6,9 +6,10 @@ import asyncio
 import socket
 from typing import Any
 
+import msgpack
 import pytest
 
-from daemon.api.link import DONE, SUBMIT, Link
+from daemon.api.link import ANSWER, DONE, SUBMIT, Link
 from daemon.api.remote import error_from
 from daemon.api.slots import MEDIUM_SLOT, SMALL_SLOT, SlotPool, packed_size, pool_bytes, pool_classes
 from daemon.errors import DeadlineExceeded, Overloaded, Unavailable
@@ -79,3 +80,39 @@ def test_records_cross_a_socketpair_in_order_and_a_bad_record_closes_the_link() 
         return rx.closed
 
     assert asyncio.run(main())
+
+
+def test_held_records_go_out_in_one_write_when_flushed_and_not_before() -> None:
+    class Recorder(asyncio.Transport):
+        def __init__(self) -> None:
+            super().__init__()
+            self.writes: list[bytes] = []
+
+        def write(self, data: Any) -> None:
+            self.writes.append(bytes(data))
+
+        def get_write_buffer_size(self) -> int:
+            return 0
+
+    async def main() -> None:
+        link = Link(lambda r: None, lambda: None, max_record=1 << 16)
+        t = Recorder()
+        link.connection_made(t)
+        assert link.hold([ANSWER, 1, [[(1, 2), b"ab"]]])  # the first held: the caller flushes
+        assert not link.hold([DONE, 2, 504, "late", None, False, []])  # already arranged
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert t.writes == []  # held: no write arranged on the loop
+        link.flush()
+        unpacker = msgpack.Unpacker(raw=False)
+        assert len(t.writes) == 1
+        unpacker.feed(t.writes[0])
+        assert list(unpacker) == [[ANSWER, 1, [[[1, 2], b"ab"]]], [DONE, 2, 504, "late", None, False, []]]
+        link.send([DONE, 3, 499, "", None, False, []])  # sent, not held: written after this turn
+        assert link.hold([ANSWER, 4, []]) is False  # a write is already arranged; it takes this too
+        await asyncio.sleep(0)
+        assert len(t.writes) == 2
+        unpacker.feed(t.writes[1])
+        assert [r[1] for r in unpacker] == [3, 4]
+
+    asyncio.run(main())
