@@ -276,11 +276,14 @@ class Telemetry:
                 if result.duration > 0:  # the weight copy's own device time (CUDA events), within the LOAD
                     self._load_copy.add(result.duration)
                 dev.load_time.add(end - begin)
-                self._model_of(a).loads[a.device] += 1
+                counts = self._model_of(a).loads
+                counts[a.device] = counts.get(a.device, 0) + 1
             else:
-                self._model_of(a).load_failures[a.device] += 1
+                counts = self._model_of(a).load_failures
+                counts[a.device] = counts.get(a.device, 0) + 1
         elif ok and kind == ActionKind.UNLOAD:
-            self._model_of(a).unloads[a.device] += 1
+            counts = self._model_of(a).unloads
+            counts[a.device] = counts.get(a.device, 0) + 1
         if self.trace is not None:
             self.trace.write({"ev": "action", "id": a.id, "kind": a.kind.name, "model": a.model.key,
                               "device": a.device, "batch": a.batch_size, "samples": a.samples,
