@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from http import HTTPStatus
+from typing import Any
 from urllib.parse import unquote
 
 import httptools
@@ -368,7 +369,8 @@ class HttpConnection(asyncio.Protocol):
         if method == "CONNECT":  # a proxy tunnel: its target is no path of ours
             raise _Refuse(MethodNotAllowed("CONNECT is not supported: this is not a proxy"))
         try:
-            parsed = httptools.parse_url(self._url)
+            # (Any: its parts are None where absent, which its stubs do not say and compiled code checks)
+            parsed: Any = httptools.parse_url(self._url)
         except httptools.HttpParserInvalidURLError:
             raise _Refuse(BadRequest("the request target is not a valid URL")) from None
         if not parsed.path:  # "http://host" names no resource; "*" is only for OPTIONS
@@ -537,7 +539,9 @@ class HttpServer:
         self._server = await self.loop.create_server(lambda: HttpConnection(self), host, port, backlog=1024,
                                                      reuse_address=True, reuse_port=reuse_port or None)
         self._sweeper = self.loop.create_task(self._sweep(), name="http-sweeper")
-        bound = list(self._server.sockets or ())
+        # (through Any: uvloop's server gives a list where typeshed says tuple, which compiled code checks)
+        server: Any = self._server
+        bound = list(server.sockets or ())
         return int(bound[0].getsockname()[1]) if bound else port
 
     async def inflate_and_dispatch(self, req: Request) -> Response:

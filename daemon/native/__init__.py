@@ -74,6 +74,13 @@ MODULES: tuple[str, ...] = (
     "daemon.frontends",
     "daemon.api.link",
     "daemon.runtime.executor",
+    "daemon.api.httpserver",
+    "daemon.api.http",
+    "daemon.api.codec",
+    "daemon.api.budget",
+    "daemon.api.remote",
+    "daemon.api.slots",
+    "daemon.api.sharedmem",
 )
 GROUP = "daemon._native"  # the shared library of the group: daemon/_native__mypyc<suffix>
 ENV = "ESCAPEMENT_NATIVE"  # "0": import the source even where a current build exists
