@@ -14,6 +14,7 @@ import pytest
 
 from daemon.actions import Result, ResultStatus
 from daemon.controller.service import ControllerService
+from daemon.model import ModelSpec
 from tests.unit.harness import MS, Harness, make_spec
 
 
@@ -36,13 +37,19 @@ def loop() -> Iterator[RecordingLoop]:
     lp.close()
 
 
-def test_the_timer_is_kept_while_it_fires_no_later_than_needed(loop: RecordingLoop) -> None:
-    h = Harness(devices=1)
+def _two_models(devices: int, loop: asyncio.AbstractEventLoop) -> tuple[Harness, ModelSpec, ModelSpec,
+                                                                        ControllerService]:
+    """Two models loaded on `devices` devices, and a service over their scheduler on `loop`."""
+    h = Harness(devices=devices)
     a = h.add(make_spec("a"), b1=1 * MS, bmax=8 * MS)
     b = h.add(make_spec("b"), b1=1 * MS, bmax=8 * MS)
     h.preload(a, 1)
     h.preload(b, 1)
-    svc = ControllerService(h.sched, {}, h.clock, loop)
+    return h, a, b, ControllerService(h.sched, {}, h.clock, loop)
+
+
+def test_the_timer_is_kept_while_it_fires_no_later_than_needed(loop: RecordingLoop) -> None:
+    h, a, b, svc = _two_models(1, loop)
     h.request(a, timeout=0.5)
     first = h.sched.next_wakeup(h.now)
     assert first is not None
@@ -76,12 +83,7 @@ def test_results_posted_together_share_one_wake_up_and_are_applied_in_one_step()
 
     loop = CountingLoop()
     try:
-        h = Harness(devices=2)
-        a = h.add(make_spec("a"), b1=1 * MS, bmax=8 * MS)
-        b = h.add(make_spec("b"), b1=1 * MS, bmax=8 * MS)
-        h.preload(a, 1)
-        h.preload(b, 1)
-        svc = ControllerService(h.sched, {}, h.clock, loop)
+        h, a, b, svc = _two_models(2, loop)
         h.request(a, timeout=0.5)
         h.request(b, timeout=0.5)
         infers = h.step()
