@@ -56,6 +56,8 @@ def build(package: Path = PACKAGE, jobs: int = 0, force: bool = False) -> int:
             print("daemon.native: the sources changed during the build; nothing installed", file=sys.stderr)
             return 1
         manifest(package).unlink(missing_ok=True)
+        for so in stale_extensions(package):  # (a module no longer compiled: its old build would shadow it)
+            so.unlink()
         built = Path(tmp) / "lib"
         for so in built.rglob("*" + suffix()):
             dest = root / so.relative_to(built)
@@ -72,6 +74,20 @@ def build(package: Path = PACKAGE, jobs: int = 0, force: bool = False) -> int:
 def _mypy_version() -> str:
     from mypy.version import __version__
     return __version__
+
+
+def stale_extensions(package: Path = PACKAGE) -> list[Path]:
+    """Extensions beside a source under `package` for a module not in `MODULES` (left by a build
+    whose MODULES held it): Python would import that old build before the source, against a group
+    library that no longer has it."""
+    wanted = {extension_of(m, package) for m in MODULES}
+    out = []
+    for so in package.rglob("*.cpython-*.so"):
+        if so.parent == package and so.name.startswith(GROUP.rsplit(".", 1)[1] + "__mypyc."):
+            continue  # the group's shared library
+        if so not in wanted and so.with_name(so.name.split(".", 1)[0] + ".py").exists():
+            out.append(so)
+    return sorted(out)
 
 
 def clean(package: Path = PACKAGE) -> int:

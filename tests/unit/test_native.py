@@ -138,3 +138,20 @@ def test_compiled_and_source_controllers_decide_alike() -> None:
         out[flag] = res.stdout.split()
     assert out["1"][0] == "True" and out["0"][0] == "False"
     assert out["1"][1] == out["0"][1]
+
+
+def test_a_build_finds_the_extensions_of_modules_it_no_longer_compiles(tmp_path: Path) -> None:
+    from daemon.native.__main__ import stale_extensions
+
+    pkg = tmp_path / "daemon"
+    (pkg / "api").mkdir(parents=True)
+    (pkg / "api" / "old.py").write_text("")
+    old = pkg / "api" / "old.cpython-311-x86_64-linux-gnu.so"  # built when MODULES held it
+    old.write_bytes(b"")
+    (pkg / "api" / "vendored.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")  # no source: not ours
+    (pkg / "_native__mypyc.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")  # the group library
+    kept = native.extension_of(native.MODULES[0], pkg)  # a module still compiled
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_bytes(b"")
+    native.source_of(native.MODULES[0], pkg).write_text("")
+    assert stale_extensions(pkg) == [old]
