@@ -80,16 +80,6 @@ BACKOFF_S = (0.1, 5.0)
 _CLASSES = {int(c): c for c in RequestClass}
 
 
-def _output_bytes(a: np.ndarray) -> bytes:
-    """`tensor_bytes` (api/codec.py, interpreted: ~2.8k instructions a call) for the outputs most
-    models give, numbers in little-endian or native order, here in compiled code; BYTES and
-    big-endian arrays go through it."""
-    dt = a.dtype
-    if not dt.hasobject and dt.byteorder != ">":
-        return a.tobytes()  # (row-major, whatever the array's strides)
-    return tensor_bytes(a)
-
-
 def default_workers(cores: int) -> int:
     """`server.frontend_workers = -1`: none on one core, else a quarter of the cores and at least one.
     Two cores get one: with HTTP JSON and a real model a worker takes parsing and decoding off the
@@ -307,7 +297,7 @@ class FrontendWorkers:
         if req.ok:
             assert req.outputs is not None
             # shapes as tuples: msgpack writes them as arrays, without a list copy each
-            outputs = [[a.shape, _output_bytes(a)] for a in req.outputs]
+            outputs = [[a.shape, tensor_bytes(a)] for a in req.outputs]
             if req.reconstructed or req.cached or req.defaulted:
                 self._answer(link, [DONE, rid, 200, "", None, req.reconstructed, outputs, req.cached, req.defaulted])
             else:  # (most answers: a record of three fields, not nine, to pack here and read there)

@@ -1,8 +1,9 @@
 """A/B of two source trees on the ingest scenario's closed loop, interleaved in one run.
 
-`python -m bench.scenarios.ingest_ab BASE_TREE NEW_TREE [--reps 3] [--seconds 4] [--workers 1] [--out FILE.md]`:
-each tree is a checkout (e.g. `git archive REV | tar -x -C DIR`) whose daemon is started from
-that directory with this interpreter; per rep and tree, HTTP binary and the socket (msgpack) are
+`python -m bench.scenarios.ingest_ab BASE_TREE NEW_TREE [--reps 3] [--seconds 4] [--workers 1]
+[--protocols http,socket,grpc] [--out FILE.md]`: each tree is a checkout (e.g. `git archive REV |
+tar -x -C DIR`) whose daemon is started from that directory with this interpreter; per rep and
+tree, each protocol (default HTTP binary and the socket, msgpack; gRPC raw contents on request) is
 driven by the ingest scenario's 16 closed-loop clients for SECONDS after a warm-up. Measured: CPU
 µs per request of the controller process's loop thread and of the worker's (schedstat), and
 requests/s. Medians over reps, and new/base ratios of the medians.
@@ -21,31 +22,37 @@ from typing import Any
 import uvloop
 
 from bench import servers
-from bench.ingest_clients import http_client, socket_client
+from bench.ingest_clients import grpc_clients, http_client, socket_client
 from bench.scenarios.common import http_binary, socket_frame, spec_of
 from bench.scenarios.ingest import (
     IMAGE,
     MODEL,
     _build_image_repo,
     _build_repo,
+    _grpc_port,
     _shm_point,
     _thread_cpu_ns,
+    grpc_infer_message,
 )
 from bench.scenarios.ingest_profile import _children
 from bench.servers import cpu_seconds
 
-PROTOCOLS = ("http", "socket")
+PROTOCOLS = ("http", "socket", "grpc")
 
 
 def _point(protocol: str, server: servers.Escapement, spec: Any, seconds: float) -> dict[str, float]:
     request = http_binary(spec).raw
     frame = socket_frame(spec)
+    port = _grpc_port(server) if protocol == "grpc" else 0
+    message = grpc_infer_message(spec) if protocol == "grpc" else b""
 
     async def go(duration: float) -> list[int]:
         counts = [0, 0]
         stop = time.monotonic() + duration
         if protocol == "http":
             await asyncio.gather(*(http_client(server.port, request, stop, counts) for _ in range(16)))
+        elif protocol == "grpc":
+            await grpc_clients(port, message, stop, counts, 16)
         else:
             await asyncio.gather(*(socket_client(server.socket, frame, stop, counts) for _ in range(16)))
         return counts
@@ -78,10 +85,14 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--latency-path", choices=("on", "off"), default="on",
                     help="off: every run on the device's thread, as on a GPU")
+    ap.add_argument("--protocols", default="http,socket", help=f"a subset of {','.join(PROTOCOLS)}")
     ap.add_argument("--out", default="")
     ap.add_argument("--shm", type=int, default=0,
                     help="instead: the ingest scenario's shared-memory variants (HTTP), this many requests each")
     a = ap.parse_args()
+    protocols = [p for p in PROTOCOLS if p in a.protocols.split(",")]
+    if not protocols or set(a.protocols.split(",")) - set(PROTOCOLS):
+        ap.error(f"--protocols: a subset of {','.join(PROTOCOLS)}")
     trees = {"base": Path(a.base).resolve(), "new": Path(a.new).resolve()}
     if a.shm:
         shm_ab(trees, a.reps, a.shm, a.workers, a.out)
@@ -94,20 +105,22 @@ def main() -> None:
             for label, tree in trees.items():  # interleaved: the machine's noise falls on both alike
                 servers.ROOT = tree  # Escapement.start runs `python -m daemon` in ROOT
                 controller = {} if a.latency_path == "on" else {"latency_path": False}
-                with servers.Escapement(repo, server={"frontend_workers": a.workers},
+                grpc = {"grpc": "127.0.0.1:0"} if "grpc" in protocols else {}
+                with servers.Escapement(repo, server={"frontend_workers": a.workers, **grpc},
                                         controller=controller) as server:
-                    for protocol in PROTOCOLS:
+                    for protocol in protocols:
                         rows.append({"tree": label, "rep": rep, "protocol": protocol,
                                      **_point(protocol, server, spec, a.seconds)})
                         print(rows[-1], flush=True)
     keys = ["loop_us_per_request", "process_us_per_request", "worker_loop_us_per_request", "requests_per_s"]
     lines = [f"# ingest A/B: {trees['base']} (base) vs {trees['new']} (new)", "",
              f"`python -m bench.scenarios.ingest_ab {a.base} {a.new} --reps {a.reps} --seconds {a.seconds:g} "
-             f"--workers {a.workers} --latency-path {a.latency_path}`; frontend_workers = {a.workers}, "
+             f"--workers {a.workers} --latency-path {a.latency_path} --protocols {','.join(protocols)}`; "
+             f"frontend_workers = {a.workers}, "
              "16 closed-loop clients, batch 1, "
              f"null_784; {a.reps} reps interleaved, medians.", "",
              "| protocol | metric | base | new | new/base |", "|---|---|---|---|---|"]
-    for protocol in PROTOCOLS:
+    for protocol in protocols:
         for key in keys:
             med = {}
             for label in trees:

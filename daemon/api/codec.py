@@ -244,12 +244,12 @@ def select_outputs(spec: ModelSpec, names: Sequence[str] | None, personalized: b
 
 def tensor_bytes(arr: np.ndarray) -> bytes:
     """Little-endian, row-major bytes of an output; BYTES as length-prefixed elements."""
-    if arr.dtype == object:
+    dt = arr.dtype
+    if not dt.hasobject and dt.byteorder != ">":
+        return arr.tobytes()  # most outputs: numbers in native or little-endian order, any strides
+    if dt.hasobject:
         return b"".join(_LEN.pack(len(b)) + b for b in (_as_bytes(x) for x in arr.ravel()))
-    a = np.ascontiguousarray(arr)
-    if a.dtype.byteorder == ">":
-        a = a.astype(a.dtype.newbyteorder("<"))
-    return a.tobytes()
+    return np.ascontiguousarray(arr).astype(dt.newbyteorder("<")).tobytes()
 
 
 def _as_bytes(x: Any) -> bytes:

@@ -34,6 +34,7 @@ from typing import Any, TypeAlias, TypeVar, cast
 import grpc
 import numpy as np
 from google.protobuf import json_format
+from mypy_extensions import mypyc_attr
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
@@ -112,7 +113,11 @@ def _param(p: pb.InferParameter) -> Any:
     return None if which is None else getattr(p, which)
 
 
-class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+# (not a subclass of grpc's generated servicer: its module is untyped, and compiled, a class over
+# an untyped base loses that base's methods; `_servicer` hands grpcio one. A Python class even where
+# the module is compiled: the methods' bodies and the module's functions still run compiled)
+@mypyc_attr(native_class=False)
+class InferenceService:
     def __init__(self, gateway: Gateway, listener: str) -> None:
         self.gateway = gateway
         self.settings = gateway.settings.server
@@ -404,6 +409,7 @@ def needs_controller(request: pb.ModelInferRequest, regions: SharedMemoryRegions
     return bool(names) and not regions.serves(names)
 
 
+@mypyc_attr(native_class=False)
 class WorkerInferenceService(InferenceService):
     """The service in a frontend worker: inference through the worker's gateway, the rest forwarded."""
 
@@ -502,6 +508,17 @@ async def answer_forwarded(service: InferenceService, method: str, blob: bytes, 
     return [None, "", resp.SerializeToString(), []]
 
 
+def _servicer(service: InferenceService) -> Any:
+    """The generated servicer with `service`'s RPCs in place of its defaults (the RPCs escapement
+    does not serve, e.g. CUDA shared memory and streaming, keep them: UNIMPLEMENTED)."""
+    servicer = pb_grpc.GRPCInferenceServiceServicer()
+    for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+        rpc_ = getattr(service, method.name, None)
+        if rpc_ is not None:
+            setattr(servicer, method.name, rpc_)
+    return servicer
+
+
 class GrpcFrontend:
     """The listener: a grpc.aio server on the running loop (in a frontend worker: with `forward`, which
     takes what only the controller process answers there)."""
@@ -528,7 +545,7 @@ class GrpcFrontend:
         listener = f"{host}:{port}"
         service = (InferenceService(self.gateway, listener) if self.forward is None
                    else WorkerInferenceService(self.gateway, listener, self.forward))
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(service, self.server)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(_servicer(service), self.server)
         bound = self.server.add_insecure_port(f"{host}:{port}" if ":" not in host else f"[{host}]:{port}")
         if bound == 0:
             raise OSError(f"cannot listen for gRPC on {host}:{port}")

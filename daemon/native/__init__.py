@@ -81,6 +81,7 @@ MODULES: tuple[str, ...] = (
     "daemon.api.remote",
     "daemon.api.slots",
     "daemon.api.sharedmem",
+    "daemon.api.grpc_v2",
 )
 GROUP = "daemon._native"  # the shared library of the group: daemon/_native__mypyc<suffix>
 ENV = "ESCAPEMENT_NATIVE"  # "0": import the source even where a current build exists
