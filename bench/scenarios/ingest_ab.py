@@ -62,17 +62,21 @@ def _point(protocol: str, server: servers.Escapement, spec: Any, seconds: float)
         runner.run(go(1.0))
         cpu0 = [_thread_cpu_ns(p, p) for p in pids]
         all0 = cpu_seconds(server.pid)
+        workers0 = [cpu_seconds(p) for p in pids[1:]]
         t0 = time.monotonic()
         ok, failed = runner.run(go(seconds))
         wall = time.monotonic() - t0
         cpu = [(_thread_cpu_ns(p, p) - c) / 1e3 for p, c in zip(pids, cpu0, strict=True)]
         every = (cpu_seconds(server.pid) - all0) * 1e6
+        workers = sum(cpu_seconds(p) - c for p, c in zip(pids[1:], workers0, strict=True)) * 1e6
     row = {"requests_per_s": ok / wall, "failed": failed, "loop_us_per_request": cpu[0] / max(ok, 1),
            # every thread of the controller process (the loop, the device's lanes): what the
            # process takes of the machine's cores per request
            "process_us_per_request": every / max(ok, 1)}
     if len(cpu) > 1:
         row["worker_loop_us_per_request"] = cpu[1] / max(ok, 1)
+        # every thread of the workers (grpcio's own I/O thread, beside the loop, under gRPC)
+        row["worker_process_us_per_request"] = workers / max(ok, 1)
     return row
 
 
@@ -112,7 +116,8 @@ def main() -> None:
                         rows.append({"tree": label, "rep": rep, "protocol": protocol,
                                      **_point(protocol, server, spec, a.seconds)})
                         print(rows[-1], flush=True)
-    keys = ["loop_us_per_request", "process_us_per_request", "worker_loop_us_per_request", "requests_per_s"]
+    keys = ["loop_us_per_request", "process_us_per_request", "worker_loop_us_per_request",
+            "worker_process_us_per_request", "requests_per_s"]
     lines = [f"# ingest A/B: {trees['base']} (base) vs {trees['new']} (new)", "",
              f"`python -m bench.scenarios.ingest_ab {a.base} {a.new} --reps {a.reps} --seconds {a.seconds:g} "
              f"--workers {a.workers} --latency-path {a.latency_path} --protocols {','.join(protocols)}`; "
