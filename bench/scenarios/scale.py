@@ -119,6 +119,18 @@ def resident_budget_gib(n_models: int, devices: int) -> float:
     return float(math.ceil(need / 0.9 / GIB) + 1)
 
 
+def _pair(rows: list[dict[str, Any]], rate: float, seconds: float, devices: int, budget_gib: float,
+          what: str) -> dict[int, dict[str, Any]]:
+    """The 1,000- and 10,000-model points of the 20x profile after STEADY_WARM_S of the same load
+    (seed 200), added to `rows`."""
+    pair = {n: point(n, 20.0, rate, seconds, devices, budget_gib, seed=200, warm_s=STEADY_WARM_S)
+            for n in (1000, 10_000)}
+    for n, r in pair.items():
+        r["label"] = f"{n} models, 20x, {what}"
+        rows.append(r)
+    return pair
+
+
 def saturation(rows: list[dict[str, Any]]) -> float:
     """The offered load at which the controller needs one whole core."""
     rows = sorted(rows, key=lambda r: r["offered_rps"])
@@ -175,11 +187,7 @@ def run(quick: bool = False, json_out: str | None = None, devices: int = 8, budg
     summary["controller_us_per_request_thrash"] = thrash["controller_us_per_request"]
     summary["thrash_over_resident"] = thrash["controller_us_per_request"] / resident["controller_us_per_request"]
     # The growth with the models in a steady state (apart from the rows above too)
-    steady = {n: point(n, 20.0, loads[2], seconds, devices, budget_gib, seed=200, warm_s=STEADY_WARM_S)
-              for n in (1000, 10_000)}
-    for n, r in steady.items():
-        r["label"] = f"{n} models, 20x, after {STEADY_WARM_S:g} s of the same load"
-        rows.append(r)
+    steady = _pair(rows, loads[2], seconds, devices, budget_gib, f"after {STEADY_WARM_S:g} s of the same load")
     summary["us_per_request_by_models_steady"] = {str(n): r["controller_us_per_request"] for n, r in steady.items()}
     summary["steady_growth_10k"] = steady[10_000]["controller_us_per_request"] / \
         steady[1000]["controller_us_per_request"]
@@ -188,11 +196,8 @@ def run(quick: bool = False, json_out: str | None = None, devices: int = 8, budg
     # budget above makes ~12% of the 10,000-model requests bring (the scheduler's own scaling, apart
     # from the work that memory pressure adds)
     roomy = resident_budget_gib(10_000, devices)
-    kept = {n: point(n, 20.0, loads[2], seconds, devices, roomy, seed=200, warm_s=STEADY_WARM_S)
-            for n in (1000, 10_000)}
-    for n, r in kept.items():
-        r["label"] = f"{n} models, 20x, every model resident ({roomy:g} GiB a device), after {STEADY_WARM_S:g} s"
-        rows.append(r)
+    kept = _pair(rows, loads[2], seconds, devices, roomy,
+                 f"every model resident ({roomy:g} GiB a device), after {STEADY_WARM_S:g} s")
     summary["us_per_request_by_models_resident"] = {str(n): r["controller_us_per_request"] for n, r in kept.items()}
     summary["resident_growth_10k"] = kept[10_000]["controller_us_per_request"] / \
         kept[1000]["controller_us_per_request"]
