@@ -151,6 +151,30 @@ class _Rows:
         self.until: list[float] = []
 
 
+class _ModelEstimates:
+    """Everything the estimator keeps of one model, reached by one look-up of its name: at 10,000
+    models a request's model, used seconds ago, is a cache miss in each dict keyed by name that
+    holds it (four of them here before: the memo, the version, the runs, the profile), where one
+    record's fields are read together (issue 12: bench/results/scale-callgrind-issue12.md)."""
+
+    __slots__ = ("infer", "load", "memo", "partial_load", "seeds", "setup_load", "version")
+
+    def __init__(self) -> None:
+        # A scheduling pass asks for the same few estimates dozens of times (every batch size of
+        # a model, per dispatch), and every arrival asks again. An estimate changes only with a
+        # new observation (which clears this) or when a sample ages out (each entry keeps the
+        # time until which it holds). Device or kind -> by row count.
+        self.memo: dict[str, _Rows] = {}
+        self.version = 0  # changes whenever one of its estimates may have
+        self.infer: dict[str, dict[int, SlidingWindow]] = {}  # device (or kind) -> row count -> its window
+        self.seeds: dict[str, dict[int, float]] = {}  # kind -> row count -> seconds
+        self.load: dict[str, SlidingWindow] = {}  # kind -> its whole LOADs
+        # LOADs that found part of the model's blocks on the device already (their time is mostly
+        # the fixed cost of binding, not copying): kept apart from full LOADs
+        self.partial_load: dict[str, SlidingWindow] = {}
+        self.setup_load: dict[str, SlidingWindow] = {}  # LOADs that also captured graphs
+
+
 class Estimator:
     """INFER and LOAD duration estimates in seconds. Unknown until seeded or observed.
 
@@ -165,48 +189,37 @@ class Estimator:
         self.percentile = percentile
         self.max_age = max_age
         self.now = 0.0  # set by the scheduler at each step (a plain attribute: set several times per request)
-        # A scheduling pass asks for the same few estimates dozens of times (every batch size of
-        # a model, per dispatch), and every arrival asks again. An estimate changes only with a
-        # new observation (which clears this) or when a sample ages out (each entry keeps the
-        # time until which it holds).
-        # (model -> device or kind -> by row count: two lookups by string and an index, where a
-        # tuple key was built, hashed and compared on every call, several times per request)
-        self._memo: dict[str, dict[str, _Rows]] = {}
-        self._versions: dict[str, int] = {}  # per model: changes whenever one of its estimates may have
-        # model -> device (or kind) -> row count -> its window; nested for the memo's reason
-        self._infer: dict[str, dict[str, dict[int, SlidingWindow]]] = {}
-        self._load: dict[tuple[str, str], SlidingWindow] = {}
-        # LOADs that found part of the model's blocks on the device already (their time is mostly
-        # the fixed cost of binding, not copying): kept apart from full LOADs
-        self._partial_load: dict[tuple[str, str], SlidingWindow] = {}
-        self._setup_load: dict[tuple[str, str], SlidingWindow] = {}  # LOADs that also captured graphs
-        self._seeds: dict[str, dict[str, dict[int, float]]] = {}  # model -> kind -> row count -> seconds
+        self._models: dict[str, _ModelEstimates] = {}
+
+    def _of(self, model: str) -> _ModelEstimates:
+        rec = self._models.get(model)
+        if rec is None:
+            rec = self._models[model] = _ModelEstimates()
+        return rec
 
     def version(self, model: str) -> int:
         """Changes whenever an estimate of `model` may have: lets callers keep values derived from them."""
-        return self._versions.get(model, 0)
+        rec = self._models.get(model)
+        return rec.version if rec is not None else 0
 
-    def _invalidate(self, model: str, where: str | None = None, batch: int = -1) -> None:
+    def _invalidate(self, rec: _ModelEstimates, where: str | None = None, batch: int = -1) -> None:
         if where is not None:
-            per = self._memo.get(model)
-            rows = per.get(where) if per is not None else None
+            rows = rec.memo.get(where)
             if rows is not None and 0 <= batch < len(rows.until):
                 rows.until[batch] = -math.inf
         else:
-            self._memo.pop(model, None)
-        self._versions[model] = self._versions.get(model, 0) + 1
+            rec.memo = {}
+        rec.version += 1
 
     def seed_infer(self, model: str, kind: str, timings: dict[int, float], batch_sizes: tuple[int, ...]) -> None:
         """Seed every row count up to the largest batch size from a few measured ones, linearly."""
         known = sorted(timings.items())
         if not known:
             return
-        per = self._seeds.get(model)
-        if per is None:
-            per = self._seeds[model] = {}
-        seeds = per.get(kind)
+        rec = self._of(model)
+        seeds = rec.seeds.get(kind)
         if seeds is None:
-            seeds = per[kind] = {}
+            seeds = rec.seeds[kind] = {}
         for b in range(1, max(batch_sizes) + 1):
             lower = [(k, v) for k, v in known if k <= b]
             upper = [(k, v) for k, v in known if k >= b]
@@ -219,31 +232,28 @@ class Estimator:
             else:
                 v = upper[0][1]
             seeds[b] = v
-        self._invalidate(model)
+        self._invalidate(rec)
 
     def observe_infer(self, model: str, batch: int, kind: str, seconds: float, device: str | None = None) -> None:
         """A measured run, kept per device (a straggling device must not make its peers look slow)."""
         where = device or kind
-        per = self._infer.get(model)
-        if per is None:
-            per = self._infer[model] = {}
-        rows = per.get(where)
+        rec = self._of(model)
+        rows = rec.infer.get(where)
         if rows is None:
-            rows = per[where] = {}
+            rows = rec.infer[where] = {}
         w = rows.get(batch)
         if w is None:
             w = rows[batch] = SlidingWindow(self.window, self.max_age)
         w.add(seconds, self.now)
-        self._observed(model, batch, where, w)
+        self._observed(rec, batch, where, w)
 
-    def _observed(self, model: str, batch: int, where: str, w: SlidingWindow) -> None:
+    def _observed(self, rec: _ModelEstimates, batch: int, where: str, w: SlidingWindow) -> None:
         """Row `batch` of `where` has a new sample: its memo entry, if it has one, is made again
         now, and the model's version moves only if the estimate did, or the time it holds shrank.
         (Under load every result of a model moved it, and with it everything kept from its
         estimates, though a run's time mostly lands on the same estimate: a percentile of a few
         recent samples, which holds until the oldest of them ages out, later with each sample.)"""
-        per = self._memo.get(model)
-        rows = per.get(where) if per is not None else None
+        rows = rec.memo.get(where)
         if rows is not None and 0 <= batch < len(rows.until):
             old_until = rows.until[batch]
             if self.now <= old_until:
@@ -257,18 +267,19 @@ class Estimator:
                     # same value replaced
                     rows.est[batch] = value
                     rows.until[batch] = until
-                    self._versions[model] = self._versions.get(model, 0) + 1
+                    rec.version += 1
                     return
-        self._invalidate(model, where, batch)  # only this window changed
+        self._invalidate(rec, where, batch)  # only this window changed
 
     def observe_load(self, model: str, kind: str, seconds: float, share: float = 1.0, set_up: bool = False) -> None:
         """A LOAD that copied `share` of the model's bytes (the rest was on the device already);
         `set_up`: it also did one-time work (graph captures) that the next LOAD of the model will
         most likely skip, so it is kept apart and counts only until a LOAD without it is seen."""
-        windows = self._setup_load if set_up else self._load if share >= 1.0 else self._partial_load
-        w = windows.get((model, kind))
+        rec = self._of(model)
+        windows = rec.setup_load if set_up else rec.load if share >= 1.0 else rec.partial_load
+        w = windows.get(kind)
         if w is None:
-            w = windows[(model, kind)] = SlidingWindow(self.window)
+            w = windows[kind] = SlidingWindow(self.window)
         w.add(seconds)
 
     def infer(self, model: str, batch: int, kind: str, device: str | None = None) -> float | None:
@@ -279,14 +290,13 @@ class Estimator:
                     ) -> tuple[float | None, float]:
         """The estimate and the time until which it holds if nothing new is observed."""
         where = device or kind
+        rec = self._of(model)
         if batch < 0:  # (no row to keep it in; never asked in practice)
-            return self._infer_now(model, batch, kind, where)
-        per = self._memo.get(model)
-        if per is None:
-            per = self._memo[model] = {}
-        rows = per.get(where)
+            return self._infer_now(rec, batch, kind, where)
+        memo = rec.memo
+        rows = memo.get(where)
         if rows is None:
-            rows = per[where] = _Rows()
+            rows = memo[where] = _Rows()
         untils = rows.until
         if batch < len(untils):
             until = untils[batch]
@@ -296,59 +306,56 @@ class Estimator:
             grow = batch + 1 - len(untils)
             untils.extend([-math.inf] * grow)
             rows.est.extend([None] * grow)
-        est, until = self._infer_now(model, batch, kind, where)
+        est, until = self._infer_now(rec, batch, kind, where)
         rows.est[batch] = est
         untils[batch] = until
         return est, until
 
-    def _infer_now(self, model: str, batch: int, kind: str, where: str) -> tuple[float | None, float]:
+    def _infer_now(self, rec: _ModelEstimates, batch: int, kind: str, where: str) -> tuple[float | None, float]:
         w: SlidingWindow | None = None
-        per = self._infer.get(model)
-        if per is not None:
-            windows = per.get(where)
-            if windows is not None:
-                w = windows.get(batch)
+        windows = rec.infer.get(where)
+        if windows is not None:
+            w = windows.get(batch)
         if w is not None and len(w):
             hit = w.current(self.now, self.percentile)
             if hit is not None:
                 return hit[0], hit[1] + self.max_age  # until a sample ages out
-            seed = self._seed(model, kind, batch)
+            seed = _seed(rec, kind, batch)
             if seed is not None:  # nothing recent: the profile, not a stale slow sample
                 return seed, math.inf
             return w.percentile(self.percentile), math.inf
-        return self._seed(model, kind, batch), math.inf
+        return _seed(rec, kind, batch), math.inf
 
     def ran_on(self, model: str, device: str) -> bool:
         """Whether runs of `model` on `device` were measured: if not, its estimates there are its
         kind's profile (`profile`), the same on every such device."""
-        per = self._infer.get(model)
-        return per is not None and device in per
+        rec = self._models.get(model)
+        return rec is not None and device in rec.infer
 
     def ran_where(self, model: str) -> dict[str, dict[int, SlidingWindow]]:
         """Where runs of `model` were measured (devices, or kinds), as `ran_on` asks one at a time: a
         LOAD's placement asks it of every device, with one look-up. Read it, never change it."""
-        per = self._infer.get(model)
-        return per if per is not None else _NO_RUNS
+        rec = self._models.get(model)
+        return rec.infer if rec is not None else _NO_RUNS
 
     def profile(self, model: str, batch: int, kind: str) -> float | None:
         """The profile's time for `batch` rows of `model` on a device of `kind` (None: unprofiled)."""
-        return self._seed(model, kind, batch)
-
-    def _seed(self, model: str, kind: str, batch: int) -> float | None:
-        per = self._seeds.get(model)
-        seeds = per.get(kind) if per is not None else None
-        return seeds.get(batch) if seeds is not None else None
+        rec = self._models.get(model)
+        return _seed(rec, kind, batch) if rec is not None else None
 
     def load(self, model: str, kind: str, share: float = 1.0) -> float | None:
         """A LOAD copying `share` of the model's bytes: a full LOAD's time scaled to the share (the
         copy scales with the bytes), but never under what such partial LOADs took (binding)."""
-        w = self._load.get((model, kind))
+        rec = self._models.get(model)
+        if rec is None:
+            return None
+        w = rec.load.get(kind)
         if w is None or not len(w):
-            w = self._setup_load.get((model, kind))  # only LOADs that set up so far: their time is all there is
+            w = rec.setup_load.get(kind)  # only LOADs that set up so far: their time is all there is
         full = w.percentile(self.percentile) if w is not None and len(w) else None
         if share >= 1.0:
             return full
-        p = self._partial_load.get((model, kind))
+        p = rec.partial_load.get(kind)
         part = p.percentile(self.percentile) if p is not None and len(p) else None
         scaled = full * share if full is not None else None
         if scaled is None or part is None:
@@ -356,12 +363,17 @@ class Estimator:
         return max(scaled, part)
 
     def forget(self, model: str) -> None:
-        self._invalidate(model)
-        self._infer.pop(model, None)
-        self._seeds.pop(model, None)
-        for loads in (self._load, self._partial_load, self._setup_load):
-            for lk in [lk for lk in loads if lk[0] == model]:
-                del loads[lk]
+        """Drop what was measured and seeded of `model` (its version keeps counting: a value kept
+        from its old estimates must not pass for current)."""
+        rec = self._of(model)
+        rec.memo, rec.infer, rec.seeds = {}, {}, {}
+        rec.load, rec.partial_load, rec.setup_load = {}, {}, {}
+        rec.version += 1
+
+
+def _seed(rec: _ModelEstimates, kind: str, batch: int) -> float | None:
+    seeds = rec.seeds.get(kind)
+    return seeds.get(batch) if seeds is not None else None
 
 
 @dataclass(slots=True)
