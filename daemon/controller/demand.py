@@ -38,6 +38,8 @@ import bisect
 import math
 from typing import Final
 
+from daemon.controller.estimates import RateMeter
+
 REBASE_AFTER: Final = 30.0  # time constants: factors grow as exp(elapsed / tau), ~1e13 at 30
 RERANK_SHARE: Final = 4  # a device's ranking is made again once a quarter of its models are recent
 ROUNDING: Final = 1e-9  # slack on a log-cost bound: the ranking and the policy's own test round differently
@@ -61,15 +63,19 @@ class _Device:
 
 
 class _Model:
-    """A model's factor (rate * exp((at - origin) / tau), 0.0 before its first arrival) and the
-    seconds a LOAD of it takes (-1.0: none known yet). One object, not a dict of each: a victim
-    search asks both of every model it meets, and every arrival sets the factor."""
+    """A model's factor (rate * exp((at - origin) / tau), 0.0 before its first arrival), the
+    seconds a LOAD of it takes (-1.0: none known yet) and the devices it has a weight on. One
+    object, not a dict of each: a victim search asks the first two of every model it meets, and
+    every arrival sets the factor and reads the devices (at 10,000 models each look-up of a name
+    used seconds ago is a cache miss)."""
 
-    __slots__ = ("factor", "load_s")
+    __slots__ = ("factor", "load_s", "meter", "on")
 
     def __init__(self, factor: float = 0.0, load_s: float = -1.0) -> None:
         self.factor = factor
         self.load_s = load_s
+        self.on: list[_Device] = []
+        self.meter: RateMeter | None = None  # its arrivals (samples) a second, from its first
 
 
 class DeviceDemand:
@@ -79,7 +85,6 @@ class DeviceDemand:
         self.origin = 0.0
         self._models: dict[str, _Model] = {}  # model -> its factor and LOAD time
         self._devices: dict[str, _Device] = {}  # device name -> its weights and sum
-        self._on: dict[str, list[_Device]] = {}  # model -> devices it has a weight on
         self._built: dict[str, float] = {}  # device -> when its weights were last all made
         # device -> its models by log cold cost at the last rebuild (ascending), and the costs
         self._ranked: dict[str, tuple[list[str], list[float]]] = {}
@@ -92,18 +97,40 @@ class DeviceDemand:
         # other change only raises one)
         self._lowered: dict[str, int] = {}
 
+    def arrival(self, key: str, samples: int, at: float) -> None:
+        """`key` had an arrival of `samples` at `at`: its rate meter (`meter`) takes it, and its
+        demand moves to the new rate (one look-up of the model for both)."""
+        if (at - self.origin) / self.tau > REBASE_AFTER:
+            self._rebase(at)
+        m = self._models.get(key)
+        if m is None:
+            m = self._models[key] = _Model()
+        meter = m.meter
+        if meter is None:
+            meter = m.meter = RateMeter()
+        meter.add(samples, at)
+        self._set_rate(key, m, meter.rate, at)
+
+    def meter(self, key: str) -> RateMeter | None:
+        """`key`'s arrivals a second (None before its first)."""
+        m = self._models.get(key)
+        return m.meter if m is not None else None
+
     def arrived(self, key: str, rate: float, at: float) -> None:
         """A model's rate is now `rate` as of `at` (it just had an arrival)."""
         if (at - self.origin) / self.tau > REBASE_AFTER:
             self._rebase(at)
-        factor = rate * math.exp((at - self.origin) / self.tau)
         m = self._models.get(key)
         if m is None:
             m = self._models[key] = _Model()
+        self._set_rate(key, m, rate, at)
+
+    def _set_rate(self, key: str, m: _Model, rate: float, at: float) -> None:
+        factor = rate * math.exp((at - self.origin) / self.tau)
         old = m.factor
         m.factor = factor
-        devices = self._on.get(key)
-        if devices is None:
+        devices = m.on
+        if not devices:
             return
         delta = factor - old
         for d in devices:
@@ -126,11 +153,7 @@ class DeviceDemand:
         per = d.weights
         old = per.get(key)
         if old is None:
-            on = self._on.get(key)
-            if on is None:
-                self._on[key] = [d]
-            else:
-                on.append(d)
+            m.on.append(d)
             old = 0.0
         per[key] = weight
         d.sum += m.factor * (weight - old)
@@ -143,13 +166,9 @@ class DeviceDemand:
         weight = d.weights.pop(key, None)
         if weight is None:
             return
-        m = self._models.get(key)
-        if m is not None:
-            d.sum -= m.factor * weight
-        on = self._on[key]
-        on.remove(d)
-        if not on:
-            del self._on[key]
+        m = self._models[key]  # (placed: `place` made it)
+        d.sum -= m.factor * weight
+        m.on.remove(d)
 
     def tracks(self, key: str, device: str) -> bool:
         """Whether `key` has a weight on `device`."""
@@ -199,7 +218,8 @@ class DeviceDemand:
     def _lower(self, key: str) -> None:
         """`key`'s LOAD time fell: on each device it is on, it is recent, and counted (`lowered`)."""
         lowered = self._lowered
-        for d in self._on.get(key, ()):
+        m = self._models.get(key)
+        for d in m.on if m is not None else ():
             self._recent[d.name].append(key)
             lowered[d.name] = lowered.get(d.name, 0) + 1
 

@@ -329,7 +329,6 @@ class ClockworkPolicy(Policy):
         self.index_kept = 0  # arrivals whose model's index entries stood as they were (`on_queued`)
         self.searches_spared = 0  # victim searches passed over as found no room before (`_Blocked`)
         self.prefixed: dict[str, set[str]] = {}  # shared prefix -> models having it that gained work (pruned lazily)
-        self.rates: dict[str, RateMeter] = {}
         self.replicated_at: dict[str, float] = {}
         self.copy_busy: dict[str, RateMeter] = {}  # device -> LOAD seconds per second
         self.drops: dict[str, RateMeter] = {}  # model -> requests/s its devices could not run in time
@@ -370,11 +369,7 @@ class ClockworkPolicy(Policy):
 
     def on_submit(self, view: ControllerView, req: InferenceRequest, now: float) -> None:
         key = req.key
-        meter = self.rates.get(key)
-        if meter is None:
-            meter = self.rates[key] = RateMeter()
-        meter.add(req.samples, now)
-        self._demand.arrived(key, meter.rate, now)
+        self._demand.arrival(key, req.samples, now)
         entry = view.models[key]
         if not self.shortcuts:
             pass
@@ -1003,7 +998,7 @@ class ClockworkPolicy(Policy):
             return now
         key, cap = entry.key, entry.max_batch_size
         queued = entry.queue.samples
-        meter = self.rates.get(key)
+        meter = self._demand.meter(key)
         rate = meter.value(now) if meter is not None else 0.0
         head = entry.queue.head()
         if head is None or queued >= cap or rate * wait < MIN_FILL:
@@ -1313,7 +1308,7 @@ class ClockworkPolicy(Policy):
         drops = self.drops.get(key)
         if drops is not None and drops.value(now) > REPLICA_DROPS:
             return True
-        meter = self.rates.get(key)
+        meter = self._demand.meter(key)
         b = entry.max_batch_size  # (not `entry.spec`'s: a generic read, twice per arrival to a model with room)
         if meter is None or entry.queue.samples < b:
             return False
