@@ -40,7 +40,10 @@ from types import ModuleType
 # clock): interpreted, those calls cost the loop more than the compiled controller's own work
 # (issue 15: 283k -> 220k instructions a request on the loop, `python -m bench.ingest_instructions`);
 # and the executors' lanes, which every INFER crosses twice (handed over, its result posted back:
-# 258k -> 244k instructions a request over the whole process). The protocol frontends stay Python.
+# 258k -> 244k instructions a request over the whole process); and the frontend workers' protocol
+# path (the HTTP server and KServe handlers, the codec, request budgets, the remote gateway, shared
+# slots and regions, the gRPC handlers): ~0.73x of a worker's CPU a request over HTTP binary
+# (bench/results/ingest-ab-issue15-*). The msgpack socket frontend (api/uds.py) stays Python.
 MODULES: tuple[str, ...] = (
     "daemon.actions",
     "daemon.request",
