@@ -158,7 +158,7 @@ class Simulation:
             dev.memory.reserve(key, prof.weight_bytes)
             dev.memory.loaded(key)
             sched.mark_ready(key, name)
-            sched.placed_on.setdefault(key, set()).add(name)
+            sched.mark_placed(sched.models[key], name)
             ex = self.executors[name]
             ex.resident.add(key)
             ex.used += prof.weight_bytes

@@ -62,7 +62,7 @@ class _Device:
         self.weights: dict[str, float] = {}  # model -> weight
 
 
-class _Model:
+class ModelDemand:
     """A model's factor (rate * exp((at - origin) / tau), 0.0 before its first arrival), the
     seconds a LOAD of it takes (-1.0: none known yet) and the devices it has a weight on. One
     object, not a dict of each: a victim search asks the first two of every model it meets, and
@@ -83,7 +83,7 @@ class DeviceDemand:
         self.tau = tau
         self.rebuild_every = rebuild_every
         self.origin = 0.0
-        self._models: dict[str, _Model] = {}  # model -> its factor and LOAD time
+        self._models: dict[str, ModelDemand] = {}  # model -> its factor and LOAD time
         self._devices: dict[str, _Device] = {}  # device name -> its weights and sum
         self._built: dict[str, float] = {}  # device -> when its weights were last all made
         # device -> its models by log cold cost at the last rebuild (ascending), and the costs
@@ -97,14 +97,23 @@ class DeviceDemand:
         # other change only raises one)
         self._lowered: dict[str, int] = {}
 
+    def record(self, key: str) -> ModelDemand:
+        """`key`'s record, made at the first ask and kept for good: a caller may keep it (the
+        policy keeps it on the model's entry) and pass it to `arrival_of`."""
+        m = self._models.get(key)
+        if m is None:
+            m = self._models[key] = ModelDemand()
+        return m
+
     def arrival(self, key: str, samples: int, at: float) -> None:
         """`key` had an arrival of `samples` at `at`: its rate meter (`meter`) takes it, and its
         demand moves to the new rate (one look-up of the model for both)."""
+        self.arrival_of(key, self.record(key), samples, at)
+
+    def arrival_of(self, key: str, m: ModelDemand, samples: int, at: float) -> None:
+        """`arrival` of the model whose record (`record`) is `m`."""
         if (at - self.origin) / self.tau > REBASE_AFTER:
             self._rebase(at)
-        m = self._models.get(key)
-        if m is None:
-            m = self._models[key] = _Model()
         meter = m.meter
         if meter is None:
             meter = m.meter = RateMeter()
@@ -122,10 +131,10 @@ class DeviceDemand:
             self._rebase(at)
         m = self._models.get(key)
         if m is None:
-            m = self._models[key] = _Model()
+            m = self._models[key] = ModelDemand()
         self._set_rate(key, m, rate, at)
 
-    def _set_rate(self, key: str, m: _Model, rate: float, at: float) -> None:
+    def _set_rate(self, key: str, m: ModelDemand, rate: float, at: float) -> None:
         factor = rate * math.exp((at - self.origin) / self.tau)
         old = m.factor
         m.factor = factor
@@ -141,7 +150,7 @@ class DeviceDemand:
         `load_s`: a LOAD of it takes that long."""
         m = self._models.get(key)
         if m is None:
-            m = self._models[key] = _Model()
+            m = self._models[key] = ModelDemand()
         elif m.load_s >= 0.0 and load_s < m.load_s:  # (as `reloaded`: look at it where it is)
             self._lower(key)
         m.load_s = load_s
@@ -209,7 +218,7 @@ class DeviceDemand:
         """A LOAD of `key` now takes `load_s` (a LOAD of it was measured)."""
         m = self._models.get(key)
         if m is None:
-            m = self._models[key] = _Model()
+            m = self._models[key] = ModelDemand()
         old = m.load_s
         m.load_s = load_s
         if old >= 0.0 and load_s < old:  # (a lower cost may put it under a bound: look at it)

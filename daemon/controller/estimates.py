@@ -151,7 +151,7 @@ class _Rows:
         self.until: list[float] = []
 
 
-class _ModelEstimates:
+class ModelEstimates:
     """Everything the estimator keeps of one model, reached by one look-up of its name: at 10,000
     models a request's model, used seconds ago, is a cache miss in each dict keyed by name that
     holds it (four of them here before: the memo, the version, the runs, the profile), where one
@@ -189,12 +189,15 @@ class Estimator:
         self.percentile = percentile
         self.max_age = max_age
         self.now = 0.0  # set by the scheduler at each step (a plain attribute: set several times per request)
-        self._models: dict[str, _ModelEstimates] = {}
+        self._models: dict[str, ModelEstimates] = {}
 
-    def _of(self, model: str) -> _ModelEstimates:
+    def of(self, model: str) -> ModelEstimates:
+        """`model`'s record, made at the first ask and kept for good (`forget` empties it): the
+        scheduler keeps it on the model's entry and asks `infer_until_of` and its `version`
+        without a look-up of the name."""
         rec = self._models.get(model)
         if rec is None:
-            rec = self._models[model] = _ModelEstimates()
+            rec = self._models[model] = ModelEstimates()
         return rec
 
     def version(self, model: str) -> int:
@@ -202,7 +205,7 @@ class Estimator:
         rec = self._models.get(model)
         return rec.version if rec is not None else 0
 
-    def _invalidate(self, rec: _ModelEstimates, where: str | None = None, batch: int = -1) -> None:
+    def _invalidate(self, rec: ModelEstimates, where: str | None = None, batch: int = -1) -> None:
         if where is not None:
             rows = rec.memo.get(where)
             if rows is not None and 0 <= batch < len(rows.until):
@@ -216,7 +219,7 @@ class Estimator:
         known = sorted(timings.items())
         if not known:
             return
-        rec = self._of(model)
+        rec = self.of(model)
         seeds = rec.seeds.get(kind)
         if seeds is None:
             seeds = rec.seeds[kind] = {}
@@ -237,7 +240,7 @@ class Estimator:
     def observe_infer(self, model: str, batch: int, kind: str, seconds: float, device: str | None = None) -> None:
         """A measured run, kept per device (a straggling device must not make its peers look slow)."""
         where = device or kind
-        rec = self._of(model)
+        rec = self.of(model)
         rows = rec.infer.get(where)
         if rows is None:
             rows = rec.infer[where] = {}
@@ -247,7 +250,7 @@ class Estimator:
         w.add(seconds, self.now)
         self._observed(rec, batch, where, w)
 
-    def _observed(self, rec: _ModelEstimates, batch: int, where: str, w: SlidingWindow) -> None:
+    def _observed(self, rec: ModelEstimates, batch: int, where: str, w: SlidingWindow) -> None:
         """Row `batch` of `where` has a new sample: its memo entry, if it has one, is made again
         now, and the model's version moves only if the estimate did, or the time it holds shrank.
         (Under load every result of a model moved it, and with it everything kept from its
@@ -275,7 +278,7 @@ class Estimator:
         """A LOAD that copied `share` of the model's bytes (the rest was on the device already);
         `set_up`: it also did one-time work (graph captures) that the next LOAD of the model will
         most likely skip, so it is kept apart and counts only until a LOAD without it is seen."""
-        rec = self._of(model)
+        rec = self.of(model)
         windows = rec.setup_load if set_up else rec.load if share >= 1.0 else rec.partial_load
         w = windows.get(kind)
         if w is None:
@@ -289,8 +292,12 @@ class Estimator:
     def infer_until(self, model: str, batch: int, kind: str, device: str | None = None
                     ) -> tuple[float | None, float]:
         """The estimate and the time until which it holds if nothing new is observed."""
+        return self.infer_until_of(self.of(model), batch, kind, device)
+
+    def infer_until_of(self, rec: ModelEstimates, batch: int, kind: str, device: str | None = None
+                       ) -> tuple[float | None, float]:
+        """`infer_until` of the model whose record (`of`) is `rec`."""
         where = device or kind
-        rec = self._of(model)
         if batch < 0:  # (no row to keep it in; never asked in practice)
             return self._infer_now(rec, batch, kind, where)
         memo = rec.memo
@@ -311,7 +318,7 @@ class Estimator:
         untils[batch] = until
         return est, until
 
-    def _infer_now(self, rec: _ModelEstimates, batch: int, kind: str, where: str) -> tuple[float | None, float]:
+    def _infer_now(self, rec: ModelEstimates, batch: int, kind: str, where: str) -> tuple[float | None, float]:
         w: SlidingWindow | None = None
         windows = rec.infer.get(where)
         if windows is not None:
@@ -365,13 +372,13 @@ class Estimator:
     def forget(self, model: str) -> None:
         """Drop what was measured and seeded of `model` (its version keeps counting: a value kept
         from its old estimates must not pass for current)."""
-        rec = self._of(model)
+        rec = self.of(model)
         rec.memo, rec.infer, rec.seeds = {}, {}, {}
         rec.load, rec.partial_load, rec.setup_load = {}, {}, {}
         rec.version += 1
 
 
-def _seed(rec: _ModelEstimates, kind: str, batch: int) -> float | None:
+def _seed(rec: ModelEstimates, kind: str, batch: int) -> float | None:
     seeds = rec.seeds.get(kind)
     return seeds.get(batch) if seeds is not None else None
 

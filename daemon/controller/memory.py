@@ -64,6 +64,22 @@ class CallableRules(EvictionRules):
         return self._evictable(key)
 
 
+class _Placed:
+    """A model placed on a device: its state, whole footprint, when it was last placed, loaded or
+    used (a tick of the device's clock: the LRU order), and its size class once ready. One record
+    a model, read and updated in place: an INFER's touch is one look-up, where keeping a dict in
+    LRU order was a delete and an insert in it (two look-ups of a model used seconds ago, each a
+    cache miss at 10,000 models)."""
+
+    __slots__ = ("cls", "nbytes", "state", "tick")
+
+    def __init__(self, state: Residency, nbytes: int, tick: int) -> None:
+        self.state = state
+        self.nbytes = nbytes
+        self.tick = tick
+        self.cls: dict[str, int] | None = None
+
+
 class DeviceMemory:
     def __init__(self, budget: int, shares: bool = True) -> None:
         self.budget = budget
@@ -75,9 +91,8 @@ class DeviceMemory:
         self._blocks_of: dict[str, Blocks] = {}  # placed models that have shared blocks
         self._private: dict[str, int] = {}  # their bytes outside blocks
         self._refs: dict[str, int] = {}  # block -> placed models holding it
-        # LRU first. Plain dicts in insertion order (a move to the end is a delete and an insert):
-        # compiled code reads a dict directly, where an OrderedDict's every get is a generic call.
-        self._models: dict[str, tuple[Residency, int]] = {}
+        # Placed models, in no useful order: the LRU order is their ticks' (`_lru`).
+        self._models: dict[str, _Placed] = {}
         # Ready models by size class (bit length of their bytes), each in LRU order, with when each
         # was last used (a tick of `_clock`): the least recently used model that frees enough alone
         # is found by looking at the head of a few classes, not by walking hundreds of smaller
@@ -87,7 +102,6 @@ class DeviceMemory:
         # per class, a bound of its footprints (its largest so far, not lowered when that one
         # leaves): a class none of whose models frees enough is passed over without a look at each
         self._class_max: dict[int, int] = {}
-        self._class_of: dict[str, dict[str, int]] = {}  # ready model -> its size class (touched per INFER)
         self._clock = 0
         # models with shared blocks placed or released so far: what a model lacks here, and what a
         # victim frees, may have changed (a policy's remembered search reads it)
@@ -98,18 +112,24 @@ class DeviceMemory:
         return self.budget - self.used
 
     def state(self, key: str) -> Residency | None:
-        entry = self._models.get(key)
-        return entry[0] if entry else None
+        rec = self._models.get(key)
+        return rec.state if rec is not None else None
 
     def is_ready(self, key: str) -> bool:
-        entry = self._models.get(key)
-        return entry is not None and entry[0] == Residency.READY
+        rec = self._models.get(key)
+        return rec is not None and rec.state == Residency.READY
+
+    def _lru(self) -> list[tuple[str, _Placed]]:
+        """Placed models, least recently used first (sorted: asked on rare paths, not per request)."""
+        return sorted(self._models.items(), key=_tick_of)
 
     def models(self) -> list[str]:
-        return list(self._models)
+        """Placed models, least recently used first."""
+        return [k for k, _ in self._lru()]
 
     def ready_models(self) -> list[str]:
-        return [k for k, (s, _) in self._models.items() if s == Residency.READY]
+        """Ready models, least recently used first."""
+        return [k for k, rec in self._lru() if rec.state == Residency.READY]
 
     def missing(self, nbytes: int, blocks: Blocks = ()) -> int:
         """Bytes a model of `nbytes` with `blocks` would add here now: what the device lacks."""
@@ -131,7 +151,8 @@ class DeviceMemory:
         charge = self.missing(nbytes, blocks)
         if charge > self.free:
             raise ValueError(f"{key} needs {charge} bytes, {self.free} free")
-        self._models[key] = (Residency.LOADING, nbytes)
+        self._clock += 1
+        self._models[key] = _Placed(Residency.LOADING, nbytes, self._clock)
         if blocks and self.shares:
             self.shared_changes += 1
             self._blocks_of[key] = blocks
@@ -142,21 +163,21 @@ class DeviceMemory:
         return charge
 
     def loaded(self, key: str) -> None:
-        _, nbytes = self._models.pop(key)
-        self._models[key] = (Residency.READY, nbytes)  # (at the end: most recently used)
+        rec = self._models[key]
+        nbytes = rec.nbytes
         bits = nbytes.bit_length()
         cls = self._by_size.get(bits)
         if cls is None:
             cls = self._by_size[bits] = {}
         self._clock += 1
+        rec.state, rec.tick, rec.cls = Residency.READY, self._clock, cls  # (most recently used)
         cls[key] = self._clock
-        self._class_of[key] = cls
         if nbytes > self._class_max.get(bits, 0):
             self._class_max[bits] = nbytes
 
     def size(self, key: str) -> int:
         """A placed model's whole footprint, its shared blocks included."""
-        return self._models[key][1]
+        return self._models[key].nbytes
 
     def blocks_of(self, key: str) -> Blocks:
         """A placed model's shared weight blocks (none if it shares nothing)."""
@@ -166,13 +187,14 @@ class DeviceMemory:
         """Bytes an UNLOAD of `key` alone would free: its blocks no other placed model holds."""
         blocks = self._blocks_of.get(key)
         if blocks is None:
-            return self._models[key][1]
+            return self._models[key].nbytes
         refs = self._refs
         return self._private[key] + sum(n for b, n in blocks if refs[b] == 1)
 
     def release(self, key: str) -> int:
         """Unplace `key`; returns the bytes freed."""
-        state, nbytes = self._models.pop(key)
+        rec = self._models.pop(key)
+        nbytes = rec.nbytes
         blocks = self._blocks_of.pop(key, None)
         if blocks is not None:
             self.shared_changes += 1
@@ -187,13 +209,12 @@ class DeviceMemory:
         else:
             freed = nbytes
         self.used -= freed
-        if state == Residency.READY:
-            cls = self._by_size[nbytes.bit_length()]
+        cls = rec.cls
+        if cls is not None:  # (ready)
             del cls[key]
             if not cls:
                 del self._by_size[nbytes.bit_length()]
                 self._class_max.pop(nbytes.bit_length(), None)  # (a class of 0-byte models has no max)
-            del self._class_of[key]
         return freed
 
     def retire(self) -> None:
@@ -204,20 +225,17 @@ class DeviceMemory:
         self._refs.clear()
         self._by_size.clear()
         self._class_max.clear()
-        self._class_of.clear()
         self.used = 0
         self.budget = 0
 
     def touch(self, key: str) -> None:
-        models = self._models
-        entry = models.get(key)
-        if entry is not None:
-            del models[key]  # (to the end: most recently used)
-            models[key] = entry
-            cls = self._class_of.get(key)  # (ready: its class found directly, not by size and state)
-            if cls is not None:
+        rec = self._models.get(key)
+        if rec is not None:
+            self._clock += 1
+            rec.tick = self._clock  # (most recently used)
+            cls = rec.cls
+            if cls is not None:  # (ready: to the end of its class, which is kept in LRU order)
                 del cls[key]
-                self._clock += 1
                 cls[key] = self._clock
 
     def victims(self, nbytes: int, rules: EvictionRules, keep: Collection[str] = (),
@@ -248,8 +266,8 @@ class DeviceMemory:
         dropped: dict[str, int] = {}
         chosen: list[str] = []
         in_demand: list[str] = []
-        for k, (s, _) in self._models.items():
-            if s != Residency.READY:
+        for k, rec in self._lru():
+            if rec.state != Residency.READY:
                 continue
             if rules.wanted(k):
                 in_demand.append(k)
@@ -263,8 +281,9 @@ class DeviceMemory:
     def _victims_among(self, need: int, among: Collection[str], rules: EvictionRules,
                        keep: Collection[str]) -> list[str] | None:
         """`victims` when every model `rules.evictable` accepts is in `among`: the same choice."""
-        class_of = self._class_of
-        order = sorted([(class_of[k][k], k) for k in among if k in class_of])  # the ready ones, LRU first
+        models = self._models
+        order = sorted([(rec.tick, k) for k in among if (rec := models.get(k)) is not None
+                        and rec.cls is not None])  # the ready ones, LRU first
         idle: list[str] = []
         in_demand: list[str] = []
         for _, k in order:
@@ -295,7 +314,7 @@ class DeviceMemory:
         return None
 
     def _frees(self, key: str, dropped: dict[str, int], keep: Collection[str]) -> int:
-        return self._models[key][1] if key not in self._blocks_of else self._frees_with(key, dropped, keep)
+        return self._models[key].nbytes if key not in self._blocks_of else self._frees_with(key, dropped, keep)
 
     def _frees_with(self, key: str, dropped: dict[str, int], keep: Collection[str]) -> int:
         """Bytes unloading `key` frees beside the models already counted in `dropped` (block ->
@@ -346,9 +365,13 @@ class DeviceMemory:
                 if blocks_of and k in blocks_of:
                     if self._frees_with(k, {}, keep) < need:
                         continue
-                elif not fits and models[k][1] < need:
+                elif not fits and models[k].nbytes < need:
                     continue
                 if rules.idle_victim(k):
                     best, best_at = k, at
                     break
         return best
+
+
+def _tick_of(item: tuple[str, _Placed]) -> int:
+    return item[1].tick

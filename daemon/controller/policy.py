@@ -36,8 +36,8 @@ class Policy:
     def next_wakeup(self, view: ControllerView, now: float) -> float | None:
         raise NotImplementedError
 
-    def on_submit(self, view: ControllerView, req: InferenceRequest, now: float) -> None:
-        """A request was admitted (after it joined its queue)."""
+    def on_submit(self, view: ControllerView, entry: ModelEntry, req: InferenceRequest, now: float) -> None:
+        """A request was admitted (after it joined its model's queue, `entry.queue`)."""
 
     def on_queued(self, view: ControllerView, entry: ModelEntry, now: float) -> None:
         """A model gained queued work other than by an arrival: requests returned to its queue, or

@@ -106,13 +106,14 @@ class Scheduler(ControllerView):
         self.models: dict[str, ModelEntry] = {}
         self.inflight: dict[int, Action] = {}
         self._active: set[str] = set()  # models that may have queued requests (pruned lazily)
-        self._rates: dict[str, tuple[float, int, int, float]] = {}  # model -> drain rate, version, holders, until
         # cross-model INFER id -> (model, samples) counted in each member's `running` (a plain INFER
         # keeps its count on itself: Action.running)
         self._running_groups: dict[int, list[tuple[str, int]]] = {}
         # Where each model's weights are, derived from the devices' memory maps and kept with them.
-        self.ready_on: dict[str, set[str]] = {}  # model key -> devices holding it ready
-        self.placed_on: dict[str, set[str]] = {}  # model key -> devices holding or loading it
+        # model key -> devices holding it ready / holding or loading it, while any does: each set is
+        # also its entry's `ready` / `placed` (set here: `mark_ready`, `mark_placed`, `_unplace`)
+        self.ready_on: dict[str, set[str]] = {}
+        self.placed_on: dict[str, set[str]] = {}
         self.pending = 0  # requests accepted and not yet finished
         self.lost = 0  # devices lost (a sticky error or a hang): nothing is placed there any more
         self._expiry: list[Due] = []  # request_due: when a queued request would turn hopeless
@@ -161,8 +162,13 @@ class Scheduler(ControllerView):
         `prefix`: a plan of stages' leading stage (models with one prefix may batch it together).
         `stage_blocks`: that stage's weights as one block, as devices that hold weights by extent
         (CUDA) share them."""
-        entry = self.models[spec.key] = ModelEntry(spec, weight_bytes, blocks, stage_blocks, prefix=prefix)
+        key = spec.key
+        entry = self.models[key] = ModelEntry(spec, weight_bytes, blocks, stage_blocks, prefix=prefix)
         entry.max_queued = max_queue(spec, self.settings)[0]
+        entry.estimates = self.estimator.of(key)
+        # (a model added again while its weights are still placed: the sets already mapped)
+        entry.ready = self.ready_on.get(key) or entry.ready
+        entry.placed = self.placed_on.get(key) or entry.placed
         self.telemetry.model(spec)  # its statistics, made now rather than at its first answer (on the loop)
         if seeds:
             self.estimator.seed_infer(spec.key, seed_kind, seeds, spec.batch_sizes)
@@ -259,7 +265,7 @@ class Scheduler(ControllerView):
         if self.lost == len(self.devices):
             raise Unavailable("every device of this daemon has failed: " + "; ".join(
                 f"{d.name}: {d.failed}" for d in self.devices.values()))
-        if entry.load_failures and not self.placed_on.get(entry.key):
+        if entry.load_failures and not entry.placed:
             self._refuse_backing_off(entry, now)
         if self.pending >= self.max_pending:
             self._counts["refused_overload"] += 1
@@ -280,10 +286,10 @@ class Scheduler(ControllerView):
                 raise self.telemetry.refused(req, Overloaded(
                     f"the best-effort lane holds {self.soft_bytes} bytes of requests that may be answered late, "
                     f"its limit (controller.best_effort_bytes = {self.settings.best_effort_bytes}); retry later"), now)
-        best = self.best_case(req)
+        best = self._best_case(req, entry)
         if soft and (req.klass == RequestClass.BEST_EFFORT or now + best > req.deadline):
             # late from the start: no deadline to refuse it for, only the lane's bounds
-            self._admit(req, nbytes)
+            self._admit(req, entry, nbytes)
             self._to_lane(req, entry, now)
             return
         if now + best > req.deadline:
@@ -320,15 +326,15 @@ class Scheduler(ControllerView):
                     f"model {req.model.name} is overloaded: with the {q.samples} sample(s) queued before it, this "
                     f"request cannot finish in under {done * 1e3:.1f} ms, and its deadline is "
                     f"{(req.deadline - now) * 1e3:.1f} ms away; retry later", retry_after_s=max(1.0, done)), now)
-        self._admit(req, nbytes)
+        self._admit(req, entry, nbytes)
         entry.queue.push(req)
         self._active.add(req.key)
         dues.push(self._expiry, request_due(req.deadline - best, req))
-        self.policy.on_submit(self, req, now)
+        self.policy.on_submit(self, entry, req, now)
 
-    def _admit(self, req: InferenceRequest, nbytes: int) -> None:
+    def _admit(self, req: InferenceRequest, entry: ModelEntry, nbytes: int) -> None:
         """`nbytes`: a request that is not hard holds its inputs' bytes of the best-effort lane's budget."""
-        req.cold_start = req.key not in self.ready_on
+        req.cold_start = not entry.ready
         self._admitted += 1
         if req.cold_start:
             self._cold_starts += 1
@@ -368,7 +374,7 @@ class Scheduler(ControllerView):
         has waiting, on time and in its lane (a lane that nobody loads would wait out its maximum)."""
         if entry.queue.requests:
             self.policy.on_queued(self, entry, now)
-        if entry.late.requests and not self.placed_on.get(entry.key):
+        if entry.late.requests and not entry.placed:
             self.policy.on_late(self, entry, now)
 
     def _give_up(self, now: float) -> None:
@@ -441,9 +447,9 @@ class Scheduler(ControllerView):
 
     def _backlog_began(self, entry: ModelEntry, now: float) -> None:
         entry.backlog_since = now
-        ready = self.ready_on.get(entry.key)
+        ready = entry.ready
         entry.backlog_ran = self._ran_on(ready) if ready else 0.0
-        entry.backlog_devices = len(ready) if ready else 0
+        entry.backlog_devices = len(ready)
 
     def _ran_on(self, names: set[str]) -> float:
         """Seconds the devices `names` have run batches so far, summed (`DeviceState.ran_s`)."""
@@ -459,7 +465,7 @@ class Scheduler(ControllerView):
         batch came back since (a batch is counted when it comes back: one running for longer
         than the window is no sign of idle devices, and a device that returns nothing at all is
         the hang watchdog's)."""
-        ready = self.ready_on.get(entry.key)
+        ready = entry.ready
         span = now - entry.backlog_since
         if not ready or len(ready) != entry.backlog_devices or span <= 0.0:
             return 0.0
@@ -480,47 +486,55 @@ class Scheduler(ControllerView):
     def _drain_rate(self, entry: ModelEntry) -> float:
         """Samples per second the devices holding a model ready could run of it at most (each at its
         most efficient batch size, nothing else); 0 when none holds it."""
-        key = entry.key
-        ready = self.ready_on.get(key)
+        ready = entry.ready
         if not ready:
             return 0.0
         est = self.estimator
-        version = est.version(key)
-        hit = self._rates.get(key)
-        if hit is not None and hit[1] == version and hit[2] == len(ready) and est.now <= hit[3]:
-            return hit[0]
+        rec = entry.estimates
+        version = rec.version
+        if entry.rate_version == version and entry.rate_holders == len(ready) and est.now <= entry.rate_until:
+            return entry.rate
         rate, until = 0.0, math.inf
         for name in ready:
             kind = self.devices[name].kind
             best = 0.0
             for batch in entry.spec.batch_sizes:
-                e, valid = est.infer_until(key, batch, kind, name)
+                e, valid = est.infer_until_of(rec, batch, kind, name)
                 if e:
                     best = fmax(best, batch / e)
                     until = fmin(until, valid)
             rate += best
-        self._rates[key] = (rate, version, len(ready), until)
+        entry.rate, entry.rate_version, entry.rate_holders, entry.rate_until = rate, version, len(ready), until
         return rate
 
     def best_case(self, req: InferenceRequest) -> float:
         """The shortest time `req` could take on an idle device with its model loaded."""
+        return self._best_case(req, self.models.get(req.key))
+
+    def _best_case(self, req: InferenceRequest, entry: ModelEntry | None) -> float:
+        """`best_case`, given the model's entry (None: not served)."""
         est, samples, key = self.estimator, req.samples, req.key
         # Kept on the model for the last row count asked, while what it was made from holds: the
         # model's estimates (their version, and until when each holds with nothing new observed)
         # and the devices holding models ready. The version moves only when a result moves an
         # estimate (Estimator._observed), so most arrivals find it standing (~3k instructions a
         # request at 75,000 req/s, where the model is on several devices).
-        entry = self.models.get(key)
-        version = est.version(key)
-        if entry is not None and entry.best_samples == samples and entry.best_version == version \
-                and entry.best_ready == entry.ready_changes and est.now <= entry.best_until:
-            return entry.best_s
+        if entry is not None:
+            rec = entry.estimates
+            version = rec.version
+            if entry.best_samples == samples and entry.best_version == version \
+                    and entry.best_ready == entry.ready_changes and est.now <= entry.best_until:
+                return entry.best_s
+            ready = entry.ready
+        else:
+            rec = est.of(key)
+            version = rec.version
+            ready = self.ready_on.get(key) or set()
         padded = 0  # the batch size that holds it, for kinds that run whole batches (found once)
         best = math.inf
         until = math.inf
         # The devices holding the model (their recent runs), and each kind's profile: what any other
         # device would run it in once loaded (a device's own runs count only while it holds it).
-        ready = self.ready_on.get(key)
         if ready:
             devices = self.devices
             for name in ready:
@@ -529,7 +543,7 @@ class Scheduler(ControllerView):
                 if kind not in EXACT_ROW_KINDS:
                     padded = padded or self._padded(req)
                     rows = padded
-                e, valid = est.infer_until(key, rows, kind, name)
+                e, valid = est.infer_until_of(rec, rows, kind, name)
                 if valid < until:
                     until = valid
                 if e is not None and e < best:
@@ -539,7 +553,7 @@ class Scheduler(ControllerView):
             if kind not in EXACT_ROW_KINDS:
                 padded = padded or self._padded(req)
                 rows = padded
-            e, valid = est.infer_until(key, rows, kind)
+            e, valid = est.infer_until_of(rec, rows, kind)
             if valid < until:
                 until = valid
             if e is not None and e < best:
@@ -785,7 +799,7 @@ class Scheduler(ControllerView):
         evicted."""
         if entry.queue.requests or entry.late.requests:
             return
-        placed = self.placed_on.get(entry.key)
+        placed = entry.placed
         if placed and (len(placed) > 1 or but not in placed):
             devices = self.devices
             key = entry.key
@@ -934,7 +948,7 @@ class Scheduler(ControllerView):
         key = entry.key
         charged = dev.memory.reserve(key, entry.weight_bytes, entry.blocks_on(dev.kind))
         share = charged / entry.weight_bytes if entry.weight_bytes else 1.0
-        self.placed_on.setdefault(key, set()).add(dev.name)
+        self.mark_placed(entry, dev.name)
         self._loads += 1
         dev.load_inflight += 1
         busy = dev.busy
@@ -952,7 +966,7 @@ class Scheduler(ControllerView):
         dev.memory.release(key)
         self._unplace(key, dev.name)
         entry = self.models.get(key)
-        if entry is not None and not self.placed_on.get(key):
+        if entry is not None and not entry.placed:
             self._went_cold(entry, now)  # evicted with work waiting
         dev.load_inflight += 1
         self._unloads += 1
@@ -961,8 +975,23 @@ class Scheduler(ControllerView):
 
     def mark_ready(self, key: str, device: str) -> None:
         """`key`'s weights are ready on `device` (a LOAD landed, or placed before a run)."""
-        self.ready_on.setdefault(key, set()).add(device)
-        self._ready_changed(key)
+        entry = self.models.get(key)
+        devs = self.ready_on.get(key)
+        if devs is None:  # (a new set, as the first device of a model always had: the order it iterates in)
+            devs = self.ready_on[key] = set()
+            if entry is not None:
+                entry.ready = devs
+        devs.add(device)
+        if entry is not None:
+            entry.ready_changes += 1  # what was kept from its ready devices no longer holds
+
+    def mark_placed(self, entry: ModelEntry, device: str) -> None:
+        """`entry`'s model is placed (loading or ready) on `device`."""
+        key = entry.key
+        devs = self.placed_on.get(key)
+        if devs is None:
+            devs = self.placed_on[key] = entry.placed = set()
+        devs.add(device)
 
     def _ready_changed(self, key: str) -> None:
         """`key`'s ready devices changed: what was kept from them (best_case's answer, the policy's

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from daemon.actions import Action
+from daemon.controller.demand import ModelDemand
 from daemon.controller.due import Due
+from daemon.controller.estimates import ModelEstimates
 from daemon.controller.memory import Blocks, DeviceMemory
 from daemon.controller.queues import ModelQueue
 from daemon.controller.timeline import DeviceTimeline
@@ -113,6 +115,21 @@ class ModelEntry:
     backlog_devices: int = 0  # how many devices held it ready then (the sum is over those)
     drain_busy: float = 0.0  # the last full window's share (0..1); 0 when none
     running: int = 0  # samples of its INFERs in flight (they run before anything queued)
+    # The devices holding it ready, and holding or loading it: the very sets `Scheduler.ready_on`
+    # and `placed_on` map its name to while they are not empty (those maps serve readers that
+    # have a name; a request's path reads them here, without a look-up of the name).
+    ready: set[str] = field(default_factory=set)
+    placed: set[str] = field(default_factory=set)
+    # Its estimator record (Estimator.of), reached from here: `best_case` and the drain rate read
+    # its estimates on every arrival. (A record of its own in tests that make an entry alone.)
+    estimates: ModelEstimates = field(default_factory=ModelEstimates)
+    # Scheduler._drain_rate's memo: the rate, and what it was made from (the estimates' version,
+    # how many devices held it ready, until when the estimates hold)
+    rate: float = 0.0
+    rate_version: int = -1
+    rate_holders: int = -1
+    rate_until: float = 0.0
+    demand: ModelDemand | None = None  # the clockwork policy's demand record of it, once it has one
     # Devices added to or taken from its `ready_on` so far: a value derived from them (the two
     # memos below) holds while this stands. Its own count, not one for every model: at 10,000
     # models LOADs and UNLOADs come thousands of times a second, and a shared count voided every

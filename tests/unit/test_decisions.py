@@ -25,7 +25,7 @@ class Scripted(Policy):
     def next_wakeup(self, view: ControllerView, now: float) -> float | None:
         return None
 
-    def on_submit(self, view: ControllerView, req: InferenceRequest, now: float) -> None:
+    def on_submit(self, view: ControllerView, entry: ModelEntry, req: InferenceRequest, now: float) -> None:
         pass
 
     def on_queued(self, view: ControllerView, entry: ModelEntry, now: float) -> None:

@@ -367,10 +367,11 @@ class ClockworkPolicy(Policy):
                 t = w
         return t
 
-    def on_submit(self, view: ControllerView, req: InferenceRequest, now: float) -> None:
-        key = req.key
-        self._demand.arrival(key, req.samples, now)
-        entry = view.models[key]
+    def on_submit(self, view: ControllerView, entry: ModelEntry, req: InferenceRequest, now: float) -> None:
+        m = entry.demand  # (its record, kept on its entry: no look-up of its name)
+        if m is None:
+            m = entry.demand = self._demand.record(entry.key)
+        self._demand.arrival_of(entry.key, m, req.samples, now)
         if not self.shortcuts:
             pass
         elif entry.queue.requests == 1:
@@ -386,8 +387,8 @@ class ClockworkPolicy(Policy):
         """The one device a model is ready on, where its lone request could be planned without a
         pass (see `_settle_fresh`); None where the pass must decide: several devices to choose
         among, ParM groups, a shared prefix to batch with other models."""
-        ready = view.ready_on.get(entry.key)
-        if ready is None or len(ready) != 1 or entry.protected or (entry.prefix and self.cross_model):
+        ready = entry.ready
+        if len(ready) != 1 or entry.protected or (entry.prefix and self.cross_model):
             return None
         for name in ready:
             return view.devices[name]

@@ -39,7 +39,7 @@ class DynamicBatchingPolicy(Policy):
     def next_wakeup(self, view: ControllerView, now: float) -> float | None:
         return self._wake
 
-    def on_submit(self, view: ControllerView, req: InferenceRequest, now: float) -> None:
+    def on_submit(self, view: ControllerView, entry: ModelEntry, req: InferenceRequest, now: float) -> None:
         pass
 
     def on_result(self, view: ControllerView, result: Result, now: float) -> None:
