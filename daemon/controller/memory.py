@@ -13,7 +13,7 @@ are its own. A model placed without blocks is one private block, as before shari
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from enum import IntEnum
 from typing import Final
 
@@ -122,6 +122,33 @@ class DeviceMemory:
     def _lru(self) -> list[tuple[str, _Placed]]:
         """Placed models, least recently used first (sorted: asked on rare paths, not per request)."""
         return sorted(self._models.items(), key=_tick_of)
+
+    def _ready_by_age(self) -> Iterator[str]:
+        """Ready models, least recently used first: the size classes (each in LRU order) merged,
+        lazily, since a victim walk stops at the first models that free enough (sorting every
+        placed model for it cost ~100k instructions a walk at 1,250 models a device)."""
+        iters: list[Iterator[tuple[str, int]]] = []
+        keys: list[str] = []
+        ticks: list[int] = []
+        for cls in self._by_size.values():
+            it = iter(cls.items())
+            first = next(it, None)
+            if first is not None:
+                iters.append(it)
+                keys.append(first[0])
+                ticks.append(first[1])
+        while iters:
+            i = 0
+            oldest = ticks[0]
+            for j in range(1, len(ticks)):
+                if ticks[j] < oldest:
+                    oldest, i = ticks[j], j
+            yield keys[i]
+            nxt = next(iters[i], None)
+            if nxt is None:
+                del iters[i], keys[i], ticks[i]
+            else:
+                keys[i], ticks[i] = nxt
 
     def models(self) -> list[str]:
         """Placed models, least recently used first."""
@@ -266,9 +293,7 @@ class DeviceMemory:
         dropped: dict[str, int] = {}
         chosen: list[str] = []
         in_demand: list[str] = []
-        for k, rec in self._lru():
-            if rec.state != Residency.READY:
-                continue
+        for k in self._ready_by_age():
             if rules.wanted(k):
                 in_demand.append(k)
             elif rules.evictable_idle(k):
